@@ -1,0 +1,34 @@
+# Two entry points for a fresh machine: `make demo` (the local demo) and `make test` (the suite).
+# Both install what they need first; every step is idempotent and cached.
+PY      ?= python3
+VENV    ?= .venv
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.tessera-installed
+
+.PHONY: demo test setup deps system controlplane lint
+
+demo: setup
+	$(BIN)/tessera demo
+
+test: setup lint
+	$(BIN)/pytest -p no:cacheprovider
+
+setup: deps system controlplane
+
+deps: $(STAMP)
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[test]'
+	touch $(STAMP)
+
+# Debian packages: Prometheus for the metrics tests and the demo.
+system:
+	command -v prometheus >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus; }
+
+controlplane: deps
+	$(BIN)/tessera build-controlplane
+
+lint: deps
+	$(BIN)/ruff check .
+	$(BIN)/lint-imports

@@ -1,0 +1,1 @@
+"""Tessera operator: GPU health -> NTP layout plan -> patch into the running job."""

@@ -1,0 +1,59 @@
+"""The `tessera` command: one entry point whose subcommands live in the module that owns them."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+# name -> (module with `main(argv) -> int`, one-line help). Modules load lazily so that
+# `tessera --help` stays fast and a GPU-less machine never imports torch for a cluster command.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "build-controlplane": (
+        "tessera_operator.controlplane.build",
+        "build kube-apiserver and etcd from the Go module registry (cached by version)",
+    ),
+    "up": ("tessera_operator.controlplane.up", "start the local control plane and install the CRDs"),
+    "down": ("tessera_operator.controlplane.down", "stop the local control plane"),
+    "demo": ("tessera_operator.demo", "run the local demo end to end"),
+    "power-agent": ("power_controller.agent", "run the node power agent (DaemonSet entry point)"),
+    "simulate": ("tessera_operator.simulator.cli", "simulate a large job under GPU failures"),
+    "bench": ("", "benchmarks: `tessera bench ntp`, `tessera bench sim`"),
+}
+
+BENCHES: dict[str, str] = {
+    "ntp": "ntp.bench",
+    "sim": "tessera_operator.simulator.bench",
+}
+
+
+def _usage() -> str:
+    width = max(map(len, COMMANDS))
+    lines = ["usage: tessera COMMAND [ARGS...]", "", "commands:"]
+    lines += [f"  {name:<{width}}  {help_}" for name, (_, help_) in COMMANDS.items()]
+    lines += ["", "`tessera COMMAND --help` describes each command."]
+    return "\n".join(lines)
+
+
+def _run(module: str, argv: list[str]) -> int:
+    return int(importlib.import_module(module).main(argv) or 0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if not args or args[0] in ("-h", "--help", "help"):
+        print(_usage())
+        return 0
+    name, rest = args[0], args[1:]
+    if name == "bench":
+        if not rest or rest[0] not in BENCHES:
+            print(f"usage: tessera bench {{{','.join(BENCHES)}}} [ARGS...]", file=sys.stderr)
+            return 2
+        return _run(BENCHES[rest[0]], rest[1:])
+    if name not in COMMANDS:
+        print(f"tessera: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    return _run(COMMANDS[name][0], rest)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,134 @@
+"""Build kube-apiserver and etcd from the Go module registry into a cache keyed by version.
+
+The Kubernetes module's own go.mod points its staging modules (k8s.io/api, ...) at ./staging
+paths that do not exist outside its repository; we rewrite each of those replaces to the
+published v0.X.Y module so `go build k8s.io/kubernetes/cmd/kube-apiserver` works from the proxy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+# Newest first: if a release does not build from the registry we fall back to earlier minors.
+KUBERNETES_VERSIONS = ("v1.37.2", "v1.36.3", "v1.35.4")
+ETCD_VERSION = "v3.6.16"
+
+_STAGING_REPLACE = re.compile(r"^\s*(k8s\.io/[\w.-]+)\s*=>\s*\./staging/src/\S+\s*$", re.M)
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("TESSERA_CACHE", Path.home() / ".cache" / "tessera"))
+
+
+def bin_dir(k8s_version: str) -> Path:
+    return cache_root() / f"k8s-{k8s_version}-etcd-{ETCD_VERSION}" / "bin"
+
+
+def find_cached() -> Path | None:
+    """The newest cached build that has both binaries, if any."""
+    for version in KUBERNETES_VERSIONS:
+        d = bin_dir(version)
+        if (d / "kube-apiserver").is_file() and (d / "etcd").is_file():
+            return d
+    return None
+
+
+def _go(args: list[str], cwd: Path, log) -> None:
+    env = dict(os.environ, GOFLAGS="-mod=mod", CGO_ENABLED="0", GOTOOLCHAIN="local")
+    log(f"$ go {' '.join(args)}  (in {cwd})")
+    subprocess.run(["go", *args], cwd=cwd, env=env, check=True)
+
+
+def staging_modules(k8s_version: str, workdir: Path, log) -> list[str]:
+    """Names of the staging modules the given Kubernetes release replaces locally."""
+    out = subprocess.run(
+        ["go", "mod", "download", "-json", f"k8s.io/kubernetes@{k8s_version}"],
+        cwd=workdir, check=True, capture_output=True, text=True,
+        env=dict(os.environ, GOTOOLCHAIN="local"),
+    )
+    gomod = Path(json.loads(out.stdout)["GoMod"]).read_text()
+    names = _STAGING_REPLACE.findall(gomod)
+    log(f"k8s.io/kubernetes {k8s_version}: {len(names)} staging modules")
+    return names
+
+
+def write_module(k8s_version: str, workdir: Path, log) -> None:
+    staging_version = "v0." + k8s_version.removeprefix("v1.")
+    names = staging_modules(k8s_version, workdir, log)
+    lines = [
+        "module tessera.dev/controlplane",
+        "",
+        "go 1.26",
+        "",
+        "require (",
+        f"\tk8s.io/kubernetes {k8s_version}",
+        f"\tgo.etcd.io/etcd/server/v3 {ETCD_VERSION}",
+        ")",
+        "",
+        "replace (",
+        *[f"\t{name} => {name} {staging_version}" for name in names],
+        ")",
+        "",
+    ]
+    (workdir / "go.mod").write_text("\n".join(lines))
+    # A blank import keeps both main packages in the module graph for `go mod tidy`.
+    (workdir / "tools.go").write_text(
+        "//go:build tools\n\npackage tools\n\nimport (\n"
+        '\t_ "k8s.io/kubernetes/cmd/kube-apiserver"\n'
+        '\t_ "go.etcd.io/etcd/server/v3"\n)\n'
+    )
+
+
+def build(k8s_version: str, log=print) -> Path:
+    out = bin_dir(k8s_version)
+    with tempfile.TemporaryDirectory(prefix="tessera-cp-") as tmp:
+        work = Path(tmp)
+        # 1. a throwaway module that pins the release and its staging modules
+        write_module(k8s_version, work, log)
+        _go(["mod", "tidy", "-e"], work, log)
+        # 2. build both binaries into a staging dir, then move into the cache atomically
+        stage = work / "bin"
+        stage.mkdir()
+        _go(["build", "-trimpath", "-ldflags=-s -w", "-o", str(stage / "kube-apiserver"),
+             "k8s.io/kubernetes/cmd/kube-apiserver"], work, log)
+        _go(["build", "-trimpath", "-ldflags=-s -w", "-o", str(stage / "etcd"),
+             "go.etcd.io/etcd/server/v3"], work, log)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        if out.exists():
+            shutil.rmtree(out)
+        shutil.copytree(stage, out)
+    return out
+
+
+def ensure(log=print) -> Path:
+    """Return the directory holding kube-apiserver and etcd, building them on first use."""
+    cached = find_cached()
+    if cached:
+        return cached
+    errors = []
+    for version in KUBERNETES_VERSIONS:
+        try:
+            return build(version, log)
+        except subprocess.CalledProcessError as exc:
+            errors.append(f"{version}: {exc}")
+            log(f"building Kubernetes {version} failed; trying an earlier minor")
+    raise RuntimeError("no Kubernetes release built from the module registry:\n" + "\n".join(errors))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tessera build-controlplane", description=__doc__)
+    parser.parse_args(argv)
+    print(ensure())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

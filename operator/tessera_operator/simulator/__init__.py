@@ -1,0 +1,1 @@
+"""Cluster-scale goodput simulator: NTP and its alternatives under GPU failures."""

@@ -1,0 +1,1 @@
+"""Nonuniform tensor parallelism: plan (pure), model, parallel layers, gradient sync, optimizer."""
