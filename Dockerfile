@@ -1,0 +1,27 @@
+# One image, three entry points: the operator, the node power agent and the NTP trainer.
+# Build: docker build -t tessera:0.1.0 .   (targets: operator, power-agent, trainer)
+FROM python:3.11-slim AS base
+ENV PYTHONUNBUFFERED=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=1
+WORKDIR /opt/tessera
+COPY pyproject.toml README.md ./
+COPY operator/ operator/
+COPY power_controller/ power_controller/
+COPY trainer_image/ trainer_image/
+COPY crds/ crds/
+RUN pip install -e .
+RUN useradd --uid 65532 --create-home tessera
+
+FROM base AS operator
+USER 65532
+ENTRYPOINT ["tessera"]
+
+# NVML needs the driver's utility capability; the DaemonSet mounts /dev/nvidia* and runs as root
+# only because setting power limits requires it.
+FROM base AS power-agent
+ENV NVIDIA_DRIVER_CAPABILITIES=utility NVIDIA_VISIBLE_DEVICES=all
+ENTRYPOINT ["tessera", "power-agent"]
+
+FROM base AS trainer
+ENV NVIDIA_DRIVER_CAPABILITIES=compute,utility NVIDIA_VISIBLE_DEVICES=all
+USER 65532
+ENTRYPOINT ["python", "-m", "ntp.train"]
