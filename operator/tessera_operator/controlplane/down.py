@@ -1,0 +1,29 @@
+"""`tessera down`: stop the control plane that `tessera up` started and remove its state."""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+from pathlib import Path
+
+from rich.console import Console
+
+from tessera_operator.controlplane import launcher
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tessera down", description=__doc__)
+    parser.add_argument("--data-dir", type=Path, default=launcher.default_data_dir(),
+                        help="control plane state (default: %(default)s)")
+    args = parser.parse_args(argv)
+    console = Console(stderr=True)
+
+    plane = launcher.ControlPlane.load(args.data_dir)
+    if plane is None:
+        console.print("no control plane running")
+    else:
+        with console.status("stopping kube-apiserver and etcd"):
+            plane.stop()
+        console.print("[green]control plane stopped[/]")
+    shutil.rmtree(args.data_dir, ignore_errors=True)
+    return 0

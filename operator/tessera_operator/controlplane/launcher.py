@@ -1,0 +1,217 @@
+"""Start etcd and kube-apiserver on loopback and hand out kubeconfigs and clients for them.
+
+Authentication: an admin client certificate (O=system:masters) and service-account tokens signed
+by a generated key (TokenRequest works). Authorization is Node,RBAC, so RBAC is enforced.
+There is no controller-manager, scheduler or kubelet: namespaces never finish terminating,
+ownerReferences are not garbage-collected and pods stay Pending unless something plays the node.
+The ServiceAccount admission plugin is off because no controller creates the `default` service
+account of new namespaces; without that, no pod could be created in a fresh namespace.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import ssl
+import subprocess
+import tempfile
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from tessera_operator.controlplane import build, kubeconfig, pki, processes
+
+if TYPE_CHECKING:
+    from kubernetes.client import ApiClient
+
+SERVICE_ACCOUNT_ISSUER = "https://kubernetes.default.svc"
+STATE_FILE = "controlplane.json"
+
+
+def default_data_dir() -> Path:
+    """Where `tessera up` keeps its control plane: $TESSERA_STATE_DIR or the XDG state dir."""
+    if "TESSERA_STATE_DIR" in os.environ:
+        return Path(os.environ["TESSERA_STATE_DIR"]) / "controlplane"
+    xdg = os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state"
+    return Path(xdg) / "tessera" / "controlplane"
+
+
+def _etcd_argv(binary: Path, data: Path, client_port: int, peer_port: int) -> list[str]:
+    client, peer = f"http://127.0.0.1:{client_port}", f"http://127.0.0.1:{peer_port}"
+    return [
+        str(binary), "--name=tessera", f"--data-dir={data}",
+        f"--listen-client-urls={client}", f"--advertise-client-urls={client}",
+        f"--listen-peer-urls={peer}", f"--initial-advertise-peer-urls={peer}",
+        f"--initial-cluster=tessera={peer}",
+        # a throwaway single-member store: durability across power loss buys nothing here
+        "--unsafe-no-fsync", "--log-level=warn",
+    ]
+
+
+def _apiserver_argv(binary: Path, keys: pki.Pki, etcd_port: int, port: int) -> list[str]:
+    return [
+        str(binary), f"--etcd-servers=http://127.0.0.1:{etcd_port}",
+        "--bind-address=127.0.0.1", "--advertise-address=127.0.0.1", f"--secure-port={port}",
+        f"--tls-cert-file={keys.serving_cert}", f"--tls-private-key-file={keys.serving_key}",
+        f"--client-ca-file={keys.ca_cert}",
+        f"--service-account-issuer={SERVICE_ACCOUNT_ISSUER}",
+        f"--api-audiences={SERVICE_ACCOUNT_ISSUER}",
+        f"--service-account-key-file={keys.sa_pub}",
+        f"--service-account-signing-key-file={keys.sa_key}",
+        "--authorization-mode=Node,RBAC",
+        "--disable-admission-plugins=ServiceAccount",
+        "--service-cluster-ip-range=10.96.0.0/16",
+        # the `kubernetes` Service's endpoints may not point at loopback; no pod needs them
+        "--endpoint-reconciler-type=none",
+        "--allow-privileged=true",  # the node power agent runs privileged
+        "--enable-priority-and-fairness=false",  # one user; spares two cores some work
+        "--profiling=false",
+    ]
+
+
+def _tls_context(keys: pki.Pki) -> ssl.SSLContext:
+    context = ssl.create_default_context(cafile=str(keys.ca_cert))
+    context.load_cert_chain(str(keys.admin_cert), str(keys.admin_key))
+    return context
+
+
+def _responds(url: str, context: ssl.SSLContext | None = None) -> bool:
+    try:
+        with urllib.request.urlopen(url, context=context, timeout=2) as response:
+            return response.status == 200
+    except (OSError, urllib.error.URLError):
+        return False
+
+
+@dataclass
+class ControlPlane:
+    """A running etcd + kube-apiserver pair; a context manager that stops them on exit."""
+
+    data_dir: Path
+    server: str
+    kubeconfig: Path
+    pids: dict[str, int]
+    owns_data_dir: bool = False
+    _procs: list[subprocess.Popen] = field(default_factory=list, repr=False)
+
+    @property
+    def keys(self) -> pki.Pki:
+        return pki.Pki.at(self.data_dir / "pki")
+
+    @classmethod
+    def start(
+        cls, data_dir: Path | None = None, bin_dir: Path | None = None, timeout: float = 120.0,
+    ) -> ControlPlane:
+        """Start a fresh control plane; with no data_dir a temporary one is removed on stop()."""
+        owns = data_dir is None
+        root = Path(tempfile.mkdtemp(prefix="tessera-cp-")) if data_dir is None else data_dir
+        root.mkdir(parents=True, exist_ok=True)
+        bins = bin_dir or build.ensure()
+        etcd_port, peer_port, port = (processes.free_port() for _ in range(3))
+        plane = cls(root, f"https://127.0.0.1:{port}", root / "kubeconfig", {}, owns)
+        try:
+            # 1. credentials and the admin kubeconfig
+            keys = pki.generate(root / "pki")
+            admin = kubeconfig.certificate_user(keys.admin_cert, keys.admin_key)
+            kubeconfig.write(plane.kubeconfig, kubeconfig.render(
+                plane.server, keys.ca_cert, admin, pki.ADMIN_USER))
+            # 2. etcd, ready when its health endpoint answers
+            etcd_log = root / "etcd.log"
+            plane._spawn("etcd", _etcd_argv(bins / "etcd", root / "etcd", etcd_port, peer_port),
+                         etcd_log)
+            processes.wait_until(
+                lambda: _responds(f"http://127.0.0.1:{etcd_port}/health"), what="etcd",
+                proc=plane._procs[-1], log_path=etcd_log, timeout=timeout)
+            # 3. kube-apiserver, ready when /readyz passes and the default namespace exists
+            api_log = root / "kube-apiserver.log"
+            plane._spawn("kube-apiserver",
+                         _apiserver_argv(bins / "kube-apiserver", keys, etcd_port, port), api_log)
+            tls = _tls_context(keys)
+            processes.wait_until(
+                lambda: _responds(f"{plane.server}/readyz", tls)
+                and _responds(f"{plane.server}/api/v1/namespaces/default", tls),
+                what="kube-apiserver", proc=plane._procs[-1], log_path=api_log, timeout=timeout)
+        except BaseException:
+            plane.stop()
+            raise
+        return plane
+
+    def _spawn(self, name: str, argv: list[str], log_path: Path) -> None:
+        proc = processes.spawn(argv, log_path)
+        self._procs.append(proc)
+        self.pids[name] = proc.pid
+
+    def stop(self) -> None:
+        """Stop the apiserver before etcd, and remove the data dir if start() created it."""
+        for name in ("kube-apiserver", "etcd"):
+            if name in self.pids:
+                proc = next((p for p in self._procs if p.pid == self.pids[name]), None)
+                processes.stop_group(proc or self.pids[name])
+        self.pids.clear()
+        if self.owns_data_dir:
+            shutil.rmtree(self.data_dir, ignore_errors=True)
+
+    def is_ready(self) -> bool:
+        return _responds(f"{self.server}/readyz", _tls_context(self.keys))
+
+    def __enter__(self) -> ControlPlane:
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.stop()
+
+    # -- persistence, for `tessera up` / `tessera down` across processes
+
+    def save(self) -> Path:
+        path = self.data_dir / STATE_FILE
+        path.write_text(json.dumps({
+            "server": self.server, "kubeconfig": str(self.kubeconfig), "pids": self.pids}))
+        return path
+
+    @classmethod
+    def load(cls, data_dir: Path) -> ControlPlane | None:
+        try:
+            state = json.loads((data_dir / STATE_FILE).read_text())
+        except FileNotFoundError:
+            return None
+        return cls(data_dir, state["server"], Path(state["kubeconfig"]), state["pids"])
+
+    # -- clients
+
+    def api_client(self) -> ApiClient:
+        """A kubernetes client authenticated as the cluster admin."""
+        from kubernetes import config
+
+        return config.new_client_from_config(config_file=str(self.kubeconfig))
+
+    def token_kubeconfig(self, token: str, user_name: str) -> dict:
+        return kubeconfig.render(self.server, self.keys.ca_cert, kubeconfig.token_user(token),
+                                 user_name)
+
+    def service_account_token(self, namespace: str, name: str, seconds: int = 3600) -> str:
+        """A TokenRequest token for a service account, creating the account if it is missing."""
+        from kubernetes import client
+
+        with self.api_client() as admin:
+            core = client.CoreV1Api(admin)
+            try:
+                core.create_namespaced_service_account(
+                    namespace, {"metadata": {"name": name}})
+            except client.ApiException as exc:
+                if exc.status != 409:
+                    raise
+            request = {"spec": {"audiences": [SERVICE_ACCOUNT_ISSUER],
+                                "expirationSeconds": seconds}}
+            return core.create_namespaced_service_account_token(name, namespace, request) \
+                .status.token
+
+    def service_account_client(self, namespace: str, name: str) -> ApiClient:
+        """A kubernetes client that acts as the given service account (subject to RBAC)."""
+        from kubernetes import config
+
+        token = self.service_account_token(namespace, name)
+        user = f"system:serviceaccount:{namespace}:{name}"
+        return config.new_client_from_config_dict(self.token_kubeconfig(token, user))
