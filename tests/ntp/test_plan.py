@@ -1,0 +1,199 @@
+"""Plan invariants: balanced shards, sync partitions, exchange pieces and batch split."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from ntp.plan import (
+    ASSIGNED_KINDS,
+    UNIT_KINDS,
+    JobLayout,
+    ModelShape,
+    PlanError,
+    RankShard,
+    imbalance,
+    layout_from_shards,
+    plan_job,
+    plan_replica,
+)
+
+SHAPE_480B = ModelShape(hidden=20480, n_heads=128, n_kv_heads=128, ffn=81920, vocab=128000)
+SHAPE_70B = ModelShape(hidden=8192, n_heads=64, n_kv_heads=8, ffn=28672, vocab=128256)
+
+
+@pytest.mark.parametrize(
+    ("name", "shape", "healthy", "reduced"),
+    [
+        ("480B", SHAPE_480B, 32, 30),
+        ("480B", SHAPE_480B, 32, 28),
+        ("70B", SHAPE_70B, 8, 7),
+        ("70B", SHAPE_70B, 8, 6),
+    ],
+)
+def test_imbalance_of_reduced_and_aligned_healthy_replicas(name, shape, healthy, reduced):
+    job = plan_job(shape, [healthy, reduced], global_batch=64)
+    reduced_imb = imbalance(shape, job.replicas[1].shards)
+    healthy_imb = imbalance(shape, job.replicas[0].shards)
+    print(
+        f"\n{name} TP {healthy}->{reduced}: reduced imbalance {reduced_imb:.5f}, "
+        f"healthy (aligned to {reduced} partitions) {healthy_imb:.5f}"
+    )
+    assert reduced_imb <= 1.01
+    assert healthy_imb <= 1.01
+
+
+def _attention_flops(shape: ModelShape, shard: RankShard) -> float:
+    return len(shard.q_heads) * shape.unit_flops("q_heads") + len(
+        shard.kv_heads
+    ) * shape.unit_flops("kv_heads")
+
+
+def test_gqa_with_kv_heads_close_to_tp_stays_within_one_head():
+    # 8 KV groups over 7 ranks: splitting by whole KV groups would give one rank 16 query heads.
+    shards = plan_replica(SHAPE_70B, 7)
+    heads = [len(s.q_heads) for s in shards]
+    assert max(heads) - min(heads) <= 1
+    attention = [_attention_flops(SHAPE_70B, s) for s in shards]
+    mean = sum(attention) / len(attention)
+    assert max(attention) / mean < 1.25  # whole-group split: 2 x 8 heads -> ratio ~1.75
+    # KV copies exist exactly where their query heads are.
+    for s in shards:
+        assert set(s.kv_heads) == {h // SHAPE_70B.group_size for h in s.q_heads}
+
+
+def test_rank_with_extra_head_holds_fewer_mlp_columns():
+    shards = plan_replica(SHAPE_480B, 30)
+    five = [s for s in shards if len(s.q_heads) == 5]
+    four = [s for s in shards if len(s.q_heads) == 4]
+    assert five and four
+    assert max(len(s.mlp_cols) for s in five) < min(len(s.mlp_cols) for s in four)
+
+
+def test_heads_need_not_divide_the_degree():
+    shape = ModelShape(hidden=64 * 32, n_heads=32, n_kv_heads=32, ffn=512, vocab=700)
+    shards = plan_replica(shape, 7)
+    assert sorted((len(s.q_heads) for s in shards), reverse=True) == [5, 5, 5, 5, 4, 4, 4]
+
+
+def _assert_job_invariants(job: JobLayout) -> None:
+    shape = job.shape
+    # Partitions cover every unit (KV heads included) exactly once.
+    for kind in UNIT_KINDS:
+        units = sorted(u for part in job.partitions for u in part.units(kind))
+        assert units == list(range(shape.unit_count(kind))), kind
+    assert job.sync_degree == min(job.tp_degrees)
+    for rep in job.replicas:
+        for kind in ASSIGNED_KINDS:
+            units = sorted(u for s in rep.shards for u in s.units(kind))
+            assert units == list(range(shape.unit_count(kind))), kind
+        for j, shard in enumerate(rep.shards):
+            sent = rep.sync.sends(j)
+            for kind in UNIT_KINDS:
+                # What a rank sends to the owners is exactly what it holds, each unit once,
+                # each to its partition's owner.
+                assert sorted(u for piece in sent for u in piece.units(kind)) == list(
+                    shard.units(kind)
+                )
+                for p, piece in enumerate(sent):
+                    if p >= job.sync_degree:
+                        assert not piece.units(kind)
+                        continue
+                    assert set(piece.units(kind)) <= set(job.partitions[p].units(kind))
+        for p, part in enumerate(job.partitions):
+            got = rep.sync.receives(p)
+            for kind in ASSIGNED_KINDS:
+                assert sorted(u for piece in got for u in piece.units(kind)) == list(
+                    part.units(kind)
+                )
+            # Every KV head of the partition arrives at least once (copies are summed there).
+            assert {u for piece in got for u in piece.kv_heads} == set(part.kv_heads)
+        for r in range(job.sync_degree, rep.tp):
+            assert all(piece.is_empty() for piece in rep.sync.receives(r))
+    assert sum(r.local_batch for r in job.replicas) == job.global_batch
+    assert [r.batch_offset for r in job.replicas] == [
+        sum(r.local_batch for r in job.replicas[:i]) for i in range(len(job.replicas))
+    ]
+    assert sorted(job.owner_ranks(0)) == [r.rank_offset for r in job.replicas]
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    heads_per_kv=st.integers(1, 4),
+    n_kv=st.integers(1, 6),
+    head_dim=st.sampled_from([4, 8]),
+    ffn=st.integers(24, 200),
+    vocab=st.integers(24, 120),
+    degrees=st.lists(st.integers(1, 24), min_size=1, max_size=4),
+    mode=st.sampled_from(["ntp", "ntp-pw"]),
+)
+def test_job_invariants_for_random_shapes(heads_per_kv, n_kv, head_dim, ffn, vocab, degrees, mode):
+    n_heads = heads_per_kv * n_kv
+    shape = ModelShape(
+        hidden=n_heads * head_dim, n_heads=n_heads, n_kv_heads=n_kv, ffn=ffn, vocab=vocab
+    )
+    degrees = [min(d, n_heads) for d in degrees]
+    job = plan_job(shape, degrees, global_batch=3 * sum(degrees), mode=mode)
+    _assert_job_invariants(job)
+
+
+def test_batch_split_plain_ntp_is_proportional_and_ntp_pw_equal():
+    shape = ModelShape(hidden=96, n_heads=12, n_kv_heads=4, ffn=64, vocab=50)
+    job = plan_job(shape, [4, 4, 3], global_batch=22, mode="ntp")
+    assert [r.local_batch for r in job.replicas] == [8, 8, 6]
+    assert sum(job.sample_weight(i) for i in range(3)) == pytest.approx(1.0)
+    job = plan_job(shape, [4, 4, 3], global_batch=22, mode="ntp-pw")
+    assert sorted(r.local_batch for r in job.replicas) == [7, 7, 8]
+
+
+def test_alignment_reduces_exchanged_bytes():
+    shape = SHAPE_70B
+    job = plan_job(shape, [8, 7], global_batch=16)
+    aligned = job.replicas[0]
+    naive = layout_from_shards(shape, [plan_replica(shape, 8), job.replicas[1].shards], 16, "ntp")
+    moved = [sum(r.sync.exchanged_elements(shape, j) for j in range(8)) for r in (aligned,)]
+    moved_naive = sum(naive.replicas[0].sync.exchanged_elements(shape, j) for j in range(8))
+    print(f"\n70B 8->7 exchanged elements: aligned {moved[0]:,} vs contiguous {moved_naive:,}")
+    assert moved[0] < moved_naive
+    # Core ranks hold nothing of other partitions; only the extra rank sends everything it holds.
+    assert all(
+        aligned.sync.exchanged_elements(shape, j) < aligned.shards[j].elements(shape) / 10
+        for j in range(7)
+    )
+
+
+def test_non_contiguous_custom_layout_and_round_trip():
+    shape = ModelShape(hidden=96, n_heads=12, n_kv_heads=4, ffn=30, vocab=40)
+    interleaved = [
+        RankShard.build(shape, range(r, 12, 3), range(r, 30, 3), range(r, 40, 3)) for r in range(3)
+    ]
+    job = layout_from_shards(shape, [plan_replica(shape, 4), interleaved], 10, "ntp")
+    _assert_job_invariants(job)
+    assert JobLayout.from_dict(job.to_dict()) == job
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda: ModelShape(hidden=100, n_heads=12, n_kv_heads=4, ffn=8, vocab=8), "multiple"),
+        (lambda: ModelShape(hidden=96, n_heads=12, n_kv_heads=5, ffn=8, vocab=8), "multiple"),
+        (lambda: ModelShape(hidden=0, n_heads=12, n_kv_heads=4, ffn=8, vocab=8), "positive"),
+        (lambda: plan_replica(ModelShape(96, 12, 4, 64, 50), 13), "exceeds"),
+        (lambda: plan_job(ModelShape(96, 12, 4, 64, 50), [4, 3], 8, mode="drop"), "mode"),
+        (lambda: plan_job(ModelShape(96, 12, 4, 64, 50), [4, 3], 1), "global batch"),
+        (lambda: plan_job(ModelShape(96, 12, 4, 64, 50), [], 4), "at least one"),
+        (
+            lambda: layout_from_shards(
+                ModelShape(96, 12, 4, 64, 50),
+                [[RankShard.build(ModelShape(96, 12, 4, 64, 50), range(11), range(64), range(50))]],
+                4,
+                "ntp",
+            ),
+            "exactly once",
+        ),
+        (lambda: JobLayout.from_dict({"shape": {}}), "malformed|ModelShape"),
+    ],
+)
+def test_bad_input_is_rejected_clearly(make, message):
+    with pytest.raises(PlanError, match=message):
+        make()

@@ -1,0 +1,514 @@
+"""Nonuniform tensor-parallel plan: unit ownership, mixed-TP sync mapping, batch split (pure)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from functools import lru_cache
+from typing import Any, Literal
+
+Mode = Literal["ntp", "ntp-pw"]
+MODES: tuple[str, ...] = ("ntp", "ntp-pw")
+
+# The four kinds of sharding unit. kv_heads are never assigned directly: a rank holds a copy of
+# every KV head whose query heads it holds.
+UNIT_KINDS: tuple[str, ...] = ("q_heads", "kv_heads", "mlp_cols", "vocab_rows")
+ASSIGNED_KINDS: tuple[str, ...] = ("q_heads", "mlp_cols", "vocab_rows")
+LAYER_KINDS: tuple[str, ...] = ("q_heads", "kv_heads", "mlp_cols")
+
+
+class PlanError(ValueError):
+    """A model shape, TP degree or layout that cannot be planned."""
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The dimensions of a Llama-style decoder that the plan needs."""
+
+    hidden: int
+    n_heads: int
+    n_kv_heads: int
+    ffn: int
+    vocab: int
+    n_layers: int = 1
+    seq_len: int = 4096
+
+    def __post_init__(self) -> None:
+        for name in ("hidden", "n_heads", "n_kv_heads", "ffn", "vocab", "n_layers", "seq_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise PlanError(f"ModelShape.{name} must be a positive integer, got {value!r}")
+        if self.hidden % self.n_heads:
+            raise PlanError(
+                f"hidden ({self.hidden}) must be a multiple of n_heads ({self.n_heads})"
+            )
+        if self.n_heads % self.n_kv_heads:
+            raise PlanError(
+                f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})"
+            )
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.n_heads
+
+    @property
+    def group_size(self) -> int:
+        """Query heads per KV head."""
+        return self.n_heads // self.n_kv_heads
+
+    def kv_of(self, q_head: int) -> int:
+        return q_head // self.group_size
+
+    def unit_count(self, kind: str) -> int:
+        return {
+            "q_heads": self.n_heads,
+            "kv_heads": self.n_kv_heads,
+            "mlp_cols": self.ffn,
+            "vocab_rows": self.vocab,
+        }[kind]
+
+    def unit_elements(self, kind: str) -> int:
+        """Parameter elements of one unit: per layer for layer kinds, per model for vocab rows."""
+        return {
+            "q_heads": 2 * self.head_dim * self.hidden,  # wq rows + wo columns
+            "kv_heads": 2 * self.head_dim * self.hidden,  # wk rows + wv rows
+            "mlp_cols": 3 * self.hidden,  # gate row + up row + down column
+            "vocab_rows": 2 * self.hidden,  # embedding row + untied LM-head row
+        }[kind]
+
+    def unit_flops(self, kind: str) -> float:
+        """Forward FLOPs of one unit over one sequence in one layer (causal attention)."""
+        per_token = {
+            # Q and O projections, then QK^T and AV over on average seq_len/2 keys.
+            "q_heads": 4 * self.hidden * self.head_dim + 2 * self.seq_len * self.head_dim,
+            "kv_heads": 4 * self.hidden * self.head_dim,  # K and V projections
+            "mlp_cols": 6 * self.hidden,  # gate, up and down
+            "vocab_rows": 2 * self.hidden,  # LM head (once per model, not per layer)
+        }[kind]
+        return float(per_token * self.seq_len)
+
+
+@dataclass(frozen=True)
+class RankShard:
+    """A set of sharding units (sorted ids per kind); a rank's shard or a piece of one.
+
+    Local parameter slices follow the ids' ascending order, whatever the ids are.
+    """
+
+    q_heads: tuple[int, ...] = ()
+    kv_heads: tuple[int, ...] = ()
+    mlp_cols: tuple[int, ...] = ()
+    vocab_rows: tuple[int, ...] = ()
+
+    @classmethod
+    def build(
+        cls,
+        shape: ModelShape,
+        q_heads: Iterable[int],
+        mlp_cols: Iterable[int],
+        vocab_rows: Iterable[int],
+    ) -> RankShard:
+        """A rank's shard, with the KV copies its query heads need."""
+        q = tuple(sorted(q_heads))
+        return cls(
+            q_heads=q,
+            kv_heads=tuple(sorted({shape.kv_of(h) for h in q})),
+            mlp_cols=tuple(sorted(mlp_cols)),
+            vocab_rows=tuple(sorted(vocab_rows)),
+        )
+
+    def units(self, kind: str) -> tuple[int, ...]:
+        return getattr(self, kind)
+
+    def is_empty(self) -> bool:
+        return not any(self.units(kind) for kind in UNIT_KINDS)
+
+    def elements(self, shape: ModelShape) -> int:
+        """Parameter elements of these units over the whole model."""
+        total = 0
+        for kind in UNIT_KINDS:
+            layers = 1 if kind == "vocab_rows" else shape.n_layers
+            total += len(self.units(kind)) * shape.unit_elements(kind) * layers
+        return total
+
+    def to_dict(self) -> dict[str, list[int]]:
+        return {kind: list(self.units(kind)) for kind in ASSIGNED_KINDS}
+
+
+EMPTY = RankShard()
+
+
+def layer_flops(shape: ModelShape, shard: RankShard) -> float:
+    """Forward FLOPs of one transformer layer on this rank over one sequence."""
+    return sum(len(shard.units(kind)) * shape.unit_flops(kind) for kind in LAYER_KINDS)
+
+
+def imbalance(shape: ModelShape, shards: Sequence[RankShard]) -> float:
+    """Max over mean of per-layer FLOPs across a replica's ranks (1.0 is perfect)."""
+    flops = [layer_flops(shape, s) for s in shards]
+    mean = sum(flops) / len(flops)
+    return max(flops) / mean
+
+
+def validate_replica(shape: ModelShape, shards: Sequence[RankShard]) -> None:
+    """Raise PlanError unless the shards cover every unit exactly once with consistent KV copies."""
+    if not shards:
+        raise PlanError("a replica needs at least one rank")
+    for kind in ASSIGNED_KINDS:
+        seen: list[int] = sorted(u for s in shards for u in s.units(kind))
+        if seen != list(range(shape.unit_count(kind))):
+            missing = sorted(set(range(shape.unit_count(kind))) - set(seen))
+            raise PlanError(
+                f"{kind} must be covered exactly once across the replica's {len(shards)} ranks "
+                f"(missing {missing[:8]}, {len(seen) - len(set(seen))} duplicated)"
+            )
+    for rank, shard in enumerate(shards):
+        if not shard.q_heads:
+            raise PlanError(f"rank {rank} holds no query head; every rank needs at least one")
+        expected = RankShard.build(shape, shard.q_heads, shard.mlp_cols, shard.vocab_rows)
+        if shard != expected:
+            raise PlanError(f"rank {rank}: kv_heads must be exactly those of its query heads")
+
+
+# ----------------------------------------------------------------------------------------------
+# Planning one replica
+# ----------------------------------------------------------------------------------------------
+
+
+def _even_counts(total: int, n: int) -> list[int]:
+    base, extra = divmod(total, n)
+    return [base + (1 if i < extra else 0) for i in range(n)]
+
+
+def _integerize(real: Sequence[float], total: int) -> list[int]:
+    """Round non-negative reals to integers with the given sum (largest remainder)."""
+    floors = [int(x) for x in real]
+    short = total - sum(floors)
+    by_remainder = sorted(range(len(real)), key=lambda i: (floors[i] - real[i], i))
+    for i in by_remainder[:short]:
+        floors[i] += 1
+    return floors
+
+
+def _fill_counts(loads: Sequence[float], units: int, unit_cost: float) -> list[int]:
+    """Spread `units` equal-cost units so that load + count * cost is as level as possible."""
+    order = sorted(range(len(loads)), key=lambda i: loads[i])
+    level = 0.0
+    for k in range(1, len(order) + 1):
+        # Water level when only the k least-loaded ranks take units.
+        level = (units * unit_cost + sum(loads[i] for i in order[:k])) / k
+        if k == len(order) or level <= loads[order[k]]:
+            break
+    real = [max(0.0, (level - load) / unit_cost) for load in loads]
+    return _integerize(real, units)
+
+
+def _assign(counts: Sequence[int], align: Sequence[tuple[int, ...]] | None) -> list[list[int]]:
+    """Unit ids per rank for the given counts.
+
+    Without `align` each rank takes a contiguous block. With `align` (the sync partitions), rank p
+    first takes the head of partition p and the partitions' tails are dealt to the ranks that still
+    have room, so that most units are already on their partition's owner.
+    """
+    if align is None:
+        out, start = [], 0
+        for c in counts:
+            out.append(list(range(start, start + c)))
+            start += c
+        return out
+    out = [[] for _ in counts]
+    pool: list[int] = []
+    for p, part in enumerate(align):
+        take = min(counts[p], len(part)) if p < len(counts) else 0
+        out[p].extend(part[:take])
+        pool.extend(part[take:])
+    pos = 0
+    for rank, c in enumerate(counts):
+        room = c - len(out[rank])
+        out[rank].extend(pool[pos : pos + room])
+        pos += room
+    return out
+
+
+def _check_degree(shape: ModelShape, tp: int) -> None:
+    if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+        raise PlanError(f"TP degree must be a positive integer, got {tp!r}")
+    for kind in ASSIGNED_KINDS:
+        if tp > shape.unit_count(kind):
+            raise PlanError(
+                f"TP degree {tp} exceeds the number of {kind} ({shape.unit_count(kind)}); "
+                "every rank needs at least one of each"
+            )
+
+
+@lru_cache(maxsize=256)
+def _plan_replica(
+    shape: ModelShape, tp: int, align_to: tuple[RankShard, ...] | None
+) -> tuple[RankShard, ...]:
+    def parts(kind: str) -> list[tuple[int, ...]] | None:
+        return None if align_to is None else [s.units(kind) for s in align_to]
+
+    # 1. Query heads: within one head of even; which heads follows the partitions.
+    q = _assign(_even_counts(shape.n_heads, tp), parts("q_heads"))
+    kv = [{shape.kv_of(h) for h in heads} for heads in q]
+    # 2. MLP columns fill each rank up to a common level of total per-layer compute, so a rank
+    #    holding an extra head or extra KV copies holds fewer columns.
+    attention = [
+        len(q[i]) * shape.unit_flops("q_heads") + len(kv[i]) * shape.unit_flops("kv_heads")
+        for i in range(tp)
+    ]
+    mlp_counts = _fill_counts(attention, shape.ffn, shape.unit_flops("mlp_cols"))
+    mlp = _assign(mlp_counts, parts("mlp_cols"))
+    # 3. Vocabulary rows: the LM head is its own barrier-separated stage, so it is split evenly
+    #    on its own rather than traded against layer compute.
+    vocab = _assign(_even_counts(shape.vocab, tp), parts("vocab_rows"))
+    return tuple(RankShard.build(shape, q[i], mlp[i], vocab[i]) for i in range(tp))
+
+
+def plan_replica(
+    shape: ModelShape, tp: int, align_to: Sequence[RankShard] | None = None
+) -> tuple[RankShard, ...]:
+    """Balanced shards for one replica at TP degree `tp`.
+
+    With `align_to` (sync partitions, at most `tp` of them) the layout keeps per-rank compute equal
+    while placing most of partition p on rank p, which minimizes gradient bytes exchanged.
+    """
+    _check_degree(shape, tp)
+    if align_to is not None and len(align_to) > tp:
+        raise PlanError(f"cannot align {tp} ranks to {len(align_to)} sync partitions")
+    return _plan_replica(shape, tp, None if align_to is None else tuple(align_to))
+
+
+# ----------------------------------------------------------------------------------------------
+# Mixed-TP data parallelism
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ReplicaSync:
+    """Gradient exchange inside one replica's TP group.
+
+    pieces[j][p] is the set of units rank j holds that belong to sync partition p. Rank p (p < P)
+    owns partition p: every rank j sends it pieces[j][p] (KV copies are summed there), the owners
+    all-reduce across replicas, and the owner sends pieces[j][p] back to rank j.
+    """
+
+    pieces: tuple[tuple[RankShard, ...], ...]
+
+    @property
+    def tp(self) -> int:
+        return len(self.pieces)
+
+    @property
+    def n_partitions(self) -> int:
+        return len(self.pieces[0])
+
+    def sends(self, rank: int) -> tuple[RankShard, ...]:
+        """What `rank` sends to each rank of its TP group (to owners; empty for non-owners)."""
+        row = self.pieces[rank]
+        return tuple(row[d] if d < len(row) else EMPTY for d in range(self.tp))
+
+    def receives(self, rank: int) -> tuple[RankShard, ...]:
+        """What `rank` receives from each TP-group rank (all empty unless it owns a partition)."""
+        if rank >= self.n_partitions:
+            return tuple(EMPTY for _ in range(self.tp))
+        return tuple(self.pieces[src][rank] for src in range(self.tp))
+
+    def exchanged_elements(self, shape: ModelShape, rank: int) -> int:
+        """Gradient elements `rank` sends to other ranks per step (each way)."""
+        return sum(
+            piece.elements(shape) for dst, piece in enumerate(self.sends(rank)) if dst != rank
+        )
+
+
+@dataclass(frozen=True)
+class ReplicaLayout:
+    """One DP replica: its shards, its share of the batch and its sync exchange."""
+
+    index: int
+    tp: int
+    shards: tuple[RankShard, ...]
+    local_batch: int
+    batch_offset: int
+    rank_offset: int
+    sync: ReplicaSync
+
+    def global_rank(self, rank: int) -> int:
+        return self.rank_offset + rank
+
+
+@dataclass(frozen=True)
+class JobLayout:
+    """A whole job: replicas at possibly different TP degrees training one model."""
+
+    shape: ModelShape
+    mode: str
+    global_batch: int
+    partitions: tuple[RankShard, ...]
+    replicas: tuple[ReplicaLayout, ...]
+
+    @property
+    def sync_degree(self) -> int:
+        """P: the number of sync partitions (the smallest TP degree in the job)."""
+        return len(self.partitions)
+
+    @property
+    def world_size(self) -> int:
+        return sum(r.tp for r in self.replicas)
+
+    @property
+    def tp_degrees(self) -> tuple[int, ...]:
+        return tuple(r.tp for r in self.replicas)
+
+    def sample_weight(self, replica: int) -> float:
+        """The replica's gradient weight: its share of the global batch's samples."""
+        return self.replicas[replica].local_batch / self.global_batch
+
+    def locate(self, global_rank: int) -> tuple[int, int]:
+        """(replica index, rank inside the replica) of a global rank."""
+        for r in self.replicas:
+            if r.rank_offset <= global_rank < r.rank_offset + r.tp:
+                return r.index, global_rank - r.rank_offset
+        raise PlanError(f"global rank {global_rank} outside a world of {self.world_size}")
+
+    def owner_ranks(self, partition: int) -> tuple[int, ...]:
+        """Global ranks that all-reduce partition p across replicas (rank p of each replica)."""
+        return tuple(r.global_rank(partition) for r in self.replicas)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "shape": asdict(self.shape),
+            "mode": self.mode,
+            "global_batch": self.global_batch,
+            "replicas": [[s.to_dict() for s in r.shards] for r in self.replicas],
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> JobLayout:
+        try:
+            shape = ModelShape(**data["shape"])
+            replicas = [
+                [RankShard.build(shape, s["q_heads"], s["mlp_cols"], s["vocab_rows"]) for s in r]
+                for r in data["replicas"]
+            ]
+            return layout_from_shards(shape, replicas, data["global_batch"], data["mode"])
+        except (KeyError, TypeError) as exc:
+            raise PlanError(f"malformed layout document: {exc!r}") from exc
+
+
+def split_batch(global_batch: int, weights: Sequence[float]) -> list[int]:
+    """Integer local batches proportional to `weights`, summing exactly to `global_batch`."""
+    if not isinstance(global_batch, int) or global_batch < len(weights):
+        raise PlanError(
+            f"global batch {global_batch!r} must be an integer >= the number of replicas "
+            f"({len(weights)})"
+        )
+    total = sum(weights)
+    batches = _integerize([global_batch * w / total for w in weights], global_batch)
+    if min(batches) < 1:
+        raise PlanError(f"global batch {global_batch} leaves a replica without samples: {batches}")
+    return batches
+
+
+def sync_partitions(shape: ModelShape, shards: Sequence[RankShard]) -> tuple[RankShard, ...]:
+    """Sync partitions defined by one (smallest) replica's shards.
+
+    Each KV head goes to exactly one partition: the one holding most of its query heads.
+    """
+    counts = [[0] * len(shards) for _ in range(shape.n_kv_heads)]
+    for p, s in enumerate(shards):
+        for h in s.q_heads:
+            counts[shape.kv_of(h)][p] += 1
+    kv_home = {
+        g: max(range(len(shards)), key=lambda p: (counts[g][p], -p))
+        for g in range(shape.n_kv_heads)
+    }
+    return tuple(
+        RankShard(
+            q_heads=s.q_heads,
+            kv_heads=tuple(g for g in range(shape.n_kv_heads) if kv_home[g] == p),
+            mlp_cols=s.mlp_cols,
+            vocab_rows=s.vocab_rows,
+        )
+        for p, s in enumerate(shards)
+    )
+
+
+def _replica_sync(shards: tuple[RankShard, ...], partitions: tuple[RankShard, ...]) -> ReplicaSync:
+    home = {
+        kind: {u: p for p, part in enumerate(partitions) for u in part.units(kind)}
+        for kind in UNIT_KINDS
+    }
+    pieces = []
+    for shard in shards:
+        split: list[dict[str, list[int]]] = [{k: [] for k in UNIT_KINDS} for _ in partitions]
+        for kind in UNIT_KINDS:
+            for u in shard.units(kind):
+                split[home[kind][u]][kind].append(u)
+        pieces.append(tuple(RankShard(**{k: tuple(v) for k, v in d.items()}) for d in split))
+    return ReplicaSync(pieces=tuple(pieces))
+
+
+def layout_from_shards(
+    shape: ModelShape,
+    replica_shards: Sequence[Sequence[RankShard]],
+    global_batch: int,
+    mode: str,
+) -> JobLayout:
+    """A job layout from explicit per-replica shards (any valid layouts, contiguous or not)."""
+    if mode not in MODES:
+        raise PlanError(f"mode must be one of {MODES}, got {mode!r}")
+    if not replica_shards:
+        raise PlanError("a job needs at least one replica")
+    for shards in replica_shards:
+        validate_replica(shape, shards)
+    smallest = min(replica_shards, key=len)
+    partitions = sync_partitions(shape, smallest)
+    degrees = [len(s) for s in replica_shards]
+    batches = split_batch(global_batch, degrees if mode == "ntp" else [1] * len(degrees))
+    syncs: dict[tuple[RankShard, ...], ReplicaSync] = {}
+    replicas, rank_offset, batch_offset = [], 0, 0
+    for i, shards in enumerate(replica_shards):
+        key = tuple(shards)
+        if key not in syncs:
+            syncs[key] = _replica_sync(key, partitions)
+        replicas.append(
+            ReplicaLayout(
+                index=i,
+                tp=len(key),
+                shards=key,
+                local_batch=batches[i],
+                batch_offset=batch_offset,
+                rank_offset=rank_offset,
+                sync=syncs[key],
+            )
+        )
+        rank_offset += len(key)
+        batch_offset += batches[i]
+    return JobLayout(
+        shape=shape,
+        mode=mode,
+        global_batch=global_batch,
+        partitions=partitions,
+        replicas=tuple(replicas),
+    )
+
+
+def plan_job(
+    shape: ModelShape, tp_degrees: Sequence[int], global_batch: int, mode: str = "ntp"
+) -> JobLayout:
+    """Plan a mixed-TP data-parallel job.
+
+    The smallest degree P defines the sync partitions (its contiguous balanced layout); every
+    larger replica gets a balanced layout aligned to them: core ranks 0..P-1 hold most of their
+    partition, extra ranks the partitions' tails. Plain NTP gives each replica a local batch
+    proportional to its TP degree, NTP-PW equal batches.
+    """
+    if not tp_degrees:
+        raise PlanError("a job needs at least one replica")
+    p = min(tp_degrees)
+    base = plan_replica(shape, p)
+    by_degree = {
+        tp: base if tp == p else plan_replica(shape, tp, align_to=base) for tp in set(tp_degrees)
+    }
+    return layout_from_shards(shape, [by_degree[tp] for tp in tp_degrees], global_batch, mode)
