@@ -1,0 +1,167 @@
+"""Typed simulation config (job, model, failure process, policy knobs) with one validation step.
+
+Defaults reproduce the NTP paper's simulated setup (32,768 GPUs in NVL32 domains, TP32 x PP8 x
+DP128, a 480B model, a 15-day trace) and the Llama 3 failure statistics (DESIGN.md section 1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Literal
+
+RepairDistribution = Literal["fixed", "exponential"]
+
+
+class ConfigError(ValueError):
+    """A simulation config that cannot describe a real job; the message names the field."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Transformer shape of the trained model (the planner balances per-rank work from it)."""
+
+    hidden: int = 20_480
+    n_heads: int = 128
+    # Multi-head attention, as in the paper's GPT-style model.
+    n_kv_heads: int = 128
+    # SwiGLU width 2.5 x hidden: (4 h^2 + 3 h ffn) x 100 layers + embeddings = 487B parameters.
+    ffn: int = 51_200
+    vocab: int = 128_256
+    n_layers: int = 100
+    seq_len: int = 16_384
+    tokens_per_batch: int = 16 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class FailureConfig:
+    """Failure process: Poisson arrivals per GPU, a hardware/software mix, repair times."""
+
+    # Llama 3: 419 interruptions on 16,384 GPUs in 54 days -> 4.7e-4 per GPU per day.
+    rate_per_gpu_day: float = 4.7e-4
+    # Llama 3 attributes about 78% of unexpected interruptions to (suspected) hardware.
+    hardware_share: float = 0.78
+    hardware_repair_days: float = 3.0
+    software_repair_hours: float = 3.0
+    repair_distribution: RepairDistribution = "fixed"
+    # GPUs taken out by one failure, aligned inside a domain: 1 = the GPU only, 2 = a GB200
+    # superchip, 4 or 8 = a node, domain_size = the whole scale-up domain.
+    blast_radius: int = 1
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    """Knobs of the recovery policies; times not given by the paper are stated assumptions."""
+
+    # Survivors of a hit domain may draw up to this much above their baseline cap (paper: +30%).
+    power_headroom: float = 0.30
+    # Below this many survivors a TP group cannot hold its shard (memory); it is dropped.
+    # 0 means tp // 2.
+    min_tp: int = 0
+    # Hot standby scale-up domains for the `spares` policy (extra hardware beyond the job).
+    spare_domains: int = 32
+    restart_minutes: float = 10.0
+    checkpoint_interval_minutes: float = 30.0
+    reconfigure_seconds: float = 60.0
+    spare_swap_seconds: float = 120.0
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """One simulated job: topology, model, failure process, policies and trace length."""
+
+    gpus: int = 32_768
+    domain_size: int = 32
+    tp: int = 32
+    pp: int = 8
+    dp: int = 128
+    model: ModelConfig = field(default_factory=ModelConfig)
+    failures: FailureConfig = field(default_factory=FailureConfig)
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    days: float = 15.0
+    seed: int = 0
+
+    @property
+    def n_groups(self) -> int:
+        return self.dp * self.pp
+
+    @property
+    def groups_per_domain(self) -> int:
+        return self.domain_size // self.tp
+
+    @property
+    def spare_groups(self) -> int:
+        return self.policy.spare_domains * self.groups_per_domain
+
+    @property
+    def min_tp(self) -> int:
+        return self.policy.min_tp or max(1, self.tp // 2)
+
+    def validate(self) -> SimConfig:
+        """Raise ConfigError naming the first inconsistent field; return self when valid."""
+        _positive(self, "", ("gpus", "domain_size", "tp", "pp", "dp", "days"))
+        _positive(self.model, "model.", tuple(f.name for f in fields(ModelConfig)))
+        _positive(
+            self.failures,
+            "failures.",
+            ("hardware_repair_days", "software_repair_hours", "blast_radius"),
+        )
+        if self.tp * self.pp * self.dp != self.gpus:
+            raise ConfigError(
+                f"tp x pp x dp = {self.tp} x {self.pp} x {self.dp} = "
+                f"{self.tp * self.pp * self.dp}, but gpus = {self.gpus}"
+            )
+        if self.domain_size % self.tp:
+            raise ConfigError(
+                f"a TP group must fit inside one scale-up domain: domain_size {self.domain_size} "
+                f"is not a multiple of tp {self.tp}"
+            )
+        if self.gpus % self.domain_size:
+            raise ConfigError(
+                f"gpus {self.gpus} is not a whole number of {self.domain_size}-GPU domains"
+            )
+        if self.domain_size % self.failures.blast_radius:
+            raise ConfigError(
+                f"failures.blast_radius {self.failures.blast_radius} must divide "
+                f"domain_size {self.domain_size}"
+            )
+        if self.model.n_heads % self.model.n_kv_heads:
+            raise ConfigError(
+                f"model.n_heads {self.model.n_heads} is not a multiple of "
+                f"model.n_kv_heads {self.model.n_kv_heads}"
+            )
+        if self.model.n_heads < self.tp:
+            raise ConfigError(
+                f"tp {self.tp} exceeds the model's {self.model.n_heads} attention heads"
+            )
+        f = self.failures
+        if f.rate_per_gpu_day < 0:
+            raise ConfigError(f"failures.rate_per_gpu_day must be >= 0, got {f.rate_per_gpu_day}")
+        if not 0.0 <= f.hardware_share <= 1.0:
+            raise ConfigError(f"failures.hardware_share must be in [0, 1], got {f.hardware_share}")
+        if f.repair_distribution not in ("fixed", "exponential"):
+            raise ConfigError(
+                f"failures.repair_distribution must be 'fixed' or 'exponential', "
+                f"got {f.repair_distribution!r}"
+            )
+        p = self.policy
+        if p.power_headroom < 0:
+            raise ConfigError(f"policy.power_headroom must be >= 0, got {p.power_headroom}")
+        if not 0 <= p.min_tp <= self.tp:
+            raise ConfigError(f"policy.min_tp must be in [0, tp={self.tp}], got {p.min_tp}")
+        for name in (
+            "spare_domains",
+            "restart_minutes",
+            "checkpoint_interval_minutes",
+            "reconfigure_seconds",
+            "spare_swap_seconds",
+        ):
+            if getattr(p, name) < 0:
+                raise ConfigError(f"policy.{name} must be >= 0, got {getattr(p, name)}")
+        return self
+
+
+def _positive(section: object, prefix: str, names: tuple[str, ...]) -> None:
+    for name in names:
+        value = getattr(section, name)
+        if not value > 0:
+            raise ConfigError(f"{prefix}{name} must be positive, got {value!r}")

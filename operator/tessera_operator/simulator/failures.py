@@ -1,0 +1,112 @@
+"""Failure traces and failed-GPU snapshots, and what they leave of each TP group.
+
+A failure takes out one aligned block of `blast_radius` GPUs until it is repaired. Arrivals are
+Poisson with the same rate on every GPU; the trace starts warm (failures from before t=0 that are
+still under repair are in it) so that day 0 already looks like a cluster in steady state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from tessera_operator.simulator.config import SimConfig
+
+# Exponential repairs have no upper bound: a warm-up of this many mean hardware repair times
+# leaves out at most e^-8 (0.03%) of the failures that would still be down at t=0.
+_EXPONENTIAL_WARMUP_MEANS = 8.0
+
+
+@dataclass(frozen=True)
+class Topology:
+    """GPU -> TP group layout: the job's DP x PP groups first, then hot spare groups."""
+
+    tp: int
+    job_groups: int
+    spare_groups: int
+    blast_radius: int
+
+    @classmethod
+    def of(cls, cfg: SimConfig) -> Topology:
+        return cls(cfg.tp, cfg.n_groups, cfg.spare_groups, cfg.failures.blast_radius)
+
+    @property
+    def groups(self) -> int:
+        return self.job_groups + self.spare_groups
+
+    @property
+    def gpus(self) -> int:
+        return self.groups * self.tp
+
+    @property
+    def blocks(self) -> int:
+        return self.gpus // self.blast_radius
+
+    def survivors(self, down_blocks: np.ndarray) -> np.ndarray:
+        """Working GPUs per group (length `groups`) when the given blocks are down."""
+        gpus = (down_blocks[:, None] * self.blast_radius + np.arange(self.blast_radius)).ravel()
+        down = np.bincount(gpus // self.tp, minlength=self.groups)
+        return self.tp - down
+
+    def block_overlaps(self, block: int) -> list[tuple[int, int]]:
+        """(group, GPUs of the block inside it) for every group the block touches."""
+        lo, hi = block * self.blast_radius, (block + 1) * self.blast_radius
+        return [
+            (g, min(hi, (g + 1) * self.tp) - max(lo, g * self.tp))
+            for g in range(lo // self.tp, (hi - 1) // self.tp + 1)
+        ]
+
+
+@dataclass(frozen=True)
+class FailureTrace:
+    """Failure events sorted by start day; `start_day` < 0 are warm-up failures."""
+
+    start_day: np.ndarray
+    end_day: np.ndarray
+    block: np.ndarray
+    hardware: np.ndarray
+    days: float
+
+    def __len__(self) -> int:
+        return len(self.start_day)
+
+    def events(self) -> list[tuple[float, int, int]]:
+        """(day, +1 failure / -1 repair, block) in time order; repairs first on equal days."""
+        starts = [(float(t), 1, int(b)) for t, b in zip(self.start_day, self.block, strict=True)]
+        ends = [
+            (float(t), -1, int(b))
+            for t, b in zip(self.end_day, self.block, strict=True)
+            if t < self.days
+        ]
+        return sorted(starts + ends)
+
+
+def sample_trace(cfg: SimConfig, topo: Topology, rng: np.random.Generator) -> FailureTrace:
+    """Draw one failure trace over `cfg.days` (plus a warm-up) for every GPU of `topo`."""
+    f = cfg.failures
+    hw_repair = f.hardware_repair_days
+    sw_repair = f.software_repair_hours / 24.0
+    exponential = f.repair_distribution == "exponential"
+    warmup = hw_repair * (_EXPONENTIAL_WARMUP_MEANS if exponential else 1.0)
+    events_per_day = f.rate_per_gpu_day * topo.gpus
+    n = int(rng.poisson(events_per_day * (cfg.days + warmup)))
+    start = np.sort(rng.uniform(-warmup, cfg.days, n))
+    block = rng.integers(0, topo.blocks, n)
+    hardware = rng.random(n) < f.hardware_share
+    mean_repair = np.where(hardware, hw_repair, sw_repair)
+    repair = rng.exponential(mean_repair) if exponential else mean_repair
+    end = start + repair
+    # Warm-up failures already repaired by day 0 cannot affect the trace.
+    keep = end > 0
+    return FailureTrace(start[keep], end[keep], block[keep], hardware[keep], cfg.days)
+
+
+def sample_down_blocks(
+    topo: Topology, failed_fraction: float, rng: np.random.Generator
+) -> np.ndarray:
+    """Distinct blocks, uniformly at random, covering `failed_fraction` of all GPUs."""
+    if not 0.0 <= failed_fraction <= 1.0:
+        raise ValueError(f"failed fraction must be in [0, 1], got {failed_fraction}")
+    count = round(failed_fraction * topo.gpus / topo.blast_radius)
+    return rng.choice(topo.blocks, size=count, replace=False)

@@ -1,0 +1,39 @@
+"""The one place the simulator asks the NTP planner how long a reduced TP group takes.
+
+Tessera's policy does not assume the ideal N1/N2 slowdown: it plans the replica at both degrees
+with `ntp.plan` and compares the busiest rank's per-layer FLOPs, which includes the uneven split
+of whole heads and the KV copies GQA needs. Plans are cached per (shape, degree) because planning
+a 480B-class shape takes a noticeable fraction of a second.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+from ntp import plan
+
+from tessera_operator.simulator.config import ModelConfig
+
+
+def model_shape(model: ModelConfig) -> plan.ModelShape:
+    return plan.ModelShape(
+        hidden=model.hidden,
+        n_heads=model.n_heads,
+        n_kv_heads=model.n_kv_heads,
+        ffn=model.ffn,
+        vocab=model.vocab,
+        n_layers=model.n_layers,
+        seq_len=model.seq_len,
+    )
+
+
+@lru_cache(maxsize=512)
+def busiest_rank_flops(model: ModelConfig, tp: int) -> float:
+    """Per-layer forward FLOPs of the busiest rank when one replica runs at TP degree `tp`."""
+    shape = model_shape(model)
+    return max(plan.layer_flops(shape, shard) for shard in plan.plan_replica(shape, tp))
+
+
+def slowdown(model: ModelConfig, healthy_tp: int, reduced_tp: int) -> float:
+    """Step time at `reduced_tp` relative to `healthy_tp`, for the same batch and power."""
+    return busiest_rank_flops(model, reduced_tp) / busiest_rank_flops(model, healthy_tp)

@@ -1,0 +1,151 @@
+"""Recovery policies: how much of the healthy job's throughput each keeps for a set of failed GPUs.
+
+Every policy reduces to two choices, evaluated on the survivors of each TP group:
+- the relative speed of a TP group with s working GPUs (0 = the group cannot be used), and
+- how groups form DP replicas: replicas keep their groups while all of them are usable; the
+  usable groups of broken replicas (plus spares, for the spares policy) regroup into new
+  replicas, in their order (`fixed`) or sorted by speed so partially failed groups share as few
+  replicas as possible (`packed`, Tessera's placement).
+A replica runs at the speed of its slowest group (pipeline stages advance in lockstep); the job's
+throughput is the sum of its at most DP best replicas, normalised to DP healthy replicas.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from power_controller.perf_model import PAPER, PerfModel
+from tessera_operator.simulator import planning
+from tessera_operator.simulator.config import SimConfig
+
+POLICY_NAMES: tuple[str, ...] = ("ckpt-restart", "dp-drop", "spares", "ntp", "ntp-pw", "tessera")
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """A policy's throughput for one failure state."""
+
+    # Share of the healthy job's throughput (the replicas actually formed).
+    throughput: float
+    # Missing throughput in TP-group equivalents if partial replicas could be completed from
+    # standby hardware: what a fixed mini-batch needs in spares.
+    deficit_groups: float
+
+
+@dataclass(frozen=True)
+class Policy:
+    """One recovery policy, as data."""
+
+    name: str
+    summary: str
+    # speed[s]: relative step speed of a TP group with s working GPUs, 0 if unusable.
+    speed: np.ndarray
+    # power[s]: power ratio (vs the baseline cap) its survivors run at.
+    power: np.ndarray
+    packed: bool = False
+    uses_spares: bool = False
+    # Whole-job pause when a failure / a repair changes the groups it uses.
+    failure_stall_s: float = 0.0
+    repair_stall_s: float = 0.0
+
+    def evaluate(self, survivors: np.ndarray, dp: int, pp: int) -> Capacity:
+        """Throughput for per-group survivor counts (job groups first, then spare groups)."""
+        job = dp * pp
+        speed = self.speed[survivors if self.uses_spares else survivors[:job]]
+        if self.packed:
+            kept = np.empty(0)
+            pool = np.sort(speed[speed > 0])[::-1]
+        else:
+            rows = speed[:job].reshape(dp, pp)
+            intact = (rows > 0).all(axis=1)
+            kept = rows[intact].min(axis=1)
+            pool = np.concatenate([rows[~intact].ravel(), speed[job:]])
+            pool = pool[pool > 0]
+        full = len(pool) // pp
+        replicas = np.concatenate([kept, pool[: full * pp].reshape(full, pp).min(axis=1)])
+        if len(replicas) > dp:
+            replicas = np.sort(replicas)[::-1][:dp]
+        formed = float(replicas.sum())
+        rest = pool[full * pp :]
+        partial = len(rest) / pp * float(rest.min()) if len(rest) and len(replicas) < dp else 0.0
+        completed = min(float(dp), formed + partial)
+        return Capacity(throughput=formed / dp, deficit_groups=(dp - completed) * pp)
+
+
+def _boosted(
+    slowdown: np.ndarray, headroom: float, perf: PerfModel
+) -> tuple[np.ndarray, np.ndarray]:
+    """Speed and power ratio of groups whose step takes `slowdown` x longer at baseline power."""
+    top = min(1.0 + headroom, perf.max_ratio())
+    reach = perf.speedup(top)
+    speed = np.minimum(1.0, reach / slowdown)
+    power = np.array(
+        [1.0 if s <= 1.0 else perf.ratio_for_speedup(s) if s <= reach else top for s in slowdown]
+    )
+    return speed, power
+
+
+def build_policies(cfg: SimConfig, perf: PerfModel = PAPER) -> tuple[Policy, ...]:
+    """The six policies compared on the same failure trace, in POLICY_NAMES order."""
+    tp, min_tp, p = cfg.tp, cfg.min_tp, cfg.policy
+    survivors = np.arange(tp + 1)
+    usable = survivors >= min_tp
+    uniform = (survivors == tp).astype(float)
+    baseline = np.ones(tp + 1)
+    safe = np.maximum(survivors, 1)
+    ideal = np.where(usable, tp / safe, np.inf)
+    planned = np.array(
+        [planning.slowdown(cfg.model, tp, s) if s >= min_tp else np.inf for s in range(tp + 1)]
+    )
+    pw_speed, pw_power = _boosted(ideal, p.power_headroom, perf)
+    ts_speed, ts_power = _boosted(planned, p.power_headroom, perf)
+    live = {"failure_stall_s": p.reconfigure_seconds, "repair_stall_s": p.reconfigure_seconds}
+    restart = 60 * (p.restart_minutes + p.checkpoint_interval_minutes / 2)
+    return (
+        Policy(
+            "ckpt-restart",
+            "uniform TP; each failure restarts the job from its last checkpoint on intact groups",
+            uniform,
+            baseline,
+            failure_stall_s=restart,
+        ),
+        Policy(
+            "dp-drop",
+            "uniform TP; hit replicas are dropped live and their intact groups regroup",
+            uniform,
+            baseline,
+            **live,
+        ),
+        Policy(
+            "spares",
+            f"uniform TP; {p.spare_domains} hot standby domains replace hit groups",
+            uniform,
+            baseline,
+            uses_spares=True,
+            failure_stall_s=p.spare_swap_seconds,
+        ),
+        Policy(
+            "ntp",
+            "reduced TP with the local batch shrunk to the ideal N2/N1 share",
+            np.where(usable, survivors / tp, 0.0),
+            baseline,
+            **live,
+        ),
+        Policy(
+            "ntp-pw",
+            "reduced TP, survivors power-boosted within the headroom (ideal N1/N2 work)",
+            np.where(usable, pw_speed, 0.0),
+            pw_power,
+            **live,
+        ),
+        Policy(
+            "tessera",
+            "NTP-PW on the planner's per-rank work; hit groups packed into few replicas",
+            np.where(usable, ts_speed, 0.0),
+            ts_power,
+            packed=True,
+            **live,
+        ),
+    )
