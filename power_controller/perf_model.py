@@ -1,4 +1,4 @@
-"""GPU power -> speed model calibrated to the NTP paper, shared by the simulated backend and the simulator.
+"""GPU power -> speed model calibrated to the NTP paper, shared by the simulated GPUs and simulator.
 
 The paper reports perf/W dropping 2.8% at 1.1x power and 6.5% at 1.2x, i.e. about +6.9% and
 +12.2% speed. We model the perf/W loss as a(r-1) + b(r-1)^2 through those two points, so
@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class PerfModel:
-    """Relative speed as a function of power ratio against the baseline (uncapped-equivalent) cap."""
+    """Relative speed as a function of power ratio against the baseline (uncapped-equivalent)
+    cap."""
 
     a: float = 0.235
     b: float = 0.45
@@ -38,7 +39,8 @@ class PerfModel:
         """Smallest power ratio that reaches `speedup`; raises if the model cannot reach it."""
         top = self.max_ratio()
         if speedup > self.speedup(top):
-            raise ValueError(f"speedup {speedup:.4f} is beyond the model's peak {self.speedup(top):.4f}")
+            peak = self.speedup(top)
+            raise ValueError(f"speedup {speedup:.4f} is beyond the model's peak {peak:.4f}")
         lo, hi = 1e-6, top
         for _ in range(80):
             mid = (lo + hi) / 2
