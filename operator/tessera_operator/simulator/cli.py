@@ -1,0 +1,247 @@
+"""`tessera simulate`: compare recovery policies for a large job under GPU failures."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from tessera_operator.simulator import report
+from tessera_operator.simulator.analysis import (
+    DEFAULT_FRACTIONS,
+    DEFAULT_TPS,
+    Study,
+    StudySettings,
+    run_study,
+)
+from tessera_operator.simulator.config import (
+    ConfigError,
+    FailureConfig,
+    ModelConfig,
+    PolicyConfig,
+    SimConfig,
+)
+
+# Failed fractions shown in the loss table (every fraction goes to the CSV/JSON and plots).
+_TABLE_FRACTIONS = (0.001, 0.002, 0.004, 0.01)
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from exc
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers, got {text!r}"
+        ) from exc
+
+
+def build_parser() -> argparse.ArgumentParser:
+    d, f, p = SimConfig(), FailureConfig(), PolicyConfig()
+    parser = argparse.ArgumentParser(
+        prog="tessera simulate",
+        description="Simulate a large training job under GPU failures and compare checkpoint-"
+        "restart, DP-DROP, hot spares, NTP, NTP-PW and Tessera on the same failure traces.",
+    )
+    parser.add_argument("--out", type=Path, default=Path("sim-out"), help="output directory")
+    parser.add_argument("--json", action="store_true", help="print the study as JSON on stdout")
+    parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    parser.add_argument("--days", type=float, default=d.days, help="trace length in days")
+    parser.add_argument("--seed", type=int, default=d.seed, help="seed for every random draw")
+    job = parser.add_argument_group("job")
+    job.add_argument("--gpus", type=int, help=f"job GPUs (default tp x pp x dp = {d.gpus})")
+    job.add_argument("--domain-size", type=int, default=d.domain_size, help="scale-up domain")
+    job.add_argument("--tp", type=int, default=d.tp, help="healthy TP degree")
+    job.add_argument("--pp", type=int, default=d.pp, help="pipeline stages")
+    job.add_argument("--dp", type=int, help=f"DP replicas (default gpus / (tp x pp) = {d.dp})")
+    fail = parser.add_argument_group("failures")
+    fail.add_argument(
+        "--rate", type=float, default=f.rate_per_gpu_day, help="failures per GPU per day"
+    )
+    fail.add_argument("--hardware-share", type=float, default=f.hardware_share)
+    fail.add_argument("--hardware-repair-days", type=float, default=f.hardware_repair_days)
+    fail.add_argument("--software-repair-hours", type=float, default=f.software_repair_hours)
+    fail.add_argument(
+        "--repair-distribution", choices=("fixed", "exponential"), default=f.repair_distribution
+    )
+    fail.add_argument(
+        "--blast-radius",
+        type=int,
+        default=f.blast_radius,
+        help="GPUs one failure takes out (1 GPU, 2 superchip, 4/8 node, domain)",
+    )
+    pol = parser.add_argument_group("policies")
+    pol.add_argument(
+        "--headroom",
+        type=float,
+        default=p.power_headroom,
+        help="extra power for survivors, as a share of the baseline cap",
+    )
+    pol.add_argument(
+        "--min-tp", type=int, default=p.min_tp, help="smallest usable TP degree (0: tp / 2)"
+    )
+    pol.add_argument("--spare-domains", type=int, default=p.spare_domains)
+    pol.add_argument("--restart-minutes", type=float, default=p.restart_minutes)
+    pol.add_argument("--checkpoint-minutes", type=float, default=p.checkpoint_interval_minutes)
+    pol.add_argument("--reconfigure-seconds", type=float, default=p.reconfigure_seconds)
+    mc = parser.add_argument_group("Monte Carlo")
+    s = StudySettings()
+    mc.add_argument("--traces", type=int, default=s.traces, help="failure traces to replay")
+    mc.add_argument("--trials", type=int, default=s.trials, help="draws per failed fraction")
+    mc.add_argument(
+        "--fractions",
+        type=_floats,
+        default=DEFAULT_FRACTIONS,
+        help="failed fractions for the loss curve, comma-separated",
+    )
+    mc.add_argument(
+        "--tps",
+        type=_ints,
+        default=DEFAULT_TPS,
+        help="TP sizes for the availability curve, comma-separated",
+    )
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> SimConfig:
+    """A validated config; gpus and dp default to each other through tp x pp."""
+    group = args.tp * args.pp
+    dp = args.dp if args.dp is not None else (args.gpus or SimConfig.gpus) // max(group, 1)
+    gpus = args.gpus if args.gpus is not None else group * dp
+    cfg = SimConfig(
+        gpus=gpus,
+        domain_size=args.domain_size,
+        tp=args.tp,
+        pp=args.pp,
+        dp=dp,
+        model=ModelConfig(),
+        failures=FailureConfig(
+            rate_per_gpu_day=args.rate,
+            hardware_share=args.hardware_share,
+            hardware_repair_days=args.hardware_repair_days,
+            software_repair_hours=args.software_repair_hours,
+            repair_distribution=args.repair_distribution,
+            blast_radius=args.blast_radius,
+        ),
+        policy=PolicyConfig(
+            power_headroom=args.headroom,
+            min_tp=args.min_tp,
+            spare_domains=args.spare_domains,
+            restart_minutes=args.restart_minutes,
+            checkpoint_interval_minutes=args.checkpoint_minutes,
+            reconfigure_seconds=args.reconfigure_seconds,
+        ),
+        days=args.days,
+        seed=args.seed,
+    )
+    return cfg.validate()
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.2f}%"
+
+
+def render_tables(study: Study, console: Console) -> None:
+    cfg = study.config
+    stats = study.trace_stats
+    console.print(
+        f"[bold]{cfg.gpus:,} GPUs[/] in {cfg.domain_size}-GPU domains, TP{cfg.tp} x PP{cfg.pp} x "
+        f"DP{cfg.dp}, {cfg.days:g}-day traces: {stats['failures_per_day']:.1f} failures/day, "
+        f"{_pct(stats['failed_fraction_mean'])} GPUs failed on average "
+        f"(peak {_pct(stats['failed_fraction_peak'])}), >0.1% failed "
+        f"{_pct(stats['time_above_0.1pct'])} of the time"
+    )
+    table = Table(title="Over the failure traces")
+    for col in ("policy", "goodput", "throughput", "worst", "paused", "spares needed"):
+        table.add_column(col, justify="left" if col == "policy" else "right")
+    for r in study.goodput:
+        table.add_row(
+            r["policy"],
+            _pct(r["goodput_mean"]),
+            _pct(r["throughput_mean"]),
+            _pct(r["throughput_min"]),
+            _pct(r["stall_share"]),
+            str(r["spares_needed_max"]),
+        )
+    console.print(table)
+    shown = [x for x in _TABLE_FRACTIONS if any(r["failed_fraction"] == x for r in study.loss)]
+    table = Table(title="Throughput loss (spares for a fixed mini-batch) at a failed share")
+    table.add_column("policy")
+    for x in shown:
+        table.add_column(f"{100 * x:g}% failed", justify="right")
+    for p in study.policies:
+        cells = {r["failed_fraction"]: r for r in study.loss if r["policy"] == p["policy"]}
+        table.add_row(
+            p["policy"],
+            *(f"{_pct(cells[x]['loss_mean'])} ({cells[x]['spares_mean']:.0f})" for x in shown),
+        )
+    console.print(table)
+    table = Table(title="GPUs in intact TP groups (closed form (1-f)^TP)")
+    table.add_column("TP", justify="right")
+    fractions = sorted({r["failed_fraction"] for r in study.availability})
+    for x in fractions:
+        table.add_column(f"{100 * x:g}% failed", justify="right")
+    for tp in sorted({r["tp"] for r in study.availability}):
+        cells = {r["failed_fraction"]: r for r in study.availability if r["tp"] == tp}
+        table.add_row(
+            str(tp),
+            *(
+                f"{_pct(cells[x]['intact_share'])} ({_pct(cells[x]['closed_form'])})"
+                for x in fractions
+            ),
+        )
+    console.print(table)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    err = Console(stderr=True)
+    try:
+        cfg = config_from_args(args)
+        settings = StudySettings(
+            fractions=args.fractions, tps=args.tps, trials=args.trials, traces=args.traces
+        ).validate()
+    except (ConfigError, ValueError) as exc:
+        err.print(f"[red]tessera simulate: error:[/] {exc}")
+        return 2
+    columns = (
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+    )
+    with Progress(*columns, console=err, transient=True) as bar:
+        tasks: dict[str, Any] = {}
+
+        def progress(phase: str, done: int, total: int) -> None:
+            if phase not in tasks:
+                tasks[phase] = bar.add_task(phase, total=total)
+            bar.update(tasks[phase], completed=done)
+
+        study = run_study(cfg, settings, progress)
+    written = report.write_all(study, args.out, plots=not args.no_plots)
+    if args.json:
+        print(json.dumps(report.to_dict(study), indent=2))
+    else:
+        console = Console()
+        render_tables(study, console)
+        console.print(f"wrote {len(written)} files to {args.out}/")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
