@@ -83,7 +83,7 @@ def run_trace(
     policies: Sequence[Policy],
     progress: Progress | None = None,
 ) -> TraceResult:
-    """Replay `trace` from its warm-up to `cfg.days`, evaluating every policy after each event."""
+    """Replay `trace` from its warm-up to its last day, evaluating every policy after each event."""
     state = _ClusterState(topo)
     events = trace.events()
     # 1. Warm-up: failures from before day 0 that are still being repaired at day 0.
@@ -117,7 +117,7 @@ def run_trace(
         if progress is not None:
             progress(times[i], i + 1, n)
     start = np.array(times)
-    length = np.diff(np.append(start, cfg.days))
+    length = np.diff(np.append(start, trace.days))
     return TraceResult(
         policies=tuple(p.name for p in policies),
         start=start,
@@ -126,7 +126,7 @@ def run_trace(
         throughput=throughput,
         deficit_groups=deficit,
         stall_loss=stall,
-        days=cfg.days,
+        days=trace.days,
     )
 
 

@@ -1,0 +1,108 @@
+"""`tessera simulate` and `tessera bench sim` end to end, and clear errors for impossible jobs."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import pytest
+from tessera_operator.cli import main as tessera
+from tessera_operator.simulator.config import (
+    ConfigError,
+    FailureConfig,
+    ModelConfig,
+    PolicyConfig,
+    SimConfig,
+)
+from tessera_operator.simulator.policies import POLICY_NAMES
+
+pytestmark = pytest.mark.sim
+
+SMALL = [
+    "--gpus",
+    "1024",
+    "--domain-size",
+    "8",
+    "--tp",
+    "8",
+    "--pp",
+    "4",
+    "--days",
+    "3",
+    "--traces",
+    "1",
+    "--trials",
+    "2",
+    "--fractions",
+    "0,0.01",
+    "--tps",
+    "8,16",
+]
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        (SimConfig(dp=100), "tp x pp x dp = 32 x 8 x 100 = 25600, but gpus = 32768"),
+        (SimConfig(domain_size=48), "domain_size 48 is not a multiple of tp 32"),
+        (SimConfig(failures=FailureConfig(blast_radius=3)), "blast_radius 3 must divide"),
+        (SimConfig(failures=FailureConfig(rate_per_gpu_day=-1)), "rate_per_gpu_day must be >= 0"),
+        (SimConfig(failures=FailureConfig(hardware_share=1.5)), "hardware_share must be in [0, 1]"),
+        (SimConfig(policy=PolicyConfig(min_tp=33)), "policy.min_tp must be in [0, tp=32]"),
+        (SimConfig(model=ModelConfig(n_kv_heads=0)), "model.n_kv_heads must be positive"),
+        (SimConfig(days=0), "days must be positive"),
+    ],
+)
+def test_impossible_configs_are_rejected_with_the_field_named(config, message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        config.validate()
+    assert message in str(info.value)
+
+
+def test_simulate_writes_json_csv_and_plots(tmp_path: Path, capsys) -> None:
+    out = tmp_path / "study"
+    assert tessera(["simulate", *SMALL, "--out", str(out), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert [r["policy"] for r in doc["goodput"]] == list(POLICY_NAMES)
+    assert doc["config"]["dp"] == 1024 // (8 * 4)
+    for name in (
+        "goodput.csv",
+        "loss_vs_failed_fraction.csv",
+        "availability_vs_tp.csv",
+        "trace.csv",
+        "study.json",
+        "loss_vs_failed_fraction.png",
+        "availability_vs_tp.png",
+        "spares_vs_failed_fraction.png",
+        "trace.png",
+    ):
+        assert (out / name).stat().st_size > 0, name
+    with (out / "loss_vs_failed_fraction.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 2 * len(POLICY_NAMES)
+    healthy = [float(r["loss_mean"]) for r in rows if float(r["failed_fraction"]) == 0.0]
+    assert healthy == [0.0] * len(POLICY_NAMES)
+    assert json.loads((out / "study.json").read_text()) == doc
+
+
+def test_simulate_prints_tables_by_default(tmp_path: Path, capsys) -> None:
+    assert tessera(["simulate", *SMALL, "--no-plots", "--out", str(tmp_path)]) == 0
+    text = capsys.readouterr().out
+    assert "Over the failure traces" in text and "tessera" in text
+    assert not list(tmp_path.glob("*.png"))
+
+
+def test_simulate_rejects_a_bad_job_with_exit_2_and_writes_nothing(tmp_path: Path, capsys):
+    out = tmp_path / "never"
+    code = tessera(["simulate", "--gpus", "1000", "--tp", "32", "--dp", "4", "--out", str(out)])
+    assert code == 2
+    assert "tp x pp x dp" in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_bench_sim_prints_the_time_against_the_target(capsys) -> None:
+    assert tessera(["bench", "sim", "--days", "2", "--repeat", "1"]) == 0
+    text = capsys.readouterr().out
+    assert "against the 30 s target" in text
+    assert "baseline 1-day replay" in text
