@@ -1,0 +1,132 @@
+"""Layout-independent checkpoints: gather any layout into one dense state dict, load into any."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed import ProcessGroup
+
+from ntp.plan import ModelShape, RankShard
+from ntp.sharding import element_index, local_positions, shard_tensor, spec_of, unit_size
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+DenseState = dict[str, Any]  # {"model": {name: tensor}, "optimizer": {...} | None}
+
+
+def _kv_writers(shards: Sequence[RankShard]) -> dict[int, int]:
+    """The one rank that contributes each KV head when gathering (the lowest holder)."""
+    writers: dict[int, int] = {}
+    for rank, shard in enumerate(shards):
+        for g in shard.kv_heads:
+            writers.setdefault(g, rank)
+    return writers
+
+
+def gather_tensor(
+    name: str,
+    local: torch.Tensor,
+    shape: ModelShape,
+    shards: Sequence[RankShard],
+    rank: int,
+    group: ProcessGroup,
+) -> torch.Tensor:
+    """The dense tensor of a parameter-shaped local tensor (all ranks of the TP group call)."""
+    spec = spec_of(name)
+    if spec is None:
+        return local.detach().clone()
+    held = shards[rank].units(spec.kind)
+    if spec.kind == "kv_heads":
+        writers = _kv_writers(shards)
+        mine = [g for g in held if writers[g] == rank]
+    else:
+        mine = list(held)
+    full_shape = list(local.shape)
+    full_shape[spec.dim] = shape.unit_count(spec.kind) * unit_size(shape, spec.kind)
+    dense = local.new_zeros(full_shape)
+    values = local.detach().index_select(
+        spec.dim, element_index(shape, spec.kind, local_positions(held, mine))
+    )
+    dense.index_copy_(spec.dim, element_index(shape, spec.kind, mine), values)
+    if dist.get_world_size(group) > 1:
+        dist.all_reduce(dense, group=group)
+    return dense
+
+
+def _named_state(
+    model: nn.Module, optimizer: torch.optim.Optimizer | None
+) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]] | None, float | None]:
+    params = dict(model.named_parameters())
+    if optimizer is None or not optimizer.state:
+        return params, None, None
+    moments = {m: {n: optimizer.state[p][m] for n, p in params.items()} for m in MOMENTS}
+    step = float(next(iter(optimizer.state.values()))["step"])
+    return params, moments, step
+
+
+def gather_checkpoint(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    shape: ModelShape,
+    shards: Sequence[RankShard],
+    rank: int,
+    group: ProcessGroup,
+) -> DenseState:
+    """Dense weights and AdamW state of a sharded model (collective over its TP group)."""
+
+    def gather(named: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {n: gather_tensor(n, t, shape, shards, rank, group) for n, t in named.items()}
+
+    params, moments, step = _named_state(model, optimizer)
+    optim = None if moments is None else {m: gather(moments[m]) for m in MOMENTS} | {"step": step}
+    return {"model": gather(params), "optimizer": optim}
+
+
+def dense_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> DenseState:
+    """The same format from an unsharded model."""
+
+    def clone(named: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {n: t.detach().clone() for n, t in named.items()}
+
+    params, moments, step = _named_state(model, optimizer)
+    optim = None if moments is None else {m: clone(moments[m]) for m in MOMENTS} | {"step": step}
+    return {"model": clone(params), "optimizer": optim}
+
+
+def _slice(
+    name: str, full: torch.Tensor, shape: ModelShape, shard: RankShard | None
+) -> torch.Tensor:
+    spec = spec_of(name)
+    if shard is None or spec is None:
+        return full.detach().clone()
+    return shard_tensor(full, shape, spec, shard)
+
+
+def load_checkpoint(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    state: DenseState,
+    shape: ModelShape,
+    shard: RankShard | None,
+) -> None:
+    """Load a dense checkpoint into a model of any layout (`shard=None`: an unsharded model)."""
+    params = dict(model.named_parameters())
+    if set(params) != set(state["model"]):
+        raise ValueError(
+            f"checkpoint parameters differ from the model's: "
+            f"{sorted(set(params) ^ set(state['model']))[:5]}"
+        )
+    with torch.no_grad():
+        for name, p in params.items():
+            p.copy_(_slice(name, state["model"][name], shape, shard))
+    if optimizer is None or state.get("optimizer") is None:
+        return
+    optim = state["optimizer"]
+    for name, p in params.items():
+        optimizer.state[p] = {
+            "step": torch.tensor(float(optim["step"])),
+            **{m: _slice(name, optim[m][name], shape, shard) for m in MOMENTS},
+        }

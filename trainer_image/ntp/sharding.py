@@ -1,0 +1,87 @@
+"""Which parameters are split by which unit kind, and how unit slices are cut, packed and placed.
+
+A unit's gradient or weight slice is always flattened "unit-major": the slice along the split
+dimension moved to the front, then row-major. Every layout packs and unpacks the same way, so a
+row-parallel weight (split on dim 1) lines up between ranks whose local layouts differ.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ntp.plan import ModelShape, RankShard
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """A sharded parameter: the unit kind it is split by and the dimension it is split on."""
+
+    kind: str
+    dim: int
+
+
+# Parameter name (without the "layers.N." prefix) -> how it is split. Anything else is replicated.
+SHARDED: dict[str, ParamSpec] = {
+    "attention.wq.weight": ParamSpec("q_heads", 0),
+    "attention.wk.weight": ParamSpec("kv_heads", 0),
+    "attention.wv.weight": ParamSpec("kv_heads", 0),
+    "attention.wo.weight": ParamSpec("q_heads", 1),  # row-parallel
+    "feed_forward.w1.weight": ParamSpec("mlp_cols", 0),
+    "feed_forward.w3.weight": ParamSpec("mlp_cols", 0),
+    "feed_forward.w2.weight": ParamSpec("mlp_cols", 1),  # row-parallel
+    "tok_embeddings.weight": ParamSpec("vocab_rows", 0),
+    "output.weight": ParamSpec("vocab_rows", 0),
+}
+
+_LAYER_PREFIX = re.compile(r"^layers\.\d+\.")
+
+
+def spec_of(name: str) -> ParamSpec | None:
+    return SHARDED.get(_LAYER_PREFIX.sub("", name))
+
+
+def unit_size(shape: ModelShape, kind: str) -> int:
+    """Rows/columns of the split dimension per unit."""
+    return shape.head_dim if kind in ("q_heads", "kv_heads") else 1
+
+
+def element_index(shape: ModelShape, kind: str, units: Sequence[int]) -> torch.Tensor:
+    """Indices along the split dimension covered by `units` (global ids or local positions)."""
+    size = unit_size(shape, kind)
+    ids = torch.as_tensor(list(units), dtype=torch.long)
+    return (ids.unsqueeze(1) * size + torch.arange(size)).flatten()
+
+
+def local_positions(held: Sequence[int], units: Sequence[int]) -> list[int]:
+    """Positions of `units` inside the sorted unit list `held`."""
+    where = {u: i for i, u in enumerate(held)}
+    return [where[u] for u in units]
+
+
+def shard_tensor(
+    full: torch.Tensor, shape: ModelShape, spec: ParamSpec, shard: RankShard
+) -> torch.Tensor:
+    """This shard's slice of a dense tensor, in the shard's sorted unit order."""
+    index = element_index(shape, spec.kind, shard.units(spec.kind))
+    return full.index_select(spec.dim, index).clone()
+
+
+def pack(t: torch.Tensor, spec: ParamSpec, index: torch.Tensor) -> torch.Tensor:
+    """Flatten the slices at `index` (along the split dim) unit-major."""
+    return t.index_select(spec.dim, index).movedim(spec.dim, 0).reshape(-1)
+
+
+def unpack(
+    flat: torch.Tensor, t: torch.Tensor, spec: ParamSpec, index: torch.Tensor, add: bool = False
+) -> None:
+    """Inverse of `pack`: write (or add) `flat` into `t` at `index` along the split dim."""
+    moved_shape = (len(index), *t.movedim(spec.dim, 0).shape[1:])
+    values = flat.view(moved_shape).movedim(0, spec.dim)
+    if add:
+        t.index_add_(spec.dim, index, values)
+    else:
+        t.index_copy_(spec.dim, index, values)

@@ -1,0 +1,226 @@
+"""Trainer: one rank of a mixed-TP data-parallel job (`python -m ntp.train --layout FILE`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from ntp.checkpoint import DenseState, gather_checkpoint, gather_tensor, load_checkpoint
+from ntp.data import split_inputs, synthetic_batch
+from ntp.grad_sync import DEFAULT_BUCKET_ELEMENTS, GradSync
+from ntp.groups import build_groups
+from ntp.model import FLAVORS, ModelArgs, build_model
+from ntp.parallelize import apply_ntp
+from ntp.plan import JobLayout
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    flavor: str = "debug"
+    lr: float = 1e-3
+    weight_decay: float = 0.1
+    seed: int = 0
+    bucket_elements: int = DEFAULT_BUCKET_ELEMENTS
+    overlap: bool = True
+
+
+@dataclass
+class StepTimes:
+    compute_s: list[float] = field(default_factory=list)  # forward + backward (overlapped sync)
+    sync_s: list[float] = field(default_factory=list)  # the sync tail after backward
+    step_s: list[float] = field(default_factory=list)  # whole step incl. optimizer
+
+
+def model_args(flavor: str, layout: JobLayout) -> ModelArgs:
+    if flavor not in FLAVORS:
+        raise ValueError(f"unknown flavor {flavor!r}; known: {sorted(FLAVORS)}")
+    args = FLAVORS[flavor]
+    if args.shape() != layout.shape:
+        raise ValueError(f"flavor {flavor!r} has shape {args.shape()}, layout has {layout.shape}")
+    return args
+
+
+class Trainer:
+    """Builds this rank's shard from dense weights and runs synchronized AdamW steps."""
+
+    def __init__(self, layout: JobLayout, config: TrainConfig, init: DenseState | None = None):
+        # 1. Groups and this rank's place in the layout.
+        self.layout, self.config = layout, config
+        self.args = model_args(config.flavor, layout)
+        self.groups = build_groups(layout)
+        replica = layout.replicas[self.groups.replica]
+        self.replica, self.shard = replica, replica.shards[self.groups.rank]
+        # 2. Dense weights (seeded or from a checkpoint) cut to this rank's shard.
+        self.model = build_model(self.args, seed=config.seed)
+        dense = None if init is None else init["model"]
+        self.loss_fn = apply_ntp(self.model, self.shard, self.groups.tp, state_dict=dense)
+        # 3. AdamW is elementwise, so local shards with their own state do exactly the dense math.
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=config.lr, weight_decay=config.weight_decay, foreach=False
+        )
+        self.step = 0
+        if init is not None and init.get("optimizer") is not None:
+            load_checkpoint(self.model, self.optimizer, init, layout.shape, self.shard)
+            self.step = int(init["optimizer"]["step"])
+        # 4. Gradient sync hooks.
+        self.sync = GradSync(
+            self.model, layout, self.groups, config.bucket_elements, overlap=config.overlap
+        )
+        self.times = StepTimes()
+
+    def forward_backward(self) -> torch.Tensor:
+        """Local loss on this replica's slice of the global batch; gradients left in .grad."""
+        tokens = synthetic_batch(
+            self.args.vocab_size,
+            self.args.max_seq_len,
+            self.layout.global_batch,
+            self.step,
+            self.config.seed,
+        )
+        rows = slice(
+            self.replica.batch_offset, self.replica.batch_offset + self.replica.local_batch
+        )
+        inputs, targets = split_inputs(tokens[rows])
+        loss = self.loss_fn(self.model(inputs), targets)
+        loss.backward()
+        return loss.detach()
+
+    def train_step(self, on_grads: Callable[[Trainer], None] | None = None) -> float:
+        """One synchronized step; returns the global (full-batch) loss.
+
+        `on_grads` sees the synchronized gradients before the optimizer uses them.
+        """
+        t0 = time.perf_counter()
+        loss = self.forward_backward()
+        t1 = time.perf_counter()
+        self.sync.finish()
+        t2 = time.perf_counter()
+        if on_grads is not None:
+            on_grads(self)
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+        self.step += 1
+        t3 = time.perf_counter()
+        self.times.compute_s.append(t1 - t0)
+        self.times.sync_s.append(t2 - t1)
+        self.times.step_s.append(t3 - t0)
+        return self.global_loss(loss)
+
+    def global_loss(self, local: torch.Tensor) -> float:
+        weighted = local * self.layout.sample_weight(self.groups.replica)
+        total = weighted if self.groups.rank == 0 else torch.zeros_like(weighted)
+        dist.all_reduce(total, group=self.groups.world)
+        return float(total)
+
+    def dense_grads(self) -> dict[str, torch.Tensor]:
+        """Gathered gradients of this replica (collective over its TP group)."""
+        return {
+            name: gather_tensor(
+                name,
+                p.grad,
+                self.layout.shape,
+                self.replica.shards,
+                self.groups.rank,
+                self.groups.tp,
+            )
+            for name, p in self.model.named_parameters()
+        }
+
+    def state_dict(self) -> DenseState:
+        return gather_checkpoint(
+            self.model,
+            self.optimizer,
+            self.layout.shape,
+            self.replica.shards,
+            self.groups.rank,
+            self.groups.tp,
+        )
+
+
+def init_distributed() -> None:
+    """Join the job through a TCPStore hosted outside the ranks (MASTER_ADDR/PORT)."""
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False
+    )
+    prefix = os.environ.get("TESSERA_GENERATION", "gen0")
+    dist.init_process_group(
+        backend="gloo",
+        store=dist.PrefixStore(prefix, store),
+        rank=int(os.environ["RANK"]),
+        world_size=int(os.environ["WORLD_SIZE"]),
+    )
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="ntp.train", description=__doc__)
+    parser.add_argument("--layout", type=Path, required=True, help="JobLayout JSON document")
+    parser.add_argument("--flavor", default="debug", choices=sorted(FLAVORS))
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--bucket-elements", type=int, default=DEFAULT_BUCKET_ELEMENTS)
+    parser.add_argument("--no-overlap", action="store_true", help="sync only after backward")
+    parser.add_argument("--init", type=Path, help="dense checkpoint to start from")
+    parser.add_argument("--save", type=Path, help="write the dense checkpoint here at the end")
+    parser.add_argument("--out", type=Path, help="directory for per-rank metrics and grad dumps")
+    parser.add_argument("--dump-grads", action="store_true", help="dense grads after step 1")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    opts = parse_args(sys.argv[1:] if argv is None else argv)
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    layout = JobLayout.from_dict(json.loads(opts.layout.read_text()))
+    config = TrainConfig(
+        flavor=opts.flavor,
+        lr=opts.lr,
+        seed=opts.seed,
+        bucket_elements=opts.bucket_elements,
+        overlap=not opts.no_overlap,
+    )
+    init_distributed()
+    init = None if opts.init is None else torch.load(opts.init, weights_only=True)
+    trainer = Trainer(layout, config, init)
+    replica, rank = trainer.groups.replica, trainer.groups.rank
+    if opts.out is not None:
+        opts.out.mkdir(parents=True, exist_ok=True)
+
+    def dump_grads(t: Trainer) -> None:
+        grads = t.dense_grads()
+        if rank == 0 and opts.out is not None:
+            torch.save(grads, opts.out / f"grads-replica{replica}.pt")
+
+    losses = [
+        trainer.train_step(dump_grads if i == 0 and opts.dump_grads else None)
+        for i in range(opts.steps)
+    ]
+    if opts.save is not None:
+        state = trainer.state_dict()
+        if dist.get_rank() == 0:
+            torch.save(state, opts.save)
+    if opts.out is not None:
+        metrics = {
+            "replica": replica,
+            "rank": rank,
+            "tp": trainer.replica.tp,
+            "local_batch": trainer.replica.local_batch,
+            "losses": losses,
+            **vars(trainer.times),
+        }
+        (opts.out / f"rank{dist.get_rank()}.json").write_text(json.dumps(metrics))
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
