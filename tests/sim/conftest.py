@@ -29,8 +29,8 @@ def mean_loss(paper_config: SimConfig, paper_policies: tuple[Policy, ...]):
     def at(fraction: float) -> dict[str, float]:
         if fraction not in cache:
             rng = np.random.default_rng(round(fraction * 1e6))
-            throughput, _ = snapshot(paper_config, topo, paper_policies, fraction, 24, rng)
-            loss = 1.0 - throughput.mean(axis=0)
+            draws = snapshot(paper_config, topo, paper_policies, fraction, 24, rng)
+            loss = 1.0 - draws["throughput"].mean(axis=0)
             cache[fraction] = dict(zip(POLICY_NAMES, loss.tolist(), strict=True))
         return cache[fraction]
 

@@ -52,6 +52,12 @@ def test_one_failure_costs_each_policy_what_its_mechanism_says(paper_config, pap
     assert lost["ntp"] == pytest.approx(60 * (1 - 1 / 32 / 128) + 60)
     assert lost["spares"] == pytest.approx(120)
     assert _by_name(result.goodput())["tessera"] == pytest.approx(1 - 120 / SECONDS_PER_DAY / 10)
+    # While GPU 0 is down, its 31 peers draw the power that buys 32/31 the speed.
+    ratio = PAPER.ratio_for_speedup(32 / 31)
+    during = _by_name(result.extra_power[1])
+    assert during["ntp-pw"] == pytest.approx(31 * (ratio - 1) / paper_config.gpus)
+    assert during["ntp"] == 0.0
+    assert _by_name(result.peak_group_power[1])["ntp-pw"] == pytest.approx(31 * ratio / 32)
 
 
 def test_warm_up_failures_are_down_at_day_zero_and_overlaps_count_once(paper_config):

@@ -79,8 +79,8 @@ def test_spares_for_fixed_minibatch_keep_paper_proportions(paper_config, paper_p
     # NTP-PW none. The paper does not state its trace's peak failed share; our model needs 90
     # domains for DP-DROP at about 0.29% failed, and we compare the others at that share.
     rng = np.random.default_rng(29)
-    _, deficit = snapshot(paper_config, Topology.of(paper_config), paper_policies, 0.0029, 24, rng)
-    need = dict(zip(POLICY_NAMES, deficit.mean(axis=0), strict=True))
+    draws = snapshot(paper_config, Topology.of(paper_config), paper_policies, 0.0029, 24, rng)
+    need = dict(zip(POLICY_NAMES, draws["deficit_groups"].mean(axis=0), strict=True))
     assert need["dp-drop"] == pytest.approx(90, abs=8)
     assert need["ntp"] / need["dp-drop"] == pytest.approx(16 / 90, abs=0.05)
     assert need["ntp-pw"] == 0
@@ -114,7 +114,7 @@ def test_tessera_packing_contains_domains_power_cannot_save() -> None:
     # placement slows every replica holding such a domain; packing confines them.
     cfg = SimConfig(failures=FailureConfig(blast_radius=8)).validate()
     policies = build_policies(cfg)
-    throughput, _ = snapshot(cfg, Topology.of(cfg), policies, 0.004, 16, np.random.default_rng(3))
-    loss = dict(zip(POLICY_NAMES, 1.0 - throughput.mean(axis=0), strict=True))
+    draws = snapshot(cfg, Topology.of(cfg), policies, 0.004, 16, np.random.default_rng(3))
+    loss = dict(zip(POLICY_NAMES, 1.0 - draws["throughput"].mean(axis=0), strict=True))
     assert loss["tessera"] < loss["ntp-pw"] / 3
     assert loss["ntp-pw"] < loss["ntp"]

@@ -83,10 +83,10 @@ def loss_curve(
     topo = Topology.of(cfg)
     rows = []
     for k, fraction in enumerate(fractions):
-        throughput, deficit = snapshot(cfg, topo, policies, fraction, trials, rng)
-        spares = spares_needed(deficit, cfg.groups_per_domain)
+        draws = snapshot(cfg, topo, policies, fraction, trials, rng)
+        spares = spares_needed(draws["deficit_groups"], cfg.groups_per_domain)
         for j, policy in enumerate(policies):
-            loss = 1.0 - throughput[:, j]
+            loss = 1.0 - draws["throughput"][:, j]
             rows.append(
                 {
                     "failed_fraction": fraction,
@@ -96,6 +96,8 @@ def loss_curve(
                     "loss_max": float(loss.max()),
                     "spares_mean": float(spares[:, j].mean()),
                     "spares_max": int(spares[:, j].max()),
+                    "extra_power_mean": float(draws["extra_power"][:, j].mean()),
+                    "peak_group_power": float(draws["peak_group_power"][:, j].max()),
                 }
             )
         progress("loss vs failed fraction", k + 1, len(fractions))
@@ -162,6 +164,8 @@ def goodput_rows(
         [spares_needed(r.deficit_groups.max(axis=0), cfg.groups_per_domain) for r in results]
     )
     stall = np.array([r.stall_loss / r.days for r in results])
+    power = np.array([(r.length @ r.extra_power) / r.days for r in results])
+    peak = np.array([r.peak_group_power.max(axis=0) for r in results])
     return [
         {
             "policy": p.name,
@@ -171,6 +175,8 @@ def goodput_rows(
             "throughput_min": float(low[:, j].min()),
             "stall_share": float(stall[:, j].mean()),
             "spares_needed_max": int(spares[:, j].max()),
+            "extra_power_mean": float(power[:, j].mean()),
+            "peak_group_power": float(peak[:, j].max()),
         }
         for j, p in enumerate(policies)
     ]

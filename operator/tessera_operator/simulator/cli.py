@@ -159,14 +159,16 @@ def render_tables(study: Study, console: Console) -> None:
     stats = study.trace_stats
     console.print(
         f"[bold]{cfg.gpus:,} GPUs[/] in {cfg.domain_size}-GPU domains, TP{cfg.tp} x PP{cfg.pp} x "
-        f"DP{cfg.dp}, {cfg.days:g}-day traces: {stats['failures_per_day']:.1f} failures/day, "
+        f"DP{cfg.dp} ({cfg.sequences_per_replica} sequences of {cfg.model.seq_len:,} tokens per "
+        f"replica), {cfg.days:g}-day traces: {stats['failures_per_day']:.1f} failures/day, "
         f"{_pct(stats['failed_fraction_mean'])} GPUs failed on average "
         f"(peak {_pct(stats['failed_fraction_peak'])}), >0.1% failed "
         f"{_pct(stats['time_above_0.1pct'])} of the time"
     )
-    table = Table(title="Over the failure traces")
-    for col in ("policy", "goodput", "throughput", "worst", "paused", "spares needed"):
-        table.add_column(col, justify="left" if col == "policy" else "right")
+    table = Table(title="Over the failure traces (throughput: mean, worst)")
+    cols = ("policy", "goodput", "mean", "worst", "paused", "spares*", "+power", "peak")
+    for col in cols:
+        table.add_column(col, justify="left" if col == "policy" else "right", no_wrap=True)
     for r in study.goodput:
         table.add_row(
             r["policy"],
@@ -175,8 +177,15 @@ def render_tables(study: Study, console: Console) -> None:
             _pct(r["throughput_min"]),
             _pct(r["stall_share"]),
             str(r["spares_needed_max"]),
+            _pct(r["extra_power_mean"]),
+            _pct(r["peak_group_power"]),
         )
     console.print(table)
+    console.print(
+        "* standby domains to keep the full mini-batch at the worst moment (for `spares`: beyond "
+        "its own pool); +power: mean draw above the baseline caps; peak: the hungriest TP group "
+        "against its healthy budget"
+    )
     shown = [x for x in _TABLE_FRACTIONS if any(r["failed_fraction"] == x for r in study.loss)]
     table = Table(title="Throughput loss (spares for a fixed mini-batch) at a failed share")
     table.add_column("policy")

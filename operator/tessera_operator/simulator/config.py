@@ -93,6 +93,10 @@ class SimConfig:
         return self.policy.spare_domains * self.groups_per_domain
 
     @property
+    def sequences_per_replica(self) -> int:
+        return self.model.tokens_per_batch // (self.model.seq_len * self.dp)
+
+    @property
     def min_tp(self) -> int:
         return self.policy.min_tp or max(1, self.tp // 2)
 
@@ -132,6 +136,11 @@ class SimConfig:
         if self.model.n_heads < self.tp:
             raise ConfigError(
                 f"tp {self.tp} exceeds the model's {self.model.n_heads} attention heads"
+            )
+        if self.model.tokens_per_batch % (self.model.seq_len * self.dp):
+            raise ConfigError(
+                f"model.tokens_per_batch {self.model.tokens_per_batch} is not a whole number of "
+                f"{self.model.seq_len}-token sequences for each of {self.dp} DP replicas"
             )
         f = self.failures
         if f.rate_per_gpu_day < 0:

@@ -8,15 +8,16 @@ policies', not the dice's.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import numpy as np
 
 from tessera_operator.simulator.config import SimConfig
 from tessera_operator.simulator.failures import FailureTrace, Topology, sample_down_blocks
-from tessera_operator.simulator.policies import Policy
+from tessera_operator.simulator.policies import Capacity, Policy
 
 SECONDS_PER_DAY = 86_400.0
+_CAPACITY_FIELDS = tuple(f.name for f in fields(Capacity))
 
 # Called after each applied event with (simulated day, events done, events total).
 Progress = Callable[[float, int, int], None]
@@ -34,6 +35,8 @@ class TraceResult:
     # (interval, policy) arrays.
     throughput: np.ndarray
     deficit_groups: np.ndarray
+    extra_power: np.ndarray
+    peak_group_power: np.ndarray
     # Per policy: throughput-days lost to whole-job pauses (restarts, reconfigurations).
     stall_loss: np.ndarray
     days: float
@@ -49,6 +52,11 @@ class TraceResult:
     def time_share(self, condition: np.ndarray) -> float:
         """Share of the trace's time during which `condition` (per interval) holds."""
         return float(self.length @ condition) / self.days
+
+
+def _record(columns: dict[str, np.ndarray], row: int, capacities: list[Capacity]) -> None:
+    for name, column in columns.items():
+        column[row] = [getattr(c, name) for c in capacities]
 
 
 class _ClusterState:
@@ -94,8 +102,7 @@ def run_trace(
     # 2. Sweep: one interval from day 0 and one after every later event.
     times = [0.0] + [e[0] for e in events[first:]]
     n = len(times)
-    throughput = np.empty((n, len(policies)))
-    deficit = np.empty((n, len(policies)))
+    columns = {name: np.empty((n, len(policies))) for name in _CAPACITY_FIELDS}
     failed = np.empty(n)
     stall = np.zeros(len(policies))
     failure_stall = np.array([p.failure_stall_s for p in policies]) / SECONDS_PER_DAY
@@ -106,14 +113,11 @@ def run_trace(
         if i > 0:
             _, kind, block = events[first + i - 1]
             touched = state.apply(kind, block)
-        for j, policy in enumerate(policies):
-            cap = policy.evaluate(state.survivors, cfg.dp, cfg.pp)
-            throughput[i, j] = cap.throughput
-            deficit[i, j] = cap.deficit_groups
+        _record(columns, i, [p.evaluate(state.survivors, cfg.dp, cfg.pp) for p in policies])
         failed[i] = state.failed_gpus / topo.gpus
         if touched:
             # 3. The job pauses whole while it reconfigures; the work it would have done is lost.
-            stall += (failure_stall if kind > 0 else repair_stall) * throughput[i]
+            stall += (failure_stall if kind > 0 else repair_stall) * columns["throughput"][i]
         if progress is not None:
             progress(times[i], i + 1, n)
     start = np.array(times)
@@ -123,9 +127,8 @@ def run_trace(
         start=start,
         length=length,
         failed_fraction=failed,
-        throughput=throughput,
-        deficit_groups=deficit,
         stall_loss=stall,
+        **columns,
         days=trace.days,
     )
 
@@ -137,14 +140,10 @@ def snapshot(
     failed_fraction: float,
     trials: int,
     rng: np.random.Generator,
-) -> tuple[np.ndarray, np.ndarray]:
-    """(throughput, deficit_groups), each (trials, policies), with a fixed share of GPUs failed."""
-    throughput = np.empty((trials, len(policies)))
-    deficit = np.empty((trials, len(policies)))
+) -> dict[str, np.ndarray]:
+    """Capacity fields, each (trials, policies), with a fixed share of GPUs failed."""
+    columns = {name: np.empty((trials, len(policies))) for name in _CAPACITY_FIELDS}
     for t in range(trials):
         survivors = topo.survivors(sample_down_blocks(topo, failed_fraction, rng))
-        for j, policy in enumerate(policies):
-            cap = policy.evaluate(survivors, cfg.dp, cfg.pp)
-            throughput[t, j] = cap.throughput
-            deficit[t, j] = cap.deficit_groups
-    return throughput, deficit
+        _record(columns, t, [p.evaluate(survivors, cfg.dp, cfg.pp) for p in policies])
+    return columns

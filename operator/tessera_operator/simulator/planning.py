@@ -8,6 +8,7 @@ a 480B-class shape takes a noticeable fraction of a second.
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from functools import lru_cache
 
 from ntp import plan
@@ -16,15 +17,9 @@ from tessera_operator.simulator.config import ModelConfig
 
 
 def model_shape(model: ModelConfig) -> plan.ModelShape:
-    return plan.ModelShape(
-        hidden=model.hidden,
-        n_heads=model.n_heads,
-        n_kv_heads=model.n_kv_heads,
-        ffn=model.ffn,
-        vocab=model.vocab,
-        n_layers=model.n_layers,
-        seq_len=model.seq_len,
-    )
+    """The planner's view of the model: every field but the batch size."""
+    dims = {k: v for k, v in asdict(model).items() if k != "tokens_per_batch"}
+    return plan.ModelShape(**dims)
 
 
 @lru_cache(maxsize=512)

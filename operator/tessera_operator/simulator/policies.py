@@ -32,6 +32,11 @@ class Capacity:
     # Missing throughput in TP-group equivalents if partial replicas could be completed from
     # standby hardware: what a fixed mini-batch needs in spares.
     deficit_groups: float
+    # Power above the baseline caps drawn by boosted survivors, as a share of the job's baseline.
+    extra_power: float
+    # The highest draw of one usable TP group against its healthy budget (tp x baseline cap):
+    # above 1.0 the rack must deliver more than the group's own share.
+    peak_group_power: float
 
 
 @dataclass(frozen=True)
@@ -53,7 +58,11 @@ class Policy:
     def evaluate(self, survivors: np.ndarray, dp: int, pp: int) -> Capacity:
         """Throughput for per-group survivor counts (job groups first, then spare groups)."""
         job = dp * pp
-        speed = self.speed[survivors if self.uses_spares else survivors[:job]]
+        tp = len(self.speed) - 1
+        used = survivors if self.uses_spares else survivors[:job]
+        speed = self.speed[used]
+        alive = used[speed > 0]
+        boosted = alive * self.power[alive]
         if self.packed:
             kept = np.empty(0)
             pool = np.sort(speed[speed > 0])[::-1]
@@ -71,7 +80,12 @@ class Policy:
         rest = pool[full * pp :]
         partial = len(rest) / pp * float(rest.min()) if len(rest) and len(replicas) < dp else 0.0
         completed = min(float(dp), formed + partial)
-        return Capacity(throughput=formed / dp, deficit_groups=(dp - completed) * pp)
+        return Capacity(
+            throughput=formed / dp,
+            deficit_groups=(dp - completed) * pp,
+            extra_power=float((boosted - alive).sum()) / (job * tp),
+            peak_group_power=float(boosted.max()) / tp if len(alive) else 0.0,
+        )
 
 
 def _boosted(
