@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from rich import box
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
@@ -150,8 +151,8 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
     return cfg.validate()
 
 
-def _pct(x: float) -> str:
-    return f"{100 * x:.2f}%"
+def _pct(x: float, digits: int = 2) -> str:
+    return f"{100 * x:.{digits}f}%"
 
 
 def render_tables(study: Study, console: Console) -> None:
@@ -165,20 +166,22 @@ def render_tables(study: Study, console: Console) -> None:
         f"(peak {_pct(stats['failed_fraction_peak'])}), >0.1% failed "
         f"{_pct(stats['time_above_0.1pct'])} of the time"
     )
-    table = Table(title="Over the failure traces (throughput: mean, worst)")
+    table = Table(
+        title="Over the failure traces (throughput: mean, worst)",
+        box=box.SIMPLE_HEAD,
+        pad_edge=False,
+    )
     cols = ("policy", "goodput", "mean", "worst", "paused", "spares*", "+power", "peak")
     for col in cols:
         table.add_column(col, justify="left" if col == "policy" else "right", no_wrap=True)
     for r in study.goodput:
         table.add_row(
             r["policy"],
-            _pct(r["goodput_mean"]),
-            _pct(r["throughput_mean"]),
-            _pct(r["throughput_min"]),
-            _pct(r["stall_share"]),
+            *(_pct(r[k], 1) for k in ("goodput_mean", "throughput_mean", "throughput_min")),
+            _pct(r["stall_share"], 1),
             str(r["spares_needed_max"]),
             _pct(r["extra_power_mean"]),
-            _pct(r["peak_group_power"]),
+            _pct(r["peak_group_power"], 1),
         )
     console.print(table)
     console.print(
