@@ -93,11 +93,22 @@ def test_simulate_prints_tables_by_default(tmp_path: Path, capsys) -> None:
     assert not list(tmp_path.glob("*.png"))
 
 
-def test_simulate_rejects_a_bad_job_with_exit_2_and_writes_nothing(tmp_path: Path, capsys):
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--gpus", "1000", "--tp", "32", "--dp", "4"], "tp x pp x dp"),
+        (["--trials", "0"], "trials and traces must be >= 1"),
+        (["--fractions", "0.001,1.5"], "failed fractions must be in [0, 1)"),
+        (["--headroom", "-0.1"], "policy.power_headroom must be >= 0"),
+        (["--tps", "8,65536"], "TP sizes must be in [1, 32768] GPUs"),
+    ],
+)
+def test_simulate_rejects_bad_input_with_exit_2_and_writes_nothing(
+    tmp_path: Path, capsys, args: list[str], message: str
+) -> None:
     out = tmp_path / "never"
-    code = tessera(["simulate", "--gpus", "1000", "--tp", "32", "--dp", "4", "--out", str(out)])
-    assert code == 2
-    assert "tp x pp x dp" in capsys.readouterr().err
+    assert tessera(["simulate", *args, "--out", str(out)]) == 2
+    assert message in capsys.readouterr().err
     assert not out.exists()
 
 

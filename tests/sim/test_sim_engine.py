@@ -21,7 +21,7 @@ pytestmark = pytest.mark.sim
 def _trace(days: float, *failures: tuple[float, float, int]) -> FailureTrace:
     """A trace from (start day, end day, block) triples."""
     start, end, block = (np.array(col) for col in zip(*failures, strict=True))
-    return FailureTrace(start, end, block.astype(int), np.ones(len(start), bool), days)
+    return FailureTrace(start, end, block.astype(int), days)
 
 
 def _by_name(values: np.ndarray) -> dict[str, float]:

@@ -41,14 +41,15 @@ class StudySettings:
     trials: int = 32
     traces: int = 8
 
-    def validate(self) -> StudySettings:
+    def validate(self, gpus: int) -> StudySettings:
+        """Raise ValueError on settings no study of a `gpus`-GPU job can use; return self."""
         if self.trials < 1 or self.traces < 1:
             raise ValueError(f"trials and traces must be >= 1, got {self.trials}, {self.traces}")
         for f in (*self.fractions, *self.availability_fractions):
             if not 0.0 <= f < 1.0:
                 raise ValueError(f"failed fractions must be in [0, 1), got {f}")
-        if any(tp < 1 for tp in self.tps):
-            raise ValueError(f"TP sizes must be positive, got {self.tps}")
+        if any(not 1 <= tp <= gpus for tp in self.tps):
+            raise ValueError(f"TP sizes must be in [1, {gpus}] GPUs, got {self.tps}")
         return self
 
 
@@ -204,7 +205,7 @@ def run_study(
 ) -> Study:
     """Every figure of the report for one config: 1. policies, 2. traces, 3. snapshots."""
     cfg.validate()
-    settings = (settings or StudySettings()).validate()
+    settings = (settings or StudySettings()).validate(cfg.gpus)
     policies = build_policies(cfg)
     trace_seed, loss_seed, availability_seed = np.random.SeedSequence(cfg.seed).spawn(3)
     study = Study(config=cfg)

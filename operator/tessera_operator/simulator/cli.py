@@ -226,7 +226,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         cfg = config_from_args(args)
         settings = StudySettings(
             fractions=args.fractions, tps=args.tps, trials=args.trials, traces=args.traces
-        ).validate()
+        ).validate(cfg.gpus)
     except (ConfigError, ValueError) as exc:
         err.print(f"[red]tessera simulate: error:[/] {exc}")
         return 2

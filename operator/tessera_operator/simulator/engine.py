@@ -7,7 +7,7 @@ policies', not the dice's.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
 import numpy as np
@@ -18,9 +18,6 @@ from tessera_operator.simulator.policies import Capacity, Policy
 
 SECONDS_PER_DAY = 86_400.0
 _CAPACITY_FIELDS = tuple(f.name for f in fields(Capacity))
-
-# Called after each applied event with (simulated day, events done, events total).
-Progress = Callable[[float, int, int], None]
 
 
 @dataclass(frozen=True)
@@ -89,7 +86,6 @@ def run_trace(
     topo: Topology,
     trace: FailureTrace,
     policies: Sequence[Policy],
-    progress: Progress | None = None,
 ) -> TraceResult:
     """Replay `trace` from its warm-up to its last day, evaluating every policy after each event."""
     state = _ClusterState(topo)
@@ -118,8 +114,6 @@ def run_trace(
         if touched:
             # 3. The job pauses whole while it reconfigures; the work it would have done is lost.
             stall += (failure_stall if kind > 0 else repair_stall) * columns["throughput"][i]
-        if progress is not None:
-            progress(times[i], i + 1, n)
     start = np.array(times)
     length = np.diff(np.append(start, trace.days))
     return TraceResult(

@@ -65,11 +65,7 @@ class FailureTrace:
     start_day: np.ndarray
     end_day: np.ndarray
     block: np.ndarray
-    hardware: np.ndarray
     days: float
-
-    def __len__(self) -> int:
-        return len(self.start_day)
 
     def events(self) -> list[tuple[float, int, int]]:
         """(day, +1 failure / -1 repair, block) in time order; repairs first on equal days."""
@@ -99,7 +95,7 @@ def sample_trace(cfg: SimConfig, topo: Topology, rng: np.random.Generator) -> Fa
     end = start + repair
     # Warm-up failures already repaired by day 0 cannot affect the trace.
     keep = end > 0
-    return FailureTrace(start[keep], end[keep], block[keep], hardware[keep], cfg.days)
+    return FailureTrace(start[keep], end[keep], block[keep], cfg.days)
 
 
 def sample_down_blocks(

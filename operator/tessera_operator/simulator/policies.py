@@ -32,7 +32,8 @@ class Capacity:
     # Missing throughput in TP-group equivalents if partial replicas could be completed from
     # standby hardware: what a fixed mini-batch needs in spares.
     deficit_groups: float
-    # Power above the baseline caps drawn by boosted survivors, as a share of the job's baseline.
+    # Power above the baseline caps drawn by boosted survivors, as a share of the job's baseline
+    # (every usable reduced group counted as boosted: an upper bound when some sit idle).
     extra_power: float
     # The highest draw of one usable TP group against its healthy budget (tp x baseline cap):
     # above 1.0 the rack must deliver more than the group's own share.
@@ -108,8 +109,7 @@ def build_policies(cfg: SimConfig, perf: PerfModel = PAPER) -> tuple[Policy, ...
     usable = survivors >= min_tp
     uniform = (survivors == tp).astype(float)
     baseline = np.ones(tp + 1)
-    safe = np.maximum(survivors, 1)
-    ideal = np.where(usable, tp / safe, np.inf)
+    ideal = np.array([tp / s if s >= min_tp else np.inf for s in range(tp + 1)])
     planned = np.array(
         [planning.slowdown(cfg.model, tp, s) if s >= min_tp else np.inf for s in range(tp + 1)]
     )
