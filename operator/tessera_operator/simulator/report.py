@@ -76,51 +76,50 @@ def write_plots(study: Study, out: Path) -> list[Path]:
     dashes = {name: "--" if i % 2 else "-" for i, name in enumerate(names)}
     written = []
 
-    def save(fig: Any, name: str) -> None:
+    def finish(fig: Any, ax: Any, name: str, **labels: str) -> None:
+        ax.set(**labels)
+        ax.grid(alpha=0.3)
+        ax.legend(loc="best")
         fig.tight_layout()
         fig.savefig(out / name, dpi=120)
         plt.close(fig)
         written.append(out / name)
 
-    # 1. Throughput loss vs share of failed GPUs.
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for name in names:
-        rows = [r for r in study.loss if r["policy"] == name]
-        ax.errorbar(
-            [100 * r["failed_fraction"] for r in rows],
-            [100 * r["loss_mean"] for r in rows],
-            yerr=[100 * r["loss_std"] for r in rows],
-            marker="o",
-            markersize=3,
-            capsize=2,
-            linestyle=dashes[name],
-            label=name,
-        )
-    ax.set(xlabel="failed GPUs (%)", ylabel="throughput loss (%)", title="Loss vs failed fraction")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    save(fig, "loss_vs_failed_fraction.png")
+    def by_policy(key: str, scale: float, err: str | None = None) -> tuple[Any, Any]:
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for name in names:
+            rows = [r for r in study.loss if r["policy"] == name]
+            ax.errorbar(
+                [100 * r["failed_fraction"] for r in rows],
+                [scale * r[key] for r in rows],
+                yerr=[scale * r[err] for r in rows] if err else None,
+                marker="o",
+                markersize=3,
+                capsize=2,
+                linestyle=dashes[name],
+                label=name,
+            )
+        return fig, ax
 
-    # 2. Spares for a fixed mini-batch vs share of failed GPUs.
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for name in names:
-        rows = [r for r in study.loss if r["policy"] == name]
-        ax.plot(
-            [100 * r["failed_fraction"] for r in rows],
-            [r["spares_mean"] for r in rows],
-            marker="o",
-            markersize=3,
-            linestyle=dashes[name],
-            label=name,
-        )
-    ax.set(
+    # 1. Throughput loss, and 2. spares for a fixed mini-batch, vs share of failed GPUs.
+    fig, ax = by_policy("loss_mean", 100, err="loss_std")
+    finish(
+        fig,
+        ax,
+        "loss_vs_failed_fraction.png",
+        xlabel="failed GPUs (%)",
+        ylabel="throughput loss (%)",
+        title="Loss vs failed fraction",
+    )
+    fig, ax = by_policy("spares_mean", 1)
+    finish(
+        fig,
+        ax,
+        "spares_vs_failed_fraction.png",
         xlabel="failed GPUs (%)",
         ylabel="standby domains needed",
         title="Spares to keep a fixed mini-batch",
     )
-    ax.grid(alpha=0.3)
-    ax.legend()
-    save(fig, "spares_vs_failed_fraction.png")
 
     # 3. Availability vs TP size, Monte Carlo against the closed form.
     fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -136,14 +135,14 @@ def write_plots(study: Study, out: Path) -> list[Path]:
         ax.plot(
             tps, [100 * r["closed_form"] for r in rows], linestyle="--", color=line[0].get_color()
         )
-    ax.set(
+    finish(
+        fig,
+        ax,
+        "availability_vs_tp.png",
         xlabel="TP size (GPUs)",
         ylabel="GPUs in intact TP groups (%)",
         title="Availability vs TP size (dashed: (1-f)^TP)",
     )
-    ax.grid(alpha=0.3)
-    ax.legend()
-    save(fig, "availability_vs_tp.png")
 
     # 4. Throughput over the first trace.
     if study.trace is not None:
@@ -157,13 +156,17 @@ def write_plots(study: Study, out: Path) -> list[Path]:
                 label=name,
                 linestyle=dashes[name],
             )
-        ax.set(xlabel="day", ylabel="throughput (% of healthy)", title="Throughput over a trace")
-        ax.grid(alpha=0.3)
-        ax.legend(loc="lower left")
         twin = ax.twinx()
         twin.step(trace.start, 100 * trace.failed_fraction, where="post", color="grey", alpha=0.4)
-        twin.set_ylabel("failed GPUs (%)")
-        save(fig, "trace.png")
+        twin.set_ylabel("failed GPUs (%, grey)")
+        finish(
+            fig,
+            ax,
+            "trace.png",
+            xlabel="day",
+            ylabel="throughput (% of healthy)",
+            title="Throughput over a trace",
+        )
     return written
 
 
