@@ -15,9 +15,9 @@ import os
 import shutil
 import ssl
 import subprocess
-import tempfile
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -37,6 +37,12 @@ def default_data_dir() -> Path:
         return Path(os.environ["TESSERA_STATE_DIR"]) / "controlplane"
     xdg = os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state"
     return Path(xdg) / "tessera" / "controlplane"
+
+
+def binaries(log: Callable[[str], object] = print) -> Path:
+    """$TESSERA_BIN_DIR if set (binaries built elsewhere), else the cached registry build."""
+    given = os.environ.get("TESSERA_BIN_DIR")
+    return Path(given) if given else build.ensure(log=log)
 
 
 def _etcd_argv(binary: Path, data: Path, client_port: int, peer_port: int) -> list[str]:
@@ -106,10 +112,8 @@ class ControlPlane:
         cls, data_dir: Path | None = None, bin_dir: Path | None = None, timeout: float = 120.0,
     ) -> ControlPlane:
         """Start a fresh control plane; with no data_dir a temporary one is removed on stop()."""
-        owns = data_dir is None
-        root = Path(tempfile.mkdtemp(prefix="tessera-cp-")) if data_dir is None else data_dir
-        root.mkdir(parents=True, exist_ok=True)
-        bins = bin_dir or build.ensure()
+        root, owns = processes.work_dir(data_dir, "tessera-cp-")
+        bins = bin_dir or binaries()
         etcd_port, peer_port, port = (processes.free_port() for _ in range(3))
         plane = cls(root, f"https://127.0.0.1:{port}", root / "kubeconfig", {}, owns)
         try:

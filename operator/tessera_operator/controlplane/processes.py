@@ -6,6 +6,7 @@ import os
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -13,6 +14,14 @@ from pathlib import Path
 
 class StartupError(RuntimeError):
     """A local server did not become ready; the message carries the tail of its log."""
+
+
+def work_dir(given: Path | None, prefix: str) -> tuple[Path, bool]:
+    """The directory to run in: the given one, or a fresh temporary one the caller then owns."""
+    if given is None:
+        return Path(tempfile.mkdtemp(prefix=prefix)), True
+    given.mkdir(parents=True, exist_ok=True)
+    return given, False
 
 
 def free_port() -> int:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from tessera_operator.controlplane import build, crds, launcher
+from tessera_operator.controlplane import crds, launcher
 
 
 def _announce(console: Console, plane: launcher.ControlPlane) -> None:
@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     # 2. binaries (built from the Go module registry on first use, then cached)
     with console.status("kube-apiserver and etcd: building from the Go module registry "
                         "if not cached (first time: many minutes)"):
-        bins = build.ensure(log=console.log)
+        bins = launcher.binaries(log=console.log)
     console.print(f"binaries: {bins}")
 
     # 3. etcd + kube-apiserver, detached: they keep running after this command exits
