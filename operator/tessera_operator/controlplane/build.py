@@ -8,6 +8,7 @@ published v0.X.Y module so `go build k8s.io/kubernetes/cmd/kube-apiserver` works
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import os
 import re
@@ -19,7 +20,8 @@ from pathlib import Path
 
 # Newest first: if a release does not build from the registry we fall back to earlier minors.
 KUBERNETES_VERSIONS = ("v1.37.2", "v1.36.3", "v1.35.4")
-ETCD_VERSION = "v3.6.16"
+# Kubernetes 1.37 requires etcd v3.7.0; module version selection would raise a lower pin anyway.
+ETCD_VERSION = "v3.7.0"
 
 _STAGING_REPLACE = re.compile(r"^\s*(k8s\.io/[\w.-]+)\s*=>\s*\./staging/src/\S+\s*$", re.M)
 
@@ -87,6 +89,14 @@ def write_module(k8s_version: str, workdir: Path, log) -> None:
     )
 
 
+def _version_ldflags(k8s_version: str) -> str:
+    """Stamp the release into the binary, as the Kubernetes build does, so /version is truthful."""
+    major, minor, _ = k8s_version.removeprefix("v").split(".")
+    pkg = "k8s.io/component-base/version"
+    return (f"-X {pkg}.gitVersion={k8s_version} -X {pkg}.gitMajor={major} "
+            f"-X {pkg}.gitMinor={minor} -X {pkg}.gitTreeState=clean")
+
+
 def build(k8s_version: str, log=print) -> Path:
     out = bin_dir(k8s_version)
     with tempfile.TemporaryDirectory(prefix="tessera-cp-") as tmp:
@@ -97,22 +107,36 @@ def build(k8s_version: str, log=print) -> Path:
         # 2. build both binaries into a staging dir, then move into the cache atomically
         stage = work / "bin"
         stage.mkdir()
-        _go(["build", "-trimpath", "-ldflags=-s -w", "-o", str(stage / "kube-apiserver"),
+        ldflags = f"-ldflags=-s -w {_version_ldflags(k8s_version)}"
+        _go(["build", "-trimpath", ldflags, "-o", str(stage / "kube-apiserver"),
              "k8s.io/kubernetes/cmd/kube-apiserver"], work, log)
         _go(["build", "-trimpath", "-ldflags=-s -w", "-o", str(stage / "etcd"),
              "go.etcd.io/etcd/server/v3"], work, log)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        if out.exists():
-            shutil.rmtree(out)
-        shutil.copytree(stage, out)
+        # the cache dir appears whole or not at all, so a killed build never looks cached
+        partial = out.parent.with_name(out.parent.name + ".partial")
+        shutil.rmtree(partial, ignore_errors=True)
+        shutil.copytree(stage, partial / "bin")
+        shutil.rmtree(out.parent, ignore_errors=True)
+        partial.rename(out.parent)
     return out
 
 
 def ensure(log=print) -> Path:
-    """Return the directory holding kube-apiserver and etcd, building them on first use."""
+    """Return the directory holding kube-apiserver and etcd, building them on first use.
+
+    Concurrent callers (parallel test sessions, `tessera up`) serialize on a lock file, so only
+    the first builds and the rest find its result in the cache.
+    """
     cached = find_cached()
     if cached:
         return cached
+    cache_root().mkdir(parents=True, exist_ok=True)
+    with open(cache_root() / "build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return find_cached() or _build_newest_that_works(log)
+
+
+def _build_newest_that_works(log) -> Path:
     errors = []
     for version in KUBERNETES_VERSIONS:
         try:
@@ -120,7 +144,8 @@ def ensure(log=print) -> Path:
         except subprocess.CalledProcessError as exc:
             errors.append(f"{version}: {exc}")
             log(f"building Kubernetes {version} failed; trying an earlier minor")
-    raise RuntimeError("no Kubernetes release built from the module registry:\n" + "\n".join(errors))
+    raise RuntimeError(
+        "no Kubernetes release built from the module registry:\n" + "\n".join(errors))
 
 
 def main(argv: list[str] | None = None) -> int:
