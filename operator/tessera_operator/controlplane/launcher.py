@@ -151,9 +151,13 @@ class ControlPlane:
     def stop(self) -> None:
         """Stop the apiserver before etcd, and remove the data dir if start() created it."""
         for name in ("kube-apiserver", "etcd"):
-            if name in self.pids:
-                proc = next((p for p in self._procs if p.pid == self.pids[name]), None)
-                processes.stop_group(proc or self.pids[name])
+            pid = self.pids.get(name)
+            proc = next((p for p in self._procs if p.pid == pid), None)
+            if proc is not None:
+                processes.stop_group(proc)
+            # a pid from a saved state may have been reused since: only kill our own binary
+            elif pid is not None and processes.runs(pid, name):
+                processes.stop_group(pid)
         self.pids.clear()
         if self.owns_data_dir:
             shutil.rmtree(self.data_dir, ignore_errors=True)

@@ -60,6 +60,15 @@ def is_alive(proc: subprocess.Popen | int) -> bool:
     return True
 
 
+def runs(pid: int, program: str) -> bool:
+    """Whether process pid is running an executable named program (Linux /proc)."""
+    try:
+        argv0 = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0]
+    except OSError:
+        return False
+    return Path(argv0.decode(errors="replace")).name == program
+
+
 def wait_until(
     ready: Callable[[], bool], *, what: str, proc: subprocess.Popen, log_path: Path,
     timeout: float,

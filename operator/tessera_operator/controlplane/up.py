@@ -13,7 +13,7 @@ from tessera_operator.controlplane import crds, launcher
 
 
 def _announce(console: Console, plane: launcher.ControlPlane) -> None:
-    console.print(f"kubeconfig: [bold]{plane.kubeconfig}[/]  (server {plane.server})")
+    console.print(f"server:     {plane.server}\nkubeconfig: [bold]{plane.kubeconfig}[/]")
     # plain print on stdout so that `eval "$(tessera up | tail -1)"` works
     print(f"export KUBECONFIG={plane.kubeconfig}")
 
