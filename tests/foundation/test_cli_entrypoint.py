@@ -6,10 +6,11 @@ import os
 import re
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from tessera_operator.controlplane import crds, processes
+from tessera_operator.controlplane import crds, launcher, processes
 
 pytestmark = pytest.mark.foundation
 
@@ -34,28 +35,32 @@ def test_unknown_subcommand_fails_with_usage():
     assert "unknown command 'frobnicate'" in shown.stderr
 
 
-def test_up_is_idempotent_and_down_stops_everything(tmp_path):
+@pytest.fixture
+def state_env(tmp_path) -> Iterator[dict[str, str]]:
+    """An environment whose `tessera up` state lives in tmp_path; `down` runs whatever happens."""
     env = dict(os.environ, TESSERA_STATE_DIR=str(tmp_path))
-    first = tessera("up", env=env)
+    yield env
+    tessera("down", env=env)
+
+
+def test_up_is_idempotent_and_down_stops_everything(state_env, tmp_path):
+    first = tessera("up", env=state_env)
     assert first.returncode == 0, first.stderr
     export = first.stdout.strip().splitlines()[-1]
     kubeconfig = export.removeprefix("export KUBECONFIG=")
-    assert Path(kubeconfig).is_file()
     crd = subprocess.run(["kubectl", "--kubeconfig", kubeconfig, "get", "crd", "-o", "name"],
                          capture_output=True, text=True, timeout=60)
     expected = {f"customresourcedefinition.apiextensions.k8s.io/{doc['metadata']['name']}"
                 for doc in crds.load()}
     assert set(crd.stdout.split()) == expected
-    second = tessera("up", env=env)
+
+    second = tessera("up", env=state_env)
     assert second.returncode == 0, second.stderr
     assert "already running" in second.stderr
     assert second.stdout.strip().splitlines()[-1] == export
 
-    from tessera_operator.controlplane.launcher import ControlPlane, default_data_dir
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("TESSERA_STATE_DIR", str(tmp_path))
-        pids = ControlPlane.load(default_data_dir()).pids.values()
-    down = tessera("down", env=env)
+    pids = launcher.ControlPlane.load(tmp_path / "controlplane").pids.values()
+    down = tessera("down", env=state_env)
     assert down.returncode == 0, down.stderr
     assert not any(processes.is_alive(pid) for pid in pids)
     assert not (tmp_path / "controlplane").exists()

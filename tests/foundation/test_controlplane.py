@@ -6,6 +6,7 @@ import subprocess
 
 import pytest
 from kubernetes import client
+from tessera_operator.controlplane import processes
 
 pytestmark = pytest.mark.foundation
 
@@ -50,3 +51,13 @@ def test_service_account_token_is_subject_to_rbac(control_plane, admin_api, name
             pods.create_namespaced_pod(namespace, {"metadata": {"name": "x"}, "spec": {
                 "containers": [{"name": "x", "image": "busybox"}]}})
         assert err.value.status == 403
+
+
+def test_a_server_that_dies_at_startup_is_reported_with_its_log(tmp_path):
+    log = tmp_path / "server.log"
+    proc = processes.spawn(["sh", "-c", "echo 'bind: address already in use'; exit 3"], log)
+    with pytest.raises(processes.StartupError) as err:
+        processes.wait_until(lambda: False, what="fake-server", proc=proc, log_path=log,
+                             timeout=30)
+    assert "fake-server exited with code 3" in str(err.value)
+    assert "bind: address already in use" in str(err.value)
