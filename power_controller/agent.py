@@ -112,19 +112,25 @@ class Agent:
 
     # 3. actuate -----------------------------------------------------------------------------
 
-    def _set(self, gpu: GpuReading, milliwatts: int) -> int:
-        """Set one limit (recording the GPU first); the limit in force afterwards."""
-        where = f"GPU {gpu.index}"
-        try:
-            self.managed.add(gpu.uuid, gpu.default_mw)
-            self.backend.set_limit(gpu.index, milliwatts)
-            now = self.backend.read(gpu.index).limit_mw
-            self._ok(where)
-        except PowerError as err:
-            self._error(where, err)
-            return gpu.limit_mw
-        self._known_mw[gpu.index] = now
-        return now
+    def _apply(
+        self, changes: dict[int, int], readings: dict[int, GpuReading | None]
+    ) -> set[int]:
+        """Set limits (recording each GPU first), refreshing `readings`; the GPUs that failed."""
+        failed = set()
+        for index, milliwatts in changes.items():
+            gpu, where = readings[index], f"GPU {index}"
+            assert gpu is not None  # the policy only changes GPUs it could read
+            try:
+                self.managed.add(gpu.uuid, gpu.default_mw)
+                self.backend.set_limit(index, milliwatts)
+                readings[index] = after = self.backend.read(index)
+                self._ok(where)
+            except PowerError as err:
+                self._error(where, err)
+                failed.add(index)
+                continue
+            self._known_mw[index] = after.limit_mw
+        return failed
 
     def step(self) -> NodeStatus:
         try:
@@ -135,27 +141,37 @@ class Agent:
             return self.status
         readings = self._read_all(gpus)
         self._refresh_target()
-        views = self._views(readings)
-        decision = decide(views, self.target, self.clock(), self.step_mw)
+        views, now = self._views(readings), self.clock()
+        decision = decide(views, self.target, now, self.step_mw)
         if decision.reason.startswith("infeasible"):
             log.warning("%s", decision.reason)
 
-        limits = {v.index: v.limit_mw for v in views}
-        for index, mw in decision.lower.items():
-            limits[index] = self._set(readings[index], mw)
+        stuck = self._apply(decision.lower, readings)
+        if stuck:
+            # A GPU that refused its cut keeps its limit: decide again with it fixed, so the
+            # others are cut further and the budget still holds.
+            views = [
+                DeviceView(v.index, 0, 0, v.limit_mw, False) if v.index in stuck else v
+                for v in views
+            ]
+            decision = decide(views, self.target, now, self.step_mw)
+            self._apply(decision.lower, readings)
         if self.target is not None and decision.raise_:
-            admitted = admit_raises(limits, decision.raise_, self.target.budget_w * 1000)
-            for index, mw in admitted.items():
-                limits[index] = self._set(readings[index], mw)
+            limits = {v.index: self._limit(v, readings) for v in views}
+            budget_mw = self.target.budget_w * 1000
+            self._apply(admit_raises(limits, decision.raise_, budget_mw), readings)
 
-        self.status = self._render(gpus, readings, limits, decision.goals, decision.reason)
+        self.status = self._render(gpus, readings, decision.goals, decision.reason)
         return self.status
+
+    def _limit(self, view: DeviceView, readings: dict[int, GpuReading | None]) -> int:
+        reading = readings[view.index]
+        return reading.limit_mw if reading is not None else view.limit_mw
 
     def _render(
         self,
         gpus: list[GpuId],
         readings: dict[int, GpuReading | None],
-        limits: dict[int, int],
         goals: dict[int, int],
         reason: str,
     ) -> NodeStatus:
@@ -165,7 +181,7 @@ class Agent:
                 index=g.index,
                 uuid=g.uuid,
                 power_mw=r.power_mw if (r := readings[g.index]) else None,
-                limit_mw=limits[g.index] if r else None,
+                limit_mw=r.limit_mw if r else None,
                 target_mw=goals.get(g.index),
                 boosted=bool(t and goals and t.boosted(g.index)),
             )

@@ -1,0 +1,237 @@
+"""The power channel on a real kube-apiserver: RBAC from the shipped manifests, the CRD's schema,
+and a real agent process boosting and releasing simulated GPUs, restoring them on SIGTERM and
+after a crash."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
+from collections.abc import Callable, Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+
+import pytest
+import yaml
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+from kubernetes.dynamic import DynamicClient
+from tessera_operator.controlplane import crds
+
+from power_controller import channel
+from power_controller.planning import PowerPolicy, plan_rack, ratio_for_tp
+from power_controller.sim_backend import SimBackend
+from power_controller.state import ManagedGpus
+from power_controller.targets import to_object
+
+pytestmark = pytest.mark.power
+
+ROOT = Path(__file__).resolve().parents[2]
+NS = "tessera-system"
+OPERATOR, AGENT = "tessera-operator", "tessera-power-agent"
+W = 1000
+
+
+@pytest.fixture(scope="module")
+def power_api(control_plane) -> Iterator[Callable[[str, str], client.ApiClient]]:
+    """The GPUPowerTarget CRD and the shipped power-controller manifests, applied as shipped;
+    yields a factory of clients acting as a service account."""
+    with control_plane.api_client() as admin:
+        crds.apply(admin, [yaml.safe_load((ROOT / "crds/gpupowertarget.yaml").read_text())])
+        api = DynamicClient(admin)
+        for name in ("rbac.yaml", "daemonset.yaml"):
+            for doc in yaml.safe_load_all((ROOT / "manifests/power-controller" / name).read_text()):
+                kind = api.resources.get(api_version=doc["apiVersion"], kind=doc["kind"])
+                kind.server_side_apply(
+                    body=doc, name=doc["metadata"]["name"],
+                    namespace=doc["metadata"].get("namespace"), field_manager="tessera-tests",
+                    force_conflicts=True)
+    clients: list[client.ApiClient] = []
+
+    def as_account(namespace: str, name: str) -> client.ApiClient:
+        clients.append(control_plane.service_account_client(namespace, name))
+        return clients[-1]
+
+    yield as_account
+    for c in clients:
+        c.close()
+
+
+def _policy() -> PowerPolicy:
+    return PowerPolicy(base_w=500, boost_cap_w=700, rack_budget_w=4600, ttl_s=120)
+
+
+def _targets(node: str, failed: set[int]):
+    return plan_rack(_policy(), "rack-a", {node: 8}, {(node, i) for i in failed},
+                     ratio_for_tp(8, 7), datetime.now(UTC))[node]
+
+
+def _node() -> str:
+    return f"gpu-node-{uuid.uuid4().hex[:8]}"
+
+
+def test_shipped_manifests_are_accepted(admin_api: client.ApiClient, power_api) -> None:
+    ds = client.AppsV1Api(admin_api).read_namespaced_daemon_set(AGENT, NS)
+    pod = ds.spec.template.spec
+    assert pod.service_account_name == AGENT and pod.termination_grace_period_seconds == 30
+    assert pod.node_selector == {"nvidia.com/gpu.present": "true"}
+    env = {e.name: e.value for e in pod.containers[0].env}
+    assert env["NVIDIA_DRIVER_CAPABILITIES"] == "utility"
+    assert not pod.containers[0].security_context.privileged
+
+
+def test_only_the_operator_may_write_targets(power_api, namespace: str) -> None:
+    node = _node()
+    workload = power_api(namespace, "trainer")
+    with pytest.raises(ApiException) as denied:
+        channel.publish(workload, _targets(node, set()))
+    assert denied.value.status == 403
+
+    operator = power_api(NS, OPERATOR)
+    channel.publish(operator, _targets(node, set()))
+
+    agent = power_api(NS, AGENT)
+    assert channel.fetch(agent, node)["spec"]["baseWatts"] == 500
+    with pytest.raises(ApiException) as denied:
+        channel.publish(agent, _targets(node, {0}))
+    assert denied.value.status == 403
+    for attempt in (
+        lambda: client.CustomObjectsApi(agent).patch_cluster_custom_object(
+            "tessera.dev", "v1alpha1", "gpupowertargets", node, {"spec": {"baseWatts": 700}}),
+        lambda: channel.withdraw(agent, node),
+    ):
+        with pytest.raises(ApiException) as denied:
+            attempt()
+        assert denied.value.status == 403
+    assert channel.fetch(agent, node)["spec"]["baseWatts"] == 500
+    channel.withdraw(operator, node)
+    assert channel.fetch(agent, node) is None
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("budgetWatts", 5000), ("baseWatts", 9000), ("gpus", [{"index": 99, "watts": 600}]),
+     ("ttlSeconds", 0)],
+)
+def test_api_server_rejects_out_of_schema_targets(power_api, field: str, value) -> None:
+    body = to_object(_targets(_node(), set()))
+    body["spec"][field] = value
+    with pytest.raises(ApiException) as rejected:
+        client.CustomObjectsApi(power_api(NS, OPERATOR)).create_cluster_custom_object(
+            "tessera.dev", "v1alpha1", "gpupowertargets", body)
+    assert rejected.value.status == 422
+
+
+# --- a real agent process ------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait(what: str, condition: Callable[[], bool], timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.1)
+
+
+class AgentProcess:
+    """`tessera power-agent --backend sim` as the agent's service account."""
+
+    def __init__(self, control_plane, tmp: Path, node: str) -> None:
+        token = control_plane.service_account_token(NS, AGENT)
+        self.kubeconfig = tmp / "agent.kubeconfig"
+        self.kubeconfig.write_text(yaml.safe_dump(control_plane.token_kubeconfig(
+            token, f"system:serviceaccount:{NS}:{AGENT}")))
+        self.sim_state, self.state_dir, self.node = tmp / "gpus.json", tmp / "state", node
+        self.port = _free_port()
+        self.gpus = SimBackend(8, node, state_path=self.sim_state)
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tessera_operator.cli", "power-agent", "--node", self.node,
+             "--backend", "sim", "--sim-state", str(self.sim_state),
+             "--state-dir", str(self.state_dir), "--kubeconfig", str(self.kubeconfig),
+             "--interval", "0.2", "--step-watts", "100", "--metrics-addr", "127.0.0.1",
+             "--metrics-port", str(self.port)],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+    def metrics(self) -> str:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=2) as r:
+            return r.read().decode()
+
+    def stop(self, sig: int) -> tuple[int, str]:
+        assert self.proc is not None
+        self.proc.send_signal(sig)
+        out, _ = self.proc.communicate(timeout=15)
+        return self.proc.returncode, out
+
+    def managed(self) -> dict[str, int]:
+        return ManagedGpus.load(self.state_dir / f"{self.node}.json").defaults
+
+
+@pytest.fixture
+def agent(control_plane, power_api, tmp_path: Path) -> Iterator[AgentProcess]:
+    a = AgentProcess(control_plane, tmp_path, _node())
+    yield a
+    if a.proc and a.proc.poll() is None:
+        a.proc.kill()
+        a.proc.wait()
+    channel.withdraw(power_api(NS, OPERATOR), a.node)
+
+
+def test_boost_release_and_sigterm_restore_through_the_api(agent: AgentProcess, power_api) -> None:
+    operator = power_api(NS, OPERATOR)
+    channel.publish(operator, _targets(agent.node, set()))
+    agent.start()
+    _wait("base cap", lambda: agent.gpus.limits_mw() == [500 * W] * 8)
+
+    # GPU 5 fails: the operator boosts the 7 survivors for TP 8 -> 7, paid by GPU 5's budget.
+    degraded = _targets(agent.node, {5})
+    channel.publish(operator, degraded)
+    boost = degraded.gpu_w[0] * W
+    assert 600 * W < boost <= 700 * W
+    _wait("boost", lambda: agent.gpus.limits_mw() == [boost] * 5 + [200 * W] + [boost] * 2)
+    assert sum(agent.gpus.limits_mw()) <= degraded.budget_w * W
+    assert agent.gpus.speed(0) == pytest.approx(8 / 7, rel=0.01)  # the survivors keep pace
+    text = agent.metrics()
+    assert f'tessera_gpu_power_boosted{{gpu="0",node="{agent.node}"' in text
+    assert f'tessera_gpu_power_target_watts{{gpu="0",node="{agent.node}"' in text
+
+    # The GPU is back: release to the base cap.
+    channel.publish(operator, _targets(agent.node, set()))
+    _wait("release", lambda: agent.gpus.limits_mw() == [500 * W] * 8)
+
+    code, out = agent.stop(signal.SIGTERM)
+    assert code == 0, out
+    assert agent.gpus.limits_mw() == [700 * W] * 8  # the default limits
+    assert agent.managed() == {}
+
+
+def test_crashed_agent_is_undone_by_the_next_one(agent: AgentProcess, power_api) -> None:
+    operator = power_api(NS, OPERATOR)
+    channel.publish(operator, _targets(agent.node, {2}))
+    agent.start()
+    _wait("boost", lambda: agent.gpus.limits_mw()[2] == 200 * W
+          and min(agent.gpus.limits_mw()[3:]) > 600 * W)
+    agent.stop(signal.SIGKILL)
+    assert agent.gpus.limits_mw()[2] == 200 * W  # nobody restored anything
+    assert len(agent.managed()) == 8
+
+    channel.withdraw(operator, agent.node)  # no target: the new agent only restores
+    agent.start()
+    _wait("restore by the next agent", lambda: agent.gpus.limits_mw() == [700 * W] * 8)
+    _wait("state cleared", lambda: agent.managed() == {})
+    code, out = agent.stop(signal.SIGTERM)
+    assert code == 0, out

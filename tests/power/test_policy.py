@@ -1,0 +1,80 @@
+"""The agent's pure policy: device bounds, the budget, the ramp, and holding without a target."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+from powertest import NOW, make_target
+
+from power_controller.policy import DeviceView, admit_raises, decide, fit_budget
+
+pytestmark = pytest.mark.power
+
+W = 1000  # milliwatts per watt
+
+
+def _gpus(*limits_w: int, lo: int = 200, hi: int = 700) -> list[DeviceView]:
+    return [DeviceView(i, lo * W, hi * W, w * W) for i, w in enumerate(limits_w)]
+
+
+def test_fit_budget_cuts_the_highest_requests_first() -> None:
+    desired = {0: 700, 1: 700, 2: 500, 3: 200}
+    fitted = fit_budget(desired, dict.fromkeys(desired, 200), 1900)
+    assert fitted == {0: 600, 1: 600, 2: 500, 3: 200}
+
+
+def test_fit_budget_returns_floors_when_nothing_fits() -> None:
+    assert fit_budget({0: 700, 1: 700}, {0: 200, 1: 200}, 300) == {0: 200, 1: 200}
+
+
+def test_targets_are_clamped_into_each_devices_range() -> None:
+    t = make_target(budget_w=10_000, base_w=5000, gpu_w={1: 1})
+    d = decide(_gpus(500, 500, 500), t, NOW, step_mw=10_000 * W)
+    assert d.goals == {0: 700 * W, 1: 200 * W, 2: 700 * W}
+
+
+def test_over_budget_request_is_fitted_and_cuts_apply_at_once() -> None:
+    t = make_target(budget_w=2000, base_w=700, gpu_w={3: 200})
+    d = decide(_gpus(700, 700, 700, 700), t, NOW, step_mw=50 * W)
+    assert sum(d.goals.values()) <= 2000 * W
+    assert d.lower == d.goals and not d.raise_  # cutting is the safe direction: no ramp
+
+
+def test_raises_are_ramped_by_the_step() -> None:
+    t = make_target(budget_w=4000, gpu_w={0: 650, 1: 520})
+    d = decide(_gpus(500, 500), t, NOW, step_mw=50 * W)
+    assert d.raise_ == {0: 550 * W, 1: 520 * W}
+    assert d.goals == {0: 650 * W, 1: 520 * W}
+
+
+def test_targets_ramp_step_overrides_the_agents() -> None:
+    t = make_target(budget_w=4000, gpu_w={0: 650}, ramp_step_w=10)
+    assert decide(_gpus(500), t, NOW, step_mw=50 * W).raise_ == {0: 510 * W}
+
+
+def test_no_target_or_stale_target_holds_everything() -> None:
+    gpus = _gpus(700, 300)
+    assert decide(gpus, None, NOW, 50 * W).holding
+    stale = decide(gpus, make_target(ttl_s=30), NOW + timedelta(seconds=31), 50 * W)
+    assert stale.holding and not stale.lower and not stale.raise_
+
+
+def test_uncontrollable_gpus_count_against_the_budget_at_their_limit() -> None:
+    gpus = [*_gpus(500, 500), DeviceView(2, 0, 0, 700 * W, controllable=False)]
+    d = decide(gpus, make_target(budget_w=1700, gpu_w={0: 700, 1: 700}), NOW, 500 * W)
+    assert sum(d.goals.values()) == 1000 * W and set(d.goals) == {0, 1}
+
+
+def test_infeasible_budget_puts_everything_at_its_minimum_and_says_so() -> None:
+    d = decide(_gpus(500, 500), make_target(budget_w=300), NOW, 50 * W)
+    assert d.reason.startswith("infeasible") and d.lower == {0: 200 * W, 1: 200 * W}
+
+
+def test_admit_raises_shares_whatever_headroom_failed_cuts_left() -> None:
+    now = {0: 700 * W, 1: 500 * W, 2: 500 * W}  # GPU 0 should have been cut but was not
+    admitted = admit_raises(now, {1: 600 * W, 2: 550 * W}, 1760 * W)
+    assert sum(admitted.values()) - 1000 * W + 700 * W <= 1760 * W
+    assert admitted == {1: 540 * W, 2: 520 * W}
+    assert admit_raises(now, {1: 600 * W}, 1700 * W) == {}
+    assert admit_raises(now, {1: 600 * W}, 1800 * W) == {1: 600 * W}

@@ -1,0 +1,56 @@
+"""The agent's re-validation of GPUPowerTarget objects: what it accepts, refuses, and why."""
+
+from __future__ import annotations
+
+import copy
+from datetime import timedelta
+
+import pytest
+from powertest import NOW, make_target
+
+from power_controller.targets import InvalidTarget, parse_object, to_object
+
+pytestmark = pytest.mark.power
+
+
+def test_round_trip_through_the_api_shape() -> None:
+    t = make_target(gpu_w={3: 200, 0: 640}, ramp_step_w=25)
+    assert parse_object(to_object(t), "node-a") == t
+    assert [g["index"] for g in to_object(t)["spec"]["gpus"]] == [0, 3]
+
+
+@pytest.mark.parametrize(
+    ("mutate", "message"),
+    [
+        (lambda o: o["spec"].update(baseWatts=True), "baseWatts must be an integer"),
+        (lambda o: o["spec"].update(baseWatts="600"), "baseWatts must be an integer"),
+        (lambda o: o["spec"].update(baseWatts=600_000), "outside"),
+        (lambda o: o["spec"].update(budgetWatts=0), "budgetWatts=0 outside"),
+        (lambda o: o["spec"].update(rackBudgetWatts=10), "rackBudgetWatts=10 outside"),
+        (lambda o: o["spec"].update(gpus=[{"index": 1, "watts": 600}] * 2), "GPU 1 twice"),
+        (lambda o: o["spec"].update(gpus=[{"index": -1, "watts": 600}]), "index=-1"),
+        (lambda o: o["spec"].update(gpus=[{"index": 0, "watts": 9000}]), "watts=9000"),
+        (lambda o: o["spec"].update(gpus=[7]), "must be an object"),
+        (lambda o: o["spec"].update(gpus={"0": 600}), "must be a list"),
+        (lambda o: o["spec"].update(renewTime="yesterday"), "not RFC 3339"),
+        (lambda o: o["spec"].update(renewTime="2026-01-01T12:00:00"), "no time zone"),
+        (lambda o: o["spec"].update(ttlSeconds=1), "ttlSeconds=1 outside"),
+        (lambda o: o["spec"].update(rack=""), "rack must be a non-empty string"),
+        (lambda o: o["spec"].pop("baseWatts"), "baseWatts must be an integer"),
+        (lambda o: o["metadata"].update(name="node-b"), "for node 'node-b'"),
+        (lambda o: o.update(kind="ConfigMap"), "not a tessera.dev/v1alpha1 GPUPowerTarget"),
+        (lambda o: o.pop("spec"), "no spec"),
+    ],
+)
+def test_rejects_malformed_targets_with_the_field_named(mutate, message: str) -> None:
+    obj = copy.deepcopy(to_object(make_target()))
+    mutate(obj)
+    with pytest.raises(InvalidTarget, match=message):
+        parse_object(obj, "node-a")
+
+
+def test_staleness_in_both_directions() -> None:
+    t = make_target(ttl_s=60)
+    assert not t.stale(NOW + timedelta(seconds=60))
+    assert t.stale(NOW + timedelta(seconds=61))
+    assert t.stale(NOW - timedelta(seconds=61))  # renewTime far in the future is not trusted
