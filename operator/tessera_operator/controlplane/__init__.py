@@ -1,1 +1,1 @@
-"""A real local Kubernetes control plane (etcd + kube-apiserver) built from the Go module registry."""
+"""A real local Kubernetes control plane: etcd + kube-apiserver built from Go modules."""
