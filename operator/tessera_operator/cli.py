@@ -12,7 +12,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "tessera_operator.controlplane.build",
         "build kube-apiserver and etcd from the Go module registry (cached by version)",
     ),
-    "up": ("tessera_operator.controlplane.up", "start the local control plane and install the CRDs"),
+    "up": ("tessera_operator.controlplane.up", "start the local control plane, install the CRDs"),
     "down": ("tessera_operator.controlplane.down", "stop the local control plane"),
     "demo": ("tessera_operator.demo", "run the local demo end to end"),
     "power-agent": ("power_controller.agent", "run the node power agent (DaemonSet entry point)"),
