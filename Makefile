@@ -22,9 +22,11 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e '.[test]'
 	touch $(STAMP)
 
-# Debian packages: Prometheus for the metrics tests and the demo.
+# Debian packages: Prometheus for the metrics tests and the demo, openssl for the control plane's
+# certificates. kubectl comes with the machine; say so plainly if it does not.
 system:
-	command -v prometheus >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus; }
+	command -v prometheus >/dev/null && command -v openssl >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus openssl; }
+	@command -v kubectl >/dev/null || { echo "kubectl is not on the PATH: install it first" >&2; exit 1; }
 
 controlplane: deps
 	$(BIN)/tessera build-controlplane
