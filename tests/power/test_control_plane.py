@@ -44,7 +44,7 @@ def power_api(control_plane) -> Iterator[Callable[[str, str], client.ApiClient]]
     with control_plane.api_client() as admin:
         crds.apply(admin, [yaml.safe_load((ROOT / "crds/gpupowertarget.yaml").read_text())])
         api = DynamicClient(admin)
-        for name in ("rbac.yaml", "daemonset.yaml"):
+        for name in ("rbac.yaml", "admission.yaml", "daemonset.yaml"):
             for doc in yaml.safe_load_all((ROOT / "manifests/power-controller" / name).read_text()):
                 kind = api.resources.get(api_version=doc["apiVersion"], kind=doc["kind"])
                 kind.server_side_apply(
@@ -111,6 +111,47 @@ def test_only_the_operator_may_write_targets(power_api, namespace: str) -> None:
     assert channel.fetch(agent, node)["spec"]["baseWatts"] == 500
     channel.withdraw(operator, node)
     assert channel.fetch(agent, node) is None
+
+
+def test_admission_policy_refuses_writers_that_rbac_lets_through(
+    admin_api: client.ApiClient, power_api, namespace: str
+) -> None:
+    """A careless wildcard role on tessera.dev must still not let a user raise GPU power."""
+    rbac = client.RbacAuthorizationV1Api(admin_api)
+    role = f"tessera-dev-editor-{namespace}"
+    rbac.create_cluster_role({"metadata": {"name": role}, "rules": [
+        {"apiGroups": ["tessera.dev"], "resources": ["*"], "verbs": ["*"]}]})
+    rbac.create_cluster_role_binding({
+        "metadata": {"name": role},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": role},
+        "subjects": [{"kind": "ServiceAccount", "name": "editor", "namespace": namespace}]})
+    editor, node = power_api(namespace, "editor"), _node()
+
+    def refused() -> bool:
+        try:
+            channel.publish(editor, _targets(node, set()))
+        except ApiException as err:
+            assert err.status == 403, err
+            return "only the Tessera operator" in err.body
+        channel.withdraw(power_api(NS, OPERATOR), node)
+        return False
+
+    _wait("the admission policy to take effect", refused, timeout=15)
+    assert channel.fetch(editor, node) is None  # reading stays allowed by the wildcard role
+    channel.publish(power_api(NS, OPERATOR), _targets(node, set()))
+    channel.withdraw(power_api(NS, OPERATOR), node)
+
+
+def test_unreachable_api_server_fails_fast_as_a_source_error() -> None:
+    from kubernetes.client import Configuration
+
+    config = Configuration(host=f"https://127.0.0.1:{_free_port()}")
+    config.retries = 0
+    source = channel.KubeTargetSource(client.ApiClient(config), "any", timeout_s=2)
+    started = time.monotonic()
+    with pytest.raises(channel.SourceError, match="unreachable"):
+        source.fetch()
+    assert time.monotonic() - started < 3
 
 
 @pytest.mark.parametrize(
@@ -213,8 +254,10 @@ def test_boost_release_and_sigterm_restore_through_the_api(agent: AgentProcess, 
     channel.publish(operator, _targets(agent.node, set()))
     _wait("release", lambda: agent.gpus.limits_mw() == [500 * W] * 8)
 
+    started = time.monotonic()
     code, out = agent.stop(signal.SIGTERM)
     assert code == 0, out
+    assert time.monotonic() - started < 10  # well inside the DaemonSet's 30 s grace period
     assert agent.gpus.limits_mw() == [700 * W] * 8  # the default limits
     assert agent.managed() == {}
 
