@@ -14,7 +14,14 @@ from typing import Any
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
-from power_controller.targets import GROUP, PLURAL, VERSION, PowerTarget, to_object
+from power_controller.targets import (
+    GROUP,
+    OPTIONAL_FIELDS,
+    PLURAL,
+    VERSION,
+    PowerTarget,
+    to_object,
+)
 
 DEFAULT_TIMEOUT_S = 5.0
 
@@ -39,9 +46,12 @@ def publish(
     except ApiException as err:
         if err.status != 409:
             raise
-    # A merge patch replaces `gpus` as a whole, so GPUs dropped from the boost list go back to base.
+    # A merge patch replaces `gpus` as a whole, so GPUs dropped from the boost list go back to
+    # base; optional fields the new target leaves out are nulled, which deletes them.
+    patch = {"metadata": {"labels": body["metadata"]["labels"]},
+             "spec": dict.fromkeys(OPTIONAL_FIELDS) | body["spec"]}
     return api.patch_cluster_custom_object(
-        GROUP, VERSION, PLURAL, target.node, {"spec": body["spec"]}, _request_timeout=timeout_s
+        GROUP, VERSION, PLURAL, target.node, patch, _request_timeout=timeout_s
     )
 
 

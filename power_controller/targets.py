@@ -22,6 +22,7 @@ MAX_GPU_WATTS = 5000
 MAX_GPUS_PER_NODE = 64
 TTL_RANGE_S = (5, 86_400)
 _NAME_MAX = 253
+OPTIONAL_FIELDS = ("rampStepWatts",)
 
 
 class InvalidTarget(ValueError):

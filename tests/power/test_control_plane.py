@@ -13,6 +13,7 @@ import time
 import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -152,6 +153,16 @@ def test_unreachable_api_server_fails_fast_as_a_source_error() -> None:
     with pytest.raises(channel.SourceError, match="unreachable"):
         source.fetch()
     assert time.monotonic() - started < 3
+
+
+def test_republishing_replaces_the_whole_target(power_api) -> None:
+    operator, node = power_api(NS, OPERATOR), _node()
+    boosted = _targets(node, {1})
+    channel.publish(operator, replace(boosted, ramp_step_w=10))
+    channel.publish(operator, _targets(node, set()))
+    spec = channel.fetch(operator, node)["spec"]
+    assert spec["gpus"] == [] and "rampStepWatts" not in spec
+    channel.withdraw(operator, node)
 
 
 @pytest.mark.parametrize(
