@@ -22,6 +22,8 @@ import yaml
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 from kubernetes.dynamic import DynamicClient
+from prometheus_client.parser import text_string_to_metric_families
+from tcp_proxy import Proxy
 from tessera_operator.controlplane import crds
 
 from power_controller import channel
@@ -201,9 +203,11 @@ class AgentProcess:
 
     def __init__(self, control_plane, tmp: Path, node: str) -> None:
         token = control_plane.service_account_token(NS, AGENT)
+        self.proxy = Proxy(int(control_plane.server.rsplit(":", 1)[1]))
+        config = control_plane.token_kubeconfig(token, f"system:serviceaccount:{NS}:{AGENT}")
+        config["clusters"][0]["cluster"]["server"] = f"https://127.0.0.1:{self.proxy.port}"
         self.kubeconfig = tmp / "agent.kubeconfig"
-        self.kubeconfig.write_text(yaml.safe_dump(control_plane.token_kubeconfig(
-            token, f"system:serviceaccount:{NS}:{AGENT}")))
+        self.kubeconfig.write_text(yaml.safe_dump(config))
         self.sim_state, self.state_dir, self.node = tmp / "gpus.json", tmp / "state", node
         self.port = _free_port()
         self.gpus = SimBackend(8, node, state_path=self.sim_state)
@@ -240,6 +244,7 @@ def agent(control_plane, power_api, tmp_path: Path) -> Iterator[AgentProcess]:
     if a.proc and a.proc.poll() is None:
         a.proc.kill()
         a.proc.wait()
+    a.proxy.close()
     channel.withdraw(power_api(NS, OPERATOR), a.node)
 
 
@@ -289,3 +294,42 @@ def test_crashed_agent_is_undone_by_the_next_one(agent: AgentProcess, power_api)
     _wait("state cleared", lambda: agent.managed() == {})
     code, out = agent.stop(signal.SIGTERM)
     assert code == 0, out
+
+
+def _sample(text: str, name: str, **labels: str) -> float | None:
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                return s.value
+    return None
+
+
+def test_agent_rides_out_an_api_server_outage(agent: AgentProcess, power_api) -> None:
+    operator = power_api(NS, OPERATOR)
+    agent.start()
+    degraded = replace(_targets(agent.node, {5}), ttl_s=8)
+    channel.publish(operator, degraded)
+    boosted = [degraded.watts_for(i) * W for i in range(8)]
+    _wait("boost", lambda: agent.gpus.limits_mw() == boosted)
+
+    # The API server black-holes: every call must time out, the loop keep going, the boost hold.
+    agent.proxy.cut()
+    _wait("errors counted", lambda: (_sample(agent.metrics(), "tessera_power_agent_errors_total",
+                                             kind="SourceError") or 0) >= 2)
+    _wait("stale target held", lambda: _sample(
+        agent.metrics(), "tessera_power_agent_holding") == 1.0, timeout=15)
+    assert agent.gpus.limits_mw() == boosted
+
+    # Back online: the agent picks up the operator's release.
+    channel.publish(operator, _targets(agent.node, set()))
+    agent.proxy.mend()
+    _wait("release after the outage", lambda: agent.gpus.limits_mw()[:5] == [500 * W] * 5)
+
+    # Shutdown during an outage is not delayed by it: no API call on the way out.
+    agent.proxy.cut()
+    started = time.monotonic()
+    code, out = agent.stop(signal.SIGTERM)
+    assert code == 0, out
+    assert time.monotonic() - started < 10
+    assert agent.gpus.limits_mw() == [700 * W] * 8
+    assert "SourceError" in out or "unreachable" in out
