@@ -381,17 +381,27 @@ class JobLayout:
             "mode": self.mode,
             "global_batch": self.global_batch,
             "replicas": [[s.to_dict() for s in r.shards] for r in self.replicas],
+            "sync_shards": [p.to_dict() for p in self.partitions],
         }
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> JobLayout:
         try:
             shape = ModelShape(**data["shape"])
-            replicas = [
-                [RankShard.build(shape, s["q_heads"], s["mlp_cols"], s["vocab_rows"]) for s in r]
-                for r in data["replicas"]
-            ]
-            return layout_from_shards(shape, replicas, data["global_batch"], data["mode"])
+
+            def shards(items: Sequence[Mapping[str, Sequence[int]]]) -> list[RankShard]:
+                return [
+                    RankShard.build(shape, s["q_heads"], s["mlp_cols"], s["vocab_rows"])
+                    for s in items
+                ]
+
+            return layout_from_shards(
+                shape,
+                [shards(r) for r in data["replicas"]],
+                data["global_batch"],
+                data["mode"],
+                sync_shards=shards(data["sync_shards"]) if "sync_shards" in data else None,
+            )
         except (KeyError, TypeError) as exc:
             raise PlanError(f"malformed layout document: {exc!r}") from exc
 
@@ -454,8 +464,13 @@ def layout_from_shards(
     replica_shards: Sequence[Sequence[RankShard]],
     global_batch: int,
     mode: str,
+    sync_shards: Sequence[RankShard] | None = None,
 ) -> JobLayout:
-    """A job layout from explicit per-replica shards (any valid layouts, contiguous or not)."""
+    """A job layout from explicit per-replica shards (any valid layouts, contiguous or not).
+
+    The sync partitions come from `sync_shards` (a full layout with at most as many ranks as the
+    smallest replica), by default from the smallest replica itself.
+    """
     if mode not in MODES:
         raise PlanError(f"mode must be one of {MODES}, got {mode!r}")
     if not replica_shards:
@@ -463,7 +478,14 @@ def layout_from_shards(
     for shards in replica_shards:
         validate_replica(shape, shards)
     smallest = min(replica_shards, key=len)
-    partitions = sync_partitions(shape, smallest)
+    if sync_shards is None:
+        sync_shards = smallest
+    elif len(sync_shards) > len(smallest):
+        raise PlanError(
+            f"{len(sync_shards)} sync partitions need every replica to have at least as many ranks"
+        )
+    validate_replica(shape, sync_shards)
+    partitions = sync_partitions(shape, sync_shards)
     degrees = [len(s) for s in replica_shards]
     batches = split_batch(global_batch, degrees if mode == "ntp" else [1] * len(degrees))
     syncs: dict[tuple[RankShard, ...], ReplicaSync] = {}
