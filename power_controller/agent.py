@@ -121,15 +121,21 @@ class Agent:
             gpu, where = readings[index], f"GPU {index}"
             assert gpu is not None  # the policy only changes GPUs it could read
             try:
+                # Write-ahead: a GPU that cannot be recorded is not changed.
                 self.managed.add(gpu.uuid, gpu.default_mw)
                 self.backend.set_limit(index, milliwatts)
-                readings[index] = after = self.backend.read(index)
-                self._ok(where)
-            except PowerError as err:
+            except (PowerError, OSError) as err:
                 self._error(where, err)
                 failed.add(index)
                 continue
-            self._known_mw[index] = after.limit_mw
+            self._known_mw[index] = milliwatts
+            try:
+                readings[index] = after = self.backend.read(index)  # the driver may round
+                self._known_mw[index] = after.limit_mw
+                self._ok(where)
+            except PowerError as err:
+                readings[index] = replace(gpu, limit_mw=milliwatts)
+                self._error(where, err)
         return failed
 
     def step(self) -> NodeStatus:

@@ -175,3 +175,10 @@ def test_metrics_render_per_gpu_and_per_rack(tmp_path: Path) -> None:
     assert samples[("tessera_rack_power_limit_watts", None)] == 2020
     assert samples[("tessera_rack_power_usage_watts", None)] == 300 + 520 + 500 + 500
     assert samples[("tessera_power_agent_holding", None)] == 0
+
+
+def test_a_gpu_whose_change_cannot_be_recorded_is_not_changed(tmp_path: Path) -> None:
+    agent, sim, _, _ = _agent(tmp_path, budget_w=2000, base_w=500)
+    (tmp_path / "state.json").mkdir()  # the host record cannot be written
+    agent.step()
+    assert sim.limits_mw() == [700 * W] * 4 and agent.status.errors["IsADirectoryError"] == 4

@@ -167,6 +167,19 @@ def test_republishing_replaces_the_whole_target(power_api) -> None:
     channel.withdraw(operator, node)
 
 
+def test_publish_all_writes_a_racks_shares_within_its_budget(power_api) -> None:
+    operator, nodes = power_api(NS, OPERATOR), {_node(): 4, _node(): 4}
+    policy = PowerPolicy(base_w=500, rack_budget_w=4300)
+    first = next(iter(nodes))
+    targets = plan_rack(policy, "rack-b", nodes, {(first, 0)}, 1.3, datetime.now(UTC))
+    channel.publish_all(operator, targets)
+    budgets = {n: channel.fetch(operator, n)["spec"]["budgetWatts"] for n in nodes}
+    assert budgets == {n: t.budget_w for n, t in targets.items()}
+    assert sum(budgets.values()) <= 4300
+    for n in nodes:
+        channel.withdraw(operator, n)
+
+
 @pytest.mark.parametrize(
     ("field", "value"),
     [("budgetWatts", 5000), ("baseWatts", 9000), ("gpus", [{"index": 99, "watts": 600}]),
