@@ -16,6 +16,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from ntp.launch import launch_local
 from ntp.model import FLAVORS
 from ntp.plan import JobLayout, layout_from_shards, plan_job, plan_replica
@@ -36,9 +38,10 @@ def _median_over_steps(per_rank: list[list[float]], warmup: int) -> float:
     return statistics.median(slowest)
 
 
-def run_layout(layout: JobLayout, flavor: str, steps: int, warmup: int) -> RunFigures:
+def run_layout(layout: JobLayout, flavor: str, steps: int, warmup: int, device: str) -> RunFigures:
     with tempfile.TemporaryDirectory(prefix="ntp-bench-") as tmp:
         args = ["--flavor", flavor, "--steps", str(steps + warmup), "--out", tmp]
+        args += ["--device", device]
         launch_local(layout, args, timeout_s=600)
         metrics = [
             json.loads((Path(tmp) / f"rank{r}.json").read_text()) for r in range(layout.world_size)
@@ -88,10 +91,17 @@ def main(argv: list[str]) -> int:
     mixed_degrees = [n1] * (replicas - 1) + [n2]
     mixed = plan_job(shape, mixed_degrees, global_batch=k * sum(mixed_degrees), mode="ntp")
 
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    device = "cuda" if gpus >= uniform.world_size else "cpu"
+    where = (
+        f"NCCL on {gpus} GPUs"
+        if device == "cuda"
+        else f"gloo on CPU ({gpus} GPUs, too few for {uniform.world_size} ranks), "
+        f"{os.cpu_count()} cores shared by up to {uniform.world_size} ranks"
+    )
     print(
         f"model {opts.flavor} (hidden {shape.hidden}, {shape.n_heads} heads / {shape.n_kv_heads} "
-        f"KV, ffn {shape.ffn}, {shape.n_layers} layers, seq {shape.seq_len}); gloo on CPU, "
-        f"{os.cpu_count()} cores shared by up to {uniform.world_size} ranks"
+        f"KV, ffn {shape.ffn}, {shape.n_layers} layers, seq {shape.seq_len}); {where}"
     )
     # The healthy replicas alone, synchronized through the mixed job's core/extra mapping: same
     # ranks and work as the uniform run, so the ratio isolates the mapping's cost.
@@ -106,7 +116,7 @@ def main(argv: list[str]) -> int:
     # Interleaved rounds, so drifting load on a shared machine hits every layout alike.
     rounds = [
         [
-            run_layout(job, opts.flavor, opts.steps, opts.warmup)
+            run_layout(job, opts.flavor, opts.steps, opts.warmup, device)
             for job in (uniform, core_extra, mixed)
         ]
         for _ in range(opts.rounds)

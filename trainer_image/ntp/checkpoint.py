@@ -48,9 +48,9 @@ def gather_tensor(
     full_shape[spec.dim] = shape.unit_count(spec.kind) * unit_size(shape, spec.kind)
     dense = local.new_zeros(full_shape)
     values = local.detach().index_select(
-        spec.dim, element_index(shape, spec.kind, local_positions(held, mine))
+        spec.dim, element_index(shape, spec.kind, local_positions(held, mine)).to(local.device)
     )
-    dense.index_copy_(spec.dim, element_index(shape, spec.kind, mine), values)
+    dense.index_copy_(spec.dim, element_index(shape, spec.kind, mine).to(local.device), values)
     if dist.get_world_size(group) > 1:
         dist.all_reduce(dense, group=group)
     return dense
@@ -121,12 +121,12 @@ def load_checkpoint(
         )
     with torch.no_grad():
         for name, p in params.items():
-            p.copy_(_slice(name, state["model"][name], shape, shard))
+            p.copy_(_slice(name, state["model"][name], shape, shard))  # copy_ moves devices
     if optimizer is None or state.get("optimizer") is None:
         return
     optim = state["optimizer"]
     for name, p in params.items():
         optimizer.state[p] = {
             "step": torch.tensor(float(optim["step"])),
-            **{m: _slice(name, optim[m][name], shape, shard) for m in MOMENTS},
+            **{m: _slice(name, optim[m][name], shape, shard).to(p.device) for m in MOMENTS},
         }

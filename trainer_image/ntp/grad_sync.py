@@ -91,6 +91,7 @@ class GradSync:
             self._build_bucket(names) for names in self._bucket_names(model, bucket_elements)
         ]
         self._inflight: list[_Bucket] = []
+        self._empty = torch.zeros(0, device=next(model.parameters()).device)
         for bucket in self._buckets:
             for p in bucket.params:
                 p.register_post_accumulate_grad_hook(lambda _p, b=bucket: self._on_grad(b))
@@ -131,12 +132,18 @@ class GradSync:
             unit_elements=unit_size(self.shape, kind)
             * math.prod(n for i, n in enumerate(p.shape) if i != spec.dim),
             send_index=[
-                element_index(self.shape, kind, local_positions(held, sends[d].units(kind)))
+                element_index(self.shape, kind, local_positions(held, sends[d].units(kind))).to(
+                    p.device
+                )
                 for d in range(tp)
             ],
             send_units=[len(sends[d].units(kind)) for d in range(tp)],
             recv_pos=[
-                torch.tensor(local_positions(part_units, receives[s].units(kind)), dtype=torch.long)
+                torch.tensor(
+                    local_positions(part_units, receives[s].units(kind)),
+                    dtype=torch.long,
+                    device=p.device,
+                )
                 for s in range(tp)
             ],
             partition_units=len(part_units),
@@ -199,7 +206,7 @@ class GradSync:
             for d in range(self.sync.tp)
             for r in bucket.routes
         ]
-        outgoing = torch.cat(chunks) * self.weight if chunks else torch.zeros(0)
+        outgoing = torch.cat(chunks) * self.weight if chunks else self._empty
         bucket.inbox = self._all_to_all(bucket, outgoing, bucket.recv_splits, bucket.send_splits)
         if bucket.replicated:
             flat = torch.cat([p.grad.reshape(-1) for p in bucket.replicated])
@@ -254,7 +261,7 @@ class GradSync:
                 for s in range(self.sync.tp)
                 for r, view in zip(bucket.routes, views, strict=True)
             ]
-        outgoing = torch.cat(chunks) if chunks else torch.zeros(0)
+        outgoing = torch.cat(chunks) if chunks else self._empty
         bucket.inbox = self._all_to_all(bucket, outgoing, bucket.send_splits, bucket.recv_splits)
         bucket.stage = 3
 

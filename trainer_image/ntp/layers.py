@@ -90,7 +90,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         shifted = logits - logits_max.unsqueeze(-1)
         local_target = lookup[targets]
         mine = local_target >= 0
-        rows = torch.arange(len(targets))
+        rows = torch.arange(len(targets), device=logits.device)
         target_logit = shifted[rows, local_target.clamp(min=0)] * mine
         exp = shifted.exp()
         sum_exp = exp.sum(dim=-1)
@@ -103,7 +103,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         softmax, local_target, mine = ctx.saved_tensors
         grad_logits = softmax.clone()
-        rows = torch.arange(len(local_target))
+        rows = torch.arange(len(local_target), device=softmax.device)
         grad_logits[rows, local_target.clamp(min=0)] -= mine.to(softmax.dtype)
         return grad_logits * grad.unsqueeze(-1), None, None, None
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from functools import partial
 
 import torch
 from torch import nn
@@ -67,6 +66,10 @@ def apply_ntp(
             )
             block.register_forward_hook(lambda _m, _args, out: reduce_from_tp(out, group))
     model.output.register_forward_pre_hook(lambda _m, args: (copy_to_tp(args[0], group),))
-    return partial(
-        vocab_parallel_cross_entropy, lookup=vocab_lookup(rows, shape.vocab), group=group
-    )
+    # The loss reads the lookup from the model so it follows the model to its device.
+    model.output.register_buffer("vocab_lookup", vocab_lookup(rows, shape.vocab), persistent=False)
+
+    def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return vocab_parallel_cross_entropy(logits, targets, model.output.vocab_lookup, group)
+
+    return loss_fn

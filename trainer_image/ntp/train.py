@@ -31,6 +31,7 @@ class TrainConfig:
     seed: int = 0
     bucket_elements: int = DEFAULT_BUCKET_ELEMENTS
     overlap: bool = True
+    device: str = "cpu"
 
 
 @dataclass
@@ -63,6 +64,8 @@ class Trainer:
         self.model = build_model(self.args, seed=config.seed)
         dense = None if init is None else init["model"]
         self.loss_fn = apply_ntp(self.model, self.shard, self.groups.tp, state_dict=dense)
+        self.device = torch.device(config.device)
+        self.model.to(self.device)
         # 3. AdamW is elementwise, so local shards with their own state do exactly the dense math.
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=config.lr, weight_decay=config.weight_decay, foreach=False
@@ -89,7 +92,7 @@ class Trainer:
         rows = slice(
             self.replica.batch_offset, self.replica.batch_offset + self.replica.local_batch
         )
-        inputs, targets = split_inputs(tokens[rows])
+        inputs, targets = split_inputs(tokens[rows].to(self.device))
         loss = self.loss_fn(self.model(inputs), targets)
         loss.backward()
         return loss.detach()
@@ -99,21 +102,26 @@ class Trainer:
 
         `on_grads` sees the synchronized gradients before the optimizer uses them.
         """
-        t0 = time.perf_counter()
+        t0 = self._now()
         loss = self.forward_backward()
-        t1 = time.perf_counter()
+        t1 = self._now()
         self.sync.finish()
-        t2 = time.perf_counter()
+        t2 = self._now()
         if on_grads is not None:
             on_grads(self)
         self.optimizer.step()
         self.optimizer.zero_grad()
         self.step += 1
-        t3 = time.perf_counter()
+        t3 = self._now()
         self.times.compute_s.append(t1 - t0)
         self.times.sync_s.append(t2 - t1)
         self.times.step_s.append(t3 - t0)
         return self.global_loss(loss)
+
+    def _now(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
 
     def global_loss(self, local: torch.Tensor) -> float:
         weighted = local * self.layout.sample_weight(self.groups.replica)
@@ -146,14 +154,28 @@ class Trainer:
         )
 
 
-def init_distributed() -> None:
+def pick_device(requested: str) -> str:
+    """`cpu` (gloo) or this rank's GPU (NCCL); `auto` takes GPUs when each rank can have one."""
+    ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if requested == "cpu" or (requested == "auto" and gpus < ranks_here):
+        return "cpu"
+    if gpus < ranks_here:
+        raise ValueError(f"--device cuda needs {ranks_here} GPUs on this host, found {gpus}")
+    local_rank = int(os.environ.get("LOCAL_RANK", os.environ["RANK"]))
+    return f"cuda:{local_rank % gpus}"
+
+
+def init_distributed(device: str) -> None:
     """Join the job through a TCPStore hosted outside the ranks (MASTER_ADDR/PORT)."""
     store = dist.TCPStore(
         os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False
     )
     prefix = os.environ.get("TESSERA_GENERATION", "gen0")
+    if device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(device))
     dist.init_process_group(
-        backend="gloo",
+        backend="nccl" if device.startswith("cuda") else "gloo",
         store=dist.PrefixStore(prefix, store),
         rank=int(os.environ["RANK"]),
         world_size=int(os.environ["WORLD_SIZE"]),
@@ -169,6 +191,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--bucket-elements", type=int, default=DEFAULT_BUCKET_ELEMENTS)
     parser.add_argument("--no-overlap", action="store_true", help="sync only after backward")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"])
     parser.add_argument("--init", type=Path, help="dense checkpoint to start from")
     parser.add_argument("--save", type=Path, help="write the dense checkpoint here at the end")
     parser.add_argument("--out", type=Path, help="directory for per-rank metrics and grad dumps")
@@ -180,15 +203,19 @@ def main(argv: list[str] | None = None) -> int:
     opts = parse_args(sys.argv[1:] if argv is None else argv)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     layout = JobLayout.from_dict(json.loads(opts.layout.read_text()))
+    device = pick_device(opts.device)
     config = TrainConfig(
+        device=device,
         flavor=opts.flavor,
         lr=opts.lr,
         seed=opts.seed,
         bucket_elements=opts.bucket_elements,
         overlap=not opts.no_overlap,
     )
-    init_distributed()
-    init = None if opts.init is None else torch.load(opts.init, weights_only=True)
+    init_distributed(device)
+    init = (
+        None if opts.init is None else torch.load(opts.init, weights_only=True, map_location="cpu")
+    )
     trainer = Trainer(layout, config, init)
     replica, rank = trainer.groups.replica, trainer.groups.rank
     if opts.out is not None:
