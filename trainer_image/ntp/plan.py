@@ -475,7 +475,9 @@ def layout_from_shards(
         raise PlanError(f"mode must be one of {MODES}, got {mode!r}")
     if not replica_shards:
         raise PlanError("a job needs at least one replica")
-    for shards in replica_shards:
+    # Replicas at one degree usually share one layout: validate and map each distinct one once.
+    distinct = {tuple(shards) for shards in replica_shards}
+    for shards in distinct:
         validate_replica(shape, shards)
     smallest = min(replica_shards, key=len)
     if sync_shards is None:
@@ -484,7 +486,8 @@ def layout_from_shards(
         raise PlanError(
             f"{len(sync_shards)} sync partitions need every replica to have at least as many ranks"
         )
-    validate_replica(shape, sync_shards)
+    if tuple(sync_shards) not in distinct:
+        validate_replica(shape, sync_shards)
     partitions = sync_partitions(shape, sync_shards)
     degrees = [len(s) for s in replica_shards]
     batches = split_batch(global_batch, degrees if mode == "ntp" else [1] * len(degrees))
