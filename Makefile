@@ -27,6 +27,7 @@ $(STAMP): pyproject.toml
 system:
 	command -v prometheus >/dev/null && command -v openssl >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus openssl; }
 	@command -v kubectl >/dev/null || { echo "kubectl is not on the PATH: install it first" >&2; exit 1; }
+	@command -v go >/dev/null || { echo "Go >= 1.26 is needed to build kube-apiserver and etcd (or set TESSERA_BIN_DIR)" >&2; exit 1; }
 
 controlplane: deps
 	$(BIN)/tessera build-controlplane

@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # 2. submit the example job the way a user does
     applied = _kubectl(kubeconfig, "apply", "-f", str(args.job))
-    _show(console, f"kubectl apply -f {args.job.relative_to(REPO)}", applied)
+    _show(console, f"kubectl apply -f {args.job}", applied)
     if applied.returncode != 0:
         return 1
     _show(console, "kubectl get ntpjob", _kubectl(kubeconfig, "get", "ntpjob"))
