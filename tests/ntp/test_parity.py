@@ -30,8 +30,8 @@ STATE_TOL = 5e-4
 
 
 @cache
-def dense_run(global_batch: int, steps: int) -> dict:
-    """The reference: one process, the full global batch, torch's own cross entropy."""
+def dense_run(global_batch: int, steps: int, max_grad_norm: float | None = None) -> dict:
+    """The reference: one process, the full global batch, torch's own loss and clipping."""
     torch.manual_seed(0)
     model = build_model(ARGS, seed=0)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1, foreach=False)
@@ -42,6 +42,8 @@ def dense_run(global_batch: int, steps: int) -> dict:
         )
         loss = cross_entropy_loss(model(inputs), targets)
         loss.backward()
+        if max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
         if step == 0:
             grads = {n: p.grad.clone() for n, p in model.named_parameters()}
         opt.step()
@@ -112,7 +114,10 @@ def interleaved(tp: int, offset: int = 0) -> list[RankShard]:
 # name -> (layout, extra trainer flags)
 LAYOUTS = {
     "tp4+tp3": (lambda: plan_job(SHAPE, [4, 3], global_batch=14), ()),
-    "tp4+tp4+tp2": (lambda: plan_job(SHAPE, [4, 4, 2], global_batch=20), ()),
+    "tp4+tp4+tp2, clipped at norm 0.5": (
+        lambda: plan_job(SHAPE, [4, 4, 2], global_batch=20),
+        ("--max-grad-norm", "0.5"),
+    ),
     "tp3+tp2 gqa 12q/4kv": (lambda: plan_job(SHAPE, [3, 2], global_batch=10), ()),
     "non-contiguous tp3+tp2 ntp-pw, sync after backward": (
         lambda: layout_from_shards(
@@ -128,7 +133,8 @@ def test_layout_matches_dense(name, tmp_path, capsys):
     make, extra = LAYOUTS[name]
     layout = make()
     got = run_layout(layout, tmp_path, STEPS, extra=extra)
-    want = dense_run(layout.global_batch, STEPS)
+    clip = float(extra[extra.index("--max-grad-norm") + 1]) if "--max-grad-norm" in extra else None
+    want = dense_run(layout.global_batch, STEPS, clip)
 
     # 1. Loss and every parameter's gradient after one step, on every replica.
     assert got["losses"][0] == pytest.approx(want["losses"][0], rel=1e-5)

@@ -11,19 +11,17 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from ntp.plan import ModelShape, RankShard
-from ntp.sharding import element_index, local_positions, shard_tensor, spec_of, unit_size
+from ntp.sharding import (
+    counted_units,
+    element_index,
+    local_positions,
+    shard_tensor,
+    spec_of,
+    unit_size,
+)
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 DenseState = dict[str, Any]  # {"model": {name: tensor}, "optimizer": {...} | None}
-
-
-def _kv_writers(shards: Sequence[RankShard]) -> dict[int, int]:
-    """The one rank that contributes each KV head when gathering (the lowest holder)."""
-    writers: dict[int, int] = {}
-    for rank, shard in enumerate(shards):
-        for g in shard.kv_heads:
-            writers.setdefault(g, rank)
-    return writers
 
 
 def gather_tensor(
@@ -39,11 +37,7 @@ def gather_tensor(
     if spec is None:
         return local.detach().clone()
     held = shards[rank].units(spec.kind)
-    if spec.kind == "kv_heads":
-        writers = _kv_writers(shards)
-        mine = [g for g in held if writers[g] == rank]
-    else:
-        mine = list(held)
+    mine = counted_units(shards, rank, spec.kind)
     full_shape = list(local.shape)
     full_shape[spec.dim] = shape.unit_count(spec.kind) * unit_size(shape, spec.kind)
     dense = local.new_zeros(full_shape)

@@ -62,6 +62,18 @@ def local_positions(held: Sequence[int], units: Sequence[int]) -> list[int]:
     return [where[u] for u in units]
 
 
+def counted_units(shards: Sequence[RankShard], rank: int, kind: str) -> list[int]:
+    """The units `rank` answers for when a replica's units are each counted once.
+
+    Every unit has one holder except KV heads, whose copies are counted at their lowest holder.
+    """
+    held = shards[rank].units(kind)
+    if kind != "kv_heads":
+        return list(held)
+    lower = {g for shard in shards[:rank] for g in shard.kv_heads}
+    return [g for g in held if g not in lower]
+
+
 def shard_tensor(
     full: torch.Tensor, shape: ModelShape, spec: ParamSpec, shard: RankShard
 ) -> torch.Tensor:

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from ntp.checkpoint import DenseState, gather_checkpoint, gather_tensor, load_checkpoint
+from ntp.clip import clip_grad_norm_
 from ntp.data import split_inputs, synthetic_batch
 from ntp.grad_sync import DEFAULT_BUCKET_ELEMENTS, GradSync
 from ntp.groups import build_groups
@@ -32,6 +33,7 @@ class TrainConfig:
     bucket_elements: int = DEFAULT_BUCKET_ELEMENTS
     overlap: bool = True
     device: str = "cpu"
+    max_grad_norm: float | None = None
 
 
 @dataclass
@@ -107,6 +109,15 @@ class Trainer:
         t1 = self._now()
         self.sync.finish()
         t2 = self._now()
+        if self.config.max_grad_norm is not None:
+            clip_grad_norm_(
+                self.model,
+                self.config.max_grad_norm,
+                self.layout.shape,
+                self.replica.shards,
+                self.groups.rank,
+                self.groups.tp,
+            )
         if on_grads is not None:
             on_grads(self)
         self.optimizer.step()
@@ -190,6 +201,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--bucket-elements", type=int, default=DEFAULT_BUCKET_ELEMENTS)
+    parser.add_argument("--max-grad-norm", type=float, help="clip by the global gradient norm")
     parser.add_argument("--no-overlap", action="store_true", help="sync only after backward")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"])
     parser.add_argument("--init", type=Path, help="dense checkpoint to start from")
@@ -211,6 +223,7 @@ def main(argv: list[str] | None = None) -> int:
         seed=opts.seed,
         bucket_elements=opts.bucket_elements,
         overlap=not opts.no_overlap,
+        max_grad_norm=opts.max_grad_norm,
     )
     init_distributed(device)
     init = (

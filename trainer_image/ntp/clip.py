@@ -1,0 +1,49 @@
+"""Gradient clipping by the global norm of a sharded model, each unit counted once."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ntp.plan import ModelShape, RankShard
+from ntp.sharding import counted_units, element_index, local_positions, spec_of
+
+
+def clip_grad_norm_(
+    model: nn.Module,
+    max_norm: float,
+    shape: ModelShape,
+    shards: Sequence[RankShard],
+    rank: int,
+    group: dist.ProcessGroup,
+) -> float:
+    """torch.nn.utils.clip_grad_norm_ of the dense model, for synchronized sharded gradients.
+
+    KV copies hold the same gradient after the sync, so only the lowest holder counts them;
+    replicated parameters are counted on rank 0. Returns the total norm.
+    """
+    squares = []
+    for name, p in model.named_parameters():
+        spec = spec_of(name)
+        if spec is None:
+            counted = p.grad if rank == 0 else p.grad[:0]
+        elif spec.kind == "kv_heads":
+            held = shards[rank].units(spec.kind)
+            keep = local_positions(held, counted_units(shards, rank, spec.kind))
+            index = element_index(shape, spec.kind, keep).to(p.device)
+            counted = p.grad.index_select(spec.dim, index)
+        else:
+            counted = p.grad
+        squares.append(counted.float().pow(2).sum())
+    total = torch.stack(squares).sum()
+    if dist.get_world_size(group) > 1:
+        dist.all_reduce(total, group=group)
+    norm = total.sqrt()
+    # The same coefficient as torch's, applied unconditionally like torch does.
+    coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+    for p in model.parameters():
+        p.grad.mul_(coef.to(p.grad.dtype))
+    return float(norm)
