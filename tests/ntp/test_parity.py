@@ -8,6 +8,7 @@ same global batches.
 from __future__ import annotations
 
 import json
+import shutil
 from functools import cache
 from pathlib import Path
 
@@ -83,16 +84,17 @@ def run_layout(
         "--bucket-elements",
         "3000",
     ]
-    if init is None:
-        args.append("--dump-grads")
-    else:
+    if init is not None:
         args += ["--init", str(init)]
+    resumed = init is not None or "--resume" in extra
+    if not resumed:
+        args.append("--dump-grads")
     launch_local(layout, args, timeout_s=240)
     metrics = [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(layout.world_size)]
     return {
         "losses": metrics[0]["losses"],
         "grads": [torch.load(tmp / f"grads-replica{r}.pt") for r in range(len(layout.replicas))]
-        if init is None
+        if not resumed
         else [],
         "ckpt": torch.load(tmp / "ckpt.pt"),
     }
@@ -180,7 +182,10 @@ def test_checkpoint_moves_between_layouts(tmp_path):
     ):
         assert got.keys() == want.keys()
         assert all(torch.equal(got[n], want[n]) for n in want)
-    b = run_layout(second, tmp_path / "b", steps=3, init=tmp_path / "a" / "ckpt.pt")
+    # Checkpoint-restart style: resume from the job's own checkpoint path, saving every step.
+    (tmp_path / "b").mkdir()
+    shutil.copy(tmp_path / "a" / "ckpt.pt", tmp_path / "b" / "ckpt.pt")
+    b = run_layout(second, tmp_path / "b", steps=3, extra=("--resume", "--save-every", "1"))
     want = dense_run(12, 6)
     assert a["losses"] + b["losses"] == pytest.approx(want["losses"], abs=1e-5)
     assert b["ckpt"]["optimizer"]["step"] == 6

@@ -193,6 +193,27 @@ def init_distributed(device: str) -> None:
     )
 
 
+def log_step(trainer: Trainer, loss: float) -> None:
+    """One JSON line per step on stdout, for whoever supervises the job."""
+    record = {
+        "step": trainer.step,
+        "loss": loss,
+        "step_s": trainer.times.step_s[-1],
+        "samples": trainer.layout.global_batch,
+        "tp_degrees": list(trainer.layout.tp_degrees),
+    }
+    print(json.dumps(record), flush=True)
+
+
+def save_checkpoint(trainer: Trainer, path: Path) -> None:
+    """Gather the dense checkpoint (collective) and write it atomically from global rank 0."""
+    state = trainer.state_dict()
+    if dist.get_rank() == 0:
+        partial = path.with_name(path.name + ".partial")
+        torch.save(state, partial)
+        os.replace(partial, path)
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="ntp.train", description=__doc__)
     parser.add_argument("--layout", type=Path, required=True, help="JobLayout JSON document")
@@ -206,6 +227,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"])
     parser.add_argument("--init", type=Path, help="dense checkpoint to start from")
     parser.add_argument("--save", type=Path, help="write the dense checkpoint here at the end")
+    parser.add_argument("--save-every", type=int, default=0, help="also every N steps (0: never)")
+    parser.add_argument(
+        "--resume", action="store_true", help="start from the --save checkpoint when it exists"
+    )
     parser.add_argument("--out", type=Path, help="directory for per-rank metrics and grad dumps")
     parser.add_argument("--dump-grads", action="store_true", help="dense grads after step 1")
     return parser.parse_args(argv)
@@ -225,6 +250,8 @@ def main(argv: list[str] | None = None) -> int:
         overlap=not opts.no_overlap,
         max_grad_norm=opts.max_grad_norm,
     )
+    if opts.resume and opts.save is not None and opts.save.exists():
+        opts.init = opts.save
     init_distributed(device)
     init = (
         None if opts.init is None else torch.load(opts.init, weights_only=True, map_location="cpu")
@@ -239,14 +266,18 @@ def main(argv: list[str] | None = None) -> int:
         if rank == 0 and opts.out is not None:
             torch.save(grads, opts.out / f"grads-replica{replica}.pt")
 
-    losses = [
-        trainer.train_step(dump_grads if i == 0 and opts.dump_grads else None)
-        for i in range(opts.steps)
-    ]
-    if opts.save is not None:
-        state = trainer.state_dict()
+    losses = []
+    for i in range(opts.steps):
+        losses.append(trainer.train_step(dump_grads if i == 0 and opts.dump_grads else None))
         if dist.get_rank() == 0:
-            torch.save(state, opts.save)
+            log_step(trainer, losses[-1])
+        last = i == opts.steps - 1
+        if opts.save is not None and (
+            last or (opts.save_every and trainer.step % opts.save_every == 0)
+        ):
+            save_checkpoint(trainer, opts.save)
+    if opts.save is not None and not opts.steps:
+        save_checkpoint(trainer, opts.save)
     if opts.out is not None:
         metrics = {
             "replica": replica,
