@@ -47,5 +47,20 @@ class PerfModel:
             lo, hi = (mid, hi) if self.speedup(mid) < speedup else (lo, mid)
         return hi
 
+    def ratio_for_slowdown(self, slowdown: float, cap: float) -> float:
+        """The power ratio at which a group whose step takes `slowdown` x longer at the baseline
+        cap keeps pace with a healthy one; `cap` (or the model's peak, if lower) if it cannot.
+
+        The one boost rule shared by the operator's power planning and the simulator's policies.
+        """
+        if slowdown <= 0 or cap <= 0:
+            raise ValueError(f"slowdown and cap must be positive, got {slowdown}, {cap}")
+        top = min(cap, self.max_ratio())
+        if slowdown <= 1.0:
+            return 1.0
+        if slowdown >= self.speedup(top):
+            return top
+        return self.ratio_for_speedup(slowdown)
+
 
 PAPER = PerfModel()

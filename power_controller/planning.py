@@ -37,15 +37,24 @@ class PowerPolicy:
         return self.rack_budget_w if self.rack_budget_w is not None else gpus * self.base_w
 
 
-def ratio_for_tp(healthy_tp: int, reduced_tp: int, model: PerfModel = PAPER) -> float:
-    """The power ratio at which a replica at `reduced_tp` keeps pace with one at `healthy_tp`
-    (each survivor does healthy/reduced times the work); the model's peak if unreachable."""
+def ratio_for_tp(
+    healthy_tp: int,
+    reduced_tp: int,
+    model: PerfModel = PAPER,
+    *,
+    planned_slowdown: float | None = None,
+) -> float:
+    """The power ratio at which a replica at `reduced_tp` keeps pace with one at `healthy_tp`;
+    the model's peak if unreachable.
+
+    Each survivor does healthy/reduced times the work unless the caller has the planner's
+    `planned_slowdown` (its busiest rank at `reduced_tp` vs at `healthy_tp`, which includes the
+    uneven split of whole heads): then that is what the boost must make up.
+    """
     if not 0 < reduced_tp <= healthy_tp:
         raise ValueError(f"need 0 < reduced <= healthy TP, got {reduced_tp}, {healthy_tp}")
-    try:
-        return model.ratio_for_speedup(healthy_tp / reduced_tp)
-    except ValueError:
-        return model.max_ratio()
+    slowdown = healthy_tp / reduced_tp if planned_slowdown is None else planned_slowdown
+    return model.ratio_for_slowdown(slowdown, model.max_ratio())
 
 
 def plan_rack(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from powertest import NOW
 
+from power_controller.perf_model import PAPER
 from power_controller.planning import PowerPolicy, next_boost_ratio, plan_rack, ratio_for_tp
 from power_controller.sim_backend import SimBackend
 
@@ -24,6 +25,21 @@ def test_ratio_for_tp_against_the_papers_figures() -> None:
     assert 1.09 < ratio_for_tp(32, 30) < 1.1
     assert 1.2 < ratio_for_tp(8, 7) < 1.4
     assert ratio_for_tp(8, 8) == pytest.approx(1.0, abs=1e-6)
+
+
+def test_boost_makes_up_the_slowdown_within_the_cap() -> None:
+    # The rule the simulator's policies share: enough power to undo the slowdown, or the cap.
+    model = PAPER
+    for slowdown in (1.02, 32 / 30, 8 / 7):
+        assert model.speedup(model.ratio_for_slowdown(slowdown, 1.5)) == pytest.approx(slowdown)
+    assert model.ratio_for_slowdown(8 / 6, 1.3) == 1.3  # 1.3x power buys only ~1.16x
+    assert model.ratio_for_slowdown(0.9, 1.3) == 1.0  # a faster group is never boosted
+    assert model.ratio_for_slowdown(5.0, 9.0) == model.max_ratio()  # past the peak: no gain
+    # Given the planner's slowdown (say 5%, above the ideal 32/31 = 3.2% because whole heads
+    # split unevenly), the boost targets that.
+    planned = ratio_for_tp(32, 31, planned_slowdown=1.05)
+    assert model.speedup(planned) == pytest.approx(1.05)
+    assert planned > ratio_for_tp(32, 31)
 
 
 def test_healthy_rack_runs_every_gpu_at_the_base_cap() -> None:
