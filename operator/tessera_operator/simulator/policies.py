@@ -92,13 +92,10 @@ class Policy:
 def _boosted(
     slowdown: np.ndarray, headroom: float, perf: PerfModel
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Speed and power ratio of groups whose step takes `slowdown` x longer at baseline power."""
-    top = min(1.0 + headroom, perf.max_ratio())
-    reach = perf.speedup(top)
-    speed = np.minimum(1.0, reach / slowdown)
-    power = np.array(
-        [1.0 if s <= 1.0 else perf.ratio_for_speedup(s) if s <= reach else top for s in slowdown]
-    )
+    """Speed and power ratio of groups whose step takes `slowdown` x longer at baseline power,
+    boosted by the operator's rule within 1 + `headroom`."""
+    power = np.array([perf.ratio_for_slowdown(s, 1.0 + headroom) for s in slowdown])
+    speed = np.minimum(1.0, np.array([perf.speedup(r) for r in power]) / slowdown)
     return speed, power
 
 
