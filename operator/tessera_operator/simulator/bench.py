@@ -1,9 +1,11 @@
-"""`tessera bench sim`: time a 15-day 32K-GPU trace through every policy against the 30 s target.
+"""`tessera bench sim`: time a 15-day 32K-GPU trace through every policy.
 
-The figure is the wall time of one trace (cold planner, trace draw, replay of all six policies),
-as a ratio to the 30 s budget. As a same-run baseline it also times a 1-day trace of the same
-job: the replay costs one evaluation of every policy per event, so 15 days should cost about
-15x one day; a larger ratio would mean per-event cost grows with the trace.
+The headline is a ratio against a baseline measured in the same run: the time per simulated day
+of the 15-day trace over that of a 1-day trace of the same job. Replay costs one evaluation of
+every policy per event, so it should grow linearly with the days (ratio about 1; below 1 as the
+1-day run also carries the fixed warm-up); above 1 would mean per-event cost grows with the
+trace. The issue's target is checked too: the whole 15-day trace (cold planner, trace draw,
+replay) within 30 s; the exit status is 1 when it misses.
 """
 
 from __future__ import annotations
@@ -63,20 +65,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     base = min(
         (time_trace(baseline_cfg) for _ in range(max(1, args.repeat))), key=lambda t: t.replay_s
     )
+    per_day = (replay / cfg.days) / (base.replay_s / base.days)
+    verdict = "pass" if total < TARGET_S else "FAIL"
     print(
         f"sim bench: {cfg.gpus:,} GPUs (+{cfg.policy.spare_domains} spare domains), "
         f"TP{cfg.tp} x PP{cfg.pp} x DP{cfg.dp}, 6 policies, replay best of {len(runs)}"
     )
-    print(f"  planner, cold (all TP degrees)  {cold_plan:7.3f} s")
-    print(f"  baseline 1-day replay  {base.events:5d} events {base.replay_s:7.3f} s")
-    print(f"  {cfg.days:g}-day replay {runs[0].events:12d} events {replay:7.3f} s")
+    print(f"  planner, cold (all TP degrees): {cold_plan:.4f} s")
+    print(f"  baseline {base.days:g}-day replay: {base.events} events, {base.replay_s:.4f} s")
+    print(f"  {cfg.days:g}-day replay: {runs[0].events} events, {replay:.4f} s")
     print(
-        f"  ratio {cfg.days:g}-day / 1-day replay: {replay / base.replay_s:.1f}x "
-        f"for {cfg.days / base.days:g}x the days"
+        f"  per simulated day, {cfg.days:g}-day vs {base.days:g}-day baseline: {per_day:.2f}x "
+        f"(1 = linear in the days)"
     )
     print(
-        f"  {cfg.days:g}-day trace, cold: {total:.3f} s against the {TARGET_S:g} s target "
-        f"= {total / TARGET_S:.4f} ({TARGET_S / total:.0f}x under)"
+        f"  target: {cfg.days:g}-day trace with a cold planner {total:.4f} s of {TARGET_S:g} s "
+        f"({total / TARGET_S:.4f} of the target): {verdict}"
     )
     return 0 if total < TARGET_S else 1
 
