@@ -80,17 +80,24 @@ def loss_curve(
     rng: np.random.Generator,
     progress: StudyProgress = _no_progress,
 ) -> list[dict[str, Any]]:
-    """Throughput loss and spares needed per policy at each share of failed GPUs."""
+    """Throughput loss and spares needed per policy at each share of failed GPUs.
+
+    Failures come in whole blocks, so a requested share is rounded to a number of blocks; rows
+    report the share actually failed (`failed_fraction`) next to the one asked for.
+    """
     topo = Topology.of(cfg)
     rows = []
     for k, fraction in enumerate(fractions):
-        draws = snapshot(cfg, topo, policies, fraction, trials, rng)
+        blocks = topo.blocks_for(fraction)
+        draws = snapshot(cfg, topo, policies, blocks, trials, rng)
         spares = spares_needed(draws["deficit_groups"], cfg.groups_per_domain)
         for j, policy in enumerate(policies):
             loss = 1.0 - draws["throughput"][:, j]
             rows.append(
                 {
-                    "failed_fraction": fraction,
+                    "requested_fraction": fraction,
+                    "failed_fraction": topo.failed_share(blocks),
+                    "failed_gpus": blocks * topo.blast_radius,
                     "policy": policy.name,
                     "loss_mean": float(loss.mean()),
                     "loss_std": float(loss.std()),
@@ -121,17 +128,20 @@ def availability_curve(
     for k, tp in enumerate(tps):
         topo = Topology(tp=tp, job_groups=gpus // tp, spare_groups=0, blast_radius=1)
         for fraction in fractions:
+            failed = topo.blocks_for(fraction)
             intact = [
-                float(np.mean(topo.survivors(sample_down_blocks(topo, fraction, rng)) == tp))
+                float(np.mean(topo.survivors(sample_down_blocks(topo, failed, rng)) == tp))
                 for _ in range(trials)
             ]
+            actual = topo.failed_share(failed)
             rows.append(
                 {
                     "tp": tp,
-                    "failed_fraction": fraction,
+                    "requested_fraction": fraction,
+                    "failed_fraction": actual,
                     "intact_share": float(np.mean(intact)),
                     "intact_share_std": float(np.std(intact)),
-                    "closed_form": (1.0 - fraction) ** tp,
+                    "closed_form": (1.0 - actual) ** tp,
                 }
             )
         progress("availability vs TP", k + 1, len(tps))

@@ -189,13 +189,15 @@ def render_tables(study: Study, console: Console) -> None:
         "its own pool); +power: mean draw above the baseline caps; peak: the hungriest TP group "
         "against its healthy budget"
     )
-    shown = [x for x in _TABLE_FRACTIONS if any(r["failed_fraction"] == x for r in study.loss)]
+    shown = [x for x in _TABLE_FRACTIONS if any(r["requested_fraction"] == x for r in study.loss)]
     table = Table(title="Throughput loss (spares for a fixed mini-batch) at a failed share")
     table.add_column("policy")
     for x in shown:
-        table.add_column(f"{100 * x:g}% failed", justify="right")
+        rows = [r for r in study.loss if r["requested_fraction"] == x]
+        label = f"{report.share_label(rows)} ({rows[0]['failed_gpus']} GPUs)"
+        table.add_column(label, justify="right")
     for p in study.policies:
-        cells = {r["failed_fraction"]: r for r in study.loss if r["policy"] == p["policy"]}
+        cells = {r["requested_fraction"]: r for r in study.loss if r["policy"] == p["policy"]}
         table.add_row(
             p["policy"],
             *(f"{_pct(cells[x]['loss_mean'])} ({cells[x]['spares_mean']:.0f})" for x in shown),
@@ -203,11 +205,12 @@ def render_tables(study: Study, console: Console) -> None:
     console.print(table)
     table = Table(title="GPUs in intact TP groups (closed form (1-f)^TP)")
     table.add_column("TP", justify="right")
-    fractions = sorted({r["failed_fraction"] for r in study.availability})
+    fractions = sorted({r["requested_fraction"] for r in study.availability})
     for x in fractions:
-        table.add_column(f"{100 * x:g}% failed", justify="right")
+        rows = [r for r in study.availability if r["requested_fraction"] == x]
+        table.add_column(report.share_label(rows), justify="right")
     for tp in sorted({r["tp"] for r in study.availability}):
-        cells = {r["failed_fraction"]: r for r in study.availability if r["tp"] == tp}
+        cells = {r["requested_fraction"]: r for r in study.availability if r["tp"] == tp}
         table.add_row(
             str(tp),
             *(

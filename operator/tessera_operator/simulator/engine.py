@@ -65,20 +65,61 @@ class _ClusterState:
         self.survivors = np.full(topo.groups, topo.tp, dtype=np.int64)
         self.failed_gpus = 0
 
-    def apply(self, kind: int, block: int) -> bool:
-        """Apply a failure (+1) or repair (-1); True when a job group's survivors changed."""
+    def apply(self, kind: int, block: int) -> list[tuple[int, int]]:
+        """Apply a failure (+1) or repair (-1); (group, survivors before) for each group changed."""
         before = self.down[block]
         after = before + kind
         self.down[block] = after
         if (before > 0) == (after > 0):
             # A failure on a block that is already down, or the repair of one of two overlapping.
-            return False
+            return []
         self.failed_gpus += kind * self.topo.blast_radius
-        touched = False
+        changed = []
         for group, gpus in self.topo.block_overlaps(block):
+            changed.append((group, int(self.survivors[group])))
             self.survivors[group] -= kind * gpus
-            touched |= group < self.topo.job_groups
-        return touched
+        return changed
+
+
+def _pauses_charged(
+    policies: Sequence[Policy], job_groups: int, changed: list[tuple[int, int]], now: np.ndarray
+) -> np.ndarray:
+    """Per policy: whether the event changed the layout of a group it uses (then it reconfigures).
+
+    A second failure in a group the policy already dropped, or repairing one of two failures in
+    it, changes nothing for uniform TP and costs it no pause; NTP reshards at every change.
+    """
+    return np.array(
+        [
+            any(
+                p.layout(old) != p.layout(now[g])
+                for g, old in changed
+                if g < job_groups or p.uses_spares
+            )
+            for p in policies
+        ],
+        dtype=bool,
+    )
+
+
+def _merged_pause_time(starts: list[float], ends: list[float], at: np.ndarray) -> np.ndarray:
+    """Paused time before each instant of `at` for pauses [start, end) merged where they overlap
+    (a reconfiguration during another one extends it; it does not add to it)."""
+    merged: list[list[float]] = []
+    for a, b in sorted(zip(starts, ends, strict=True)):
+        if merged and a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    if not merged:
+        return np.zeros(len(at))
+    lo, hi = np.array(merged).T
+    before = np.concatenate([[0.0], np.cumsum(hi - lo)])
+    # The last pause starting at or before each instant; instants before every pause have none.
+    k = np.searchsorted(lo, at, side="right") - 1
+    last = np.maximum(k, 0)
+    inside = np.clip(at - lo[last], 0.0, hi[last] - lo[last])
+    return np.where(k >= 0, before[last] + inside, 0.0)
 
 
 def run_trace(
@@ -100,28 +141,35 @@ def run_trace(
     n = len(times)
     columns = {name: np.empty((n, len(policies))) for name in _CAPACITY_FIELDS}
     failed = np.empty(n)
-    stall = np.zeros(len(policies))
-    failure_stall = np.array([p.failure_stall_s for p in policies]) / SECONDS_PER_DAY
-    repair_stall = np.array([p.repair_stall_s for p in policies]) / SECONDS_PER_DAY
+    pause_s = {
+        1: np.array([p.failure_stall_s for p in policies]) / SECONDS_PER_DAY,
+        -1: np.array([p.repair_stall_s for p in policies]) / SECONDS_PER_DAY,
+    }
+    pauses: list[tuple[list[float], list[float]]] = [([], []) for _ in policies]
     for i in range(n):
-        touched = False
-        kind = 0
         if i > 0:
-            _, kind, block = events[first + i - 1]
-            touched = state.apply(kind, block)
+            day, kind, block = events[first + i - 1]
+            changed = state.apply(kind, block)
+            # 3. A policy whose groups changed pauses whole while it reconfigures.
+            charged = _pauses_charged(policies, topo.job_groups, changed, state.survivors)
+            for j in np.flatnonzero(charged & (pause_s[kind] > 0)):
+                pauses[j][0].append(day)
+                pauses[j][1].append(day + pause_s[kind][j])
         _record(columns, i, [p.evaluate(state.survivors, cfg.dp, cfg.pp) for p in policies])
         failed[i] = state.failed_gpus / topo.gpus
-        if touched:
-            # 3. The job pauses whole while it reconfigures; the work it would have done is lost.
-            stall += (failure_stall if kind > 0 else repair_stall) * columns["throughput"][i]
     start = np.array(times)
     length = np.diff(np.append(start, trace.days))
+    # 4. The work a paused job would have done is lost; pauses end at the trace's end at latest.
+    bounds = np.append(start, trace.days)
+    paused = np.zeros((n, len(policies)))
+    for j, (pause_start, pause_end) in enumerate(pauses):
+        paused[:, j] = np.diff(_merged_pause_time(pause_start, pause_end, bounds))
     return TraceResult(
         policies=tuple(p.name for p in policies),
         start=start,
         length=length,
         failed_fraction=failed,
-        stall_loss=stall,
+        stall_loss=(paused * columns["throughput"]).sum(axis=0),
         **columns,
         days=trace.days,
     )
@@ -131,13 +179,13 @@ def snapshot(
     cfg: SimConfig,
     topo: Topology,
     policies: Sequence[Policy],
-    failed_fraction: float,
+    blocks: int,
     trials: int,
     rng: np.random.Generator,
 ) -> dict[str, np.ndarray]:
-    """Capacity fields, each (trials, policies), with a fixed share of GPUs failed."""
+    """Capacity fields, each (trials, policies), with `blocks` random failed blocks."""
     columns = {name: np.empty((trials, len(policies))) for name in _CAPACITY_FIELDS}
     for t in range(trials):
-        survivors = topo.survivors(sample_down_blocks(topo, failed_fraction, rng))
+        survivors = topo.survivors(sample_down_blocks(topo, blocks, rng))
         _record(columns, t, [p.evaluate(survivors, cfg.dp, cfg.pp) for p in policies])
     return columns

@@ -13,7 +13,7 @@ import numpy as np
 
 from tessera_operator.simulator.config import SimConfig
 
-# Exponential repairs have no upper bound: a warm-up of this many mean hardware repair times
+# Exponential repairs have no upper bound: a warm-up of this many of the longer mean repair times
 # leaves out at most e^-8 (0.03%) of the failures that would still be down at t=0.
 _EXPONENTIAL_WARMUP_MEANS = 8.0
 
@@ -42,6 +42,16 @@ class Topology:
     @property
     def blocks(self) -> int:
         return self.gpus // self.blast_radius
+
+    def blocks_for(self, failed_fraction: float) -> int:
+        """Whole failed blocks nearest to `failed_fraction` of the GPUs (at least that coarse)."""
+        if not 0.0 <= failed_fraction <= 1.0:
+            raise ValueError(f"failed fraction must be in [0, 1], got {failed_fraction}")
+        return round(failed_fraction * self.blocks)
+
+    def failed_share(self, blocks: int) -> float:
+        """The share of GPUs actually down when `blocks` blocks are: what rows must report."""
+        return blocks * self.blast_radius / self.gpus
 
     def survivors(self, down_blocks: np.ndarray) -> np.ndarray:
         """Working GPUs per group (length `groups`) when the given blocks are down."""
@@ -84,7 +94,8 @@ def sample_trace(cfg: SimConfig, topo: Topology, rng: np.random.Generator) -> Fa
     hw_repair = f.hardware_repair_days
     sw_repair = f.software_repair_hours / 24.0
     exponential = f.repair_distribution == "exponential"
-    warmup = hw_repair * (_EXPONENTIAL_WARMUP_MEANS if exponential else 1.0)
+    # Whichever repair is slower sets how far back a failure can still be down at day 0.
+    warmup = max(hw_repair, sw_repair) * (_EXPONENTIAL_WARMUP_MEANS if exponential else 1.0)
     events_per_day = f.rate_per_gpu_day * topo.gpus
     n = int(rng.poisson(events_per_day * (cfg.days + warmup)))
     start = np.sort(rng.uniform(-warmup, cfg.days, n))
@@ -98,11 +109,6 @@ def sample_trace(cfg: SimConfig, topo: Topology, rng: np.random.Generator) -> Fa
     return FailureTrace(start[keep], end[keep], block[keep], cfg.days)
 
 
-def sample_down_blocks(
-    topo: Topology, failed_fraction: float, rng: np.random.Generator
-) -> np.ndarray:
-    """Distinct blocks, uniformly at random, covering `failed_fraction` of all GPUs."""
-    if not 0.0 <= failed_fraction <= 1.0:
-        raise ValueError(f"failed fraction must be in [0, 1], got {failed_fraction}")
-    count = round(failed_fraction * topo.gpus / topo.blast_radius)
+def sample_down_blocks(topo: Topology, count: int, rng: np.random.Generator) -> np.ndarray:
+    """`count` distinct blocks, uniformly at random."""
     return rng.choice(topo.blocks, size=count, replace=False)

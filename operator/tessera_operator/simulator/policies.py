@@ -52,9 +52,17 @@ class Policy:
     power: np.ndarray
     packed: bool = False
     uses_spares: bool = False
-    # Whole-job pause when a failure / a repair changes the groups it uses.
+    # Whether a usable group runs at its survivors' TP degree (NTP) rather than only at full TP.
+    reshapes: bool = False
+    # Whole-job pause when a failure / a repair changes the layout of a group it uses.
     failure_stall_s: float = 0.0
     repair_stall_s: float = 0.0
+
+    def layout(self, survivors: int) -> int:
+        """The TP degree a group with `survivors` working GPUs runs at; 0 if it is not used."""
+        if self.speed[survivors] <= 0:
+            return 0
+        return survivors if self.reshapes else len(self.speed) - 1
 
     def evaluate(self, survivors: np.ndarray, dp: int, pp: int) -> Capacity:
         """Throughput for per-group survivor counts (job groups first, then spare groups)."""
@@ -113,6 +121,7 @@ def build_policies(cfg: SimConfig, perf: PerfModel = PAPER) -> tuple[Policy, ...
     pw_speed, pw_power = _boosted(ideal, p.power_headroom, perf)
     ts_speed, ts_power = _boosted(planned, p.power_headroom, perf)
     live = {"failure_stall_s": p.reconfigure_seconds, "repair_stall_s": p.reconfigure_seconds}
+    ntp_live = {**live, "reshapes": True}
     restart = 60 * (p.restart_minutes + p.checkpoint_interval_minutes / 2)
     return (
         Policy(
@@ -142,14 +151,14 @@ def build_policies(cfg: SimConfig, perf: PerfModel = PAPER) -> tuple[Policy, ...
             "reduced TP with the local batch shrunk to the ideal N2/N1 share",
             np.where(usable, survivors / tp, 0.0),
             baseline,
-            **live,
+            **ntp_live,
         ),
         Policy(
             "ntp-pw",
             "reduced TP, survivors power-boosted within the headroom (ideal N1/N2 work)",
             np.where(usable, pw_speed, 0.0),
             pw_power,
-            **live,
+            **ntp_live,
         ),
         Policy(
             "tessera",
@@ -157,6 +166,6 @@ def build_policies(cfg: SimConfig, perf: PerfModel = PAPER) -> tuple[Policy, ...
             np.where(usable, ts_speed, 0.0),
             ts_power,
             packed=True,
-            **live,
+            **ntp_live,
         ),
     )

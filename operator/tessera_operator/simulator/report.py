@@ -26,6 +26,13 @@ def to_dict(study: Study) -> dict[str, Any]:
     return doc
 
 
+def share_label(rows: list[dict[str, Any]]) -> str:
+    """The failed share the rows actually had (whole blocks), e.g. '0.1007% failed'."""
+    shares = sorted({r["failed_fraction"] for r in rows})
+    low, high = (f"{100 * x:.4g}%" for x in (shares[0], shares[-1]))
+    return f"{low} failed" if low == high else f"{low}-{high} failed"
+
+
 def trace_rows(study: Study) -> list[dict[str, Any]]:
     trace = study.trace
     if trace is None:
@@ -123,14 +130,14 @@ def write_plots(study: Study, out: Path) -> list[Path]:
 
     # 3. Availability vs TP size, Monte Carlo against the closed form.
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for fraction in sorted({r["failed_fraction"] for r in study.availability}):
-        rows = [r for r in study.availability if r["failed_fraction"] == fraction]
+    for fraction in sorted({r["requested_fraction"] for r in study.availability}):
+        rows = [r for r in study.availability if r["requested_fraction"] == fraction]
         tps = [r["tp"] for r in rows]
         line = ax.plot(
             tps,
             [100 * r["intact_share"] for r in rows],
             marker="o",
-            label=f"{100 * fraction:g}% failed",
+            label=share_label(rows),
         )
         ax.plot(
             tps, [100 * r["closed_form"] for r in rows], linestyle="--", color=line[0].get_color()
