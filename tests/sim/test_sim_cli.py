@@ -51,7 +51,7 @@ SMALL = [
         (SimConfig(failures=FailureConfig(rate_per_gpu_day=-1)), "rate_per_gpu_day must be >= 0"),
         (SimConfig(failures=FailureConfig(hardware_share=1.5)), "hardware_share must be in [0, 1]"),
         (SimConfig(policy=PolicyConfig(min_tp=33)), "policy.min_tp must be in [0, tp=32]"),
-        (SimConfig(model=ModelConfig(n_kv_heads=0)), "model.n_kv_heads must be positive"),
+        (SimConfig(model=ModelConfig(tokens_per_batch=0)), "tokens_per_batch must be positive"),
         (SimConfig(days=0), "days must be positive"),
     ],
 )
@@ -102,6 +102,10 @@ def test_simulate_prints_tables_by_default(tmp_path: Path, capsys) -> None:
         (["--fractions", "0.001,1.5"], "failed fractions must be in [0, 1)"),
         (["--headroom", "-0.1"], "policy.power_headroom must be >= 0"),
         (["--tps", "8,65536"], "TP sizes must be in [1, 32768] GPUs"),
+        # 16M tokens of 16K sequences do not split over 96 replicas: name the flag and a value.
+        (["--gpus", "24576"], "17301504 = 11 per replica) (change --tokens-per-batch)"),
+        (["--heads", "100"], "must be a multiple of n_heads (100) (change --hidden, --heads"),
+        (["--spare-swap-seconds", "-1"], "(change --spare-swap-seconds)"),
     ],
 )
 def test_simulate_rejects_bad_input_with_exit_2_and_writes_nothing(
@@ -111,6 +115,22 @@ def test_simulate_rejects_bad_input_with_exit_2_and_writes_nothing(
     assert tessera(["simulate", *args, "--out", str(out)]) == 2
     assert message in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_simulate_takes_the_model_shape_and_batch_from_flags(tmp_path: Path, capsys) -> None:
+    args = ["--gpus", "24576", "--tokens-per-batch", str(8 * 96 * 8192), "--days", "2"]
+    args += ["--hidden", "8192", "--heads", "64", "--kv-heads", "8", "--ffn", "28672"]
+    args += ["--layers", "80", "--seq-len", "8192", "--spare-swap-seconds", "30"]
+    args += ["--traces", "1", "--trials", "2", "--fractions", "0.001", "--tps", "32"]
+    assert tessera(["simulate", *args, "--no-plots", "--out", str(tmp_path), "--json"]) == 0
+    config = json.loads(capsys.readouterr().out)["config"]
+    assert config["dp"] == 96
+    assert config["model"]["shape"] == {
+        "hidden": 8192, "n_heads": 64, "n_kv_heads": 8, "ffn": 28672, "vocab": 128_256,
+        "n_layers": 80, "seq_len": 8192,
+    }  # fmt: skip
+    assert config["model"]["tokens_per_batch"] == 8 * 96 * 8192
+    assert config["policy"]["spare_swap_seconds"] == 30
 
 
 def test_bench_sim_prints_consistent_figures_against_its_baseline(capsys) -> None:

@@ -6,11 +6,14 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
+from ntp.plan import ModelShape, PlanError
 from rich import box
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -29,6 +32,30 @@ from tessera_operator.simulator.config import (
     PolicyConfig,
     SimConfig,
 )
+
+# Config field -> the flag that sets it, so an error says what to change.
+_FLAGS = {
+    "gpus": "--gpus, --tp, --pp or --dp",
+    "domain_size": "--domain-size",
+    "tp": "--tp",
+    "pp": "--pp",
+    "dp": "--dp",
+    "days": "--days",
+    "model": "--hidden, --heads, --kv-heads, --ffn, --vocab, --layers or --seq-len",
+    "model.tokens_per_batch": "--tokens-per-batch",
+    "failures.rate_per_gpu_day": "--rate",
+    "failures.hardware_share": "--hardware-share",
+    "failures.hardware_repair_days": "--hardware-repair-days",
+    "failures.software_repair_hours": "--software-repair-hours",
+    "failures.blast_radius": "--blast-radius",
+    "policy.power_headroom": "--headroom",
+    "policy.min_tp": "--min-tp",
+    "policy.spare_domains": "--spare-domains",
+    "policy.restart_minutes": "--restart-minutes",
+    "policy.checkpoint_interval_minutes": "--checkpoint-minutes",
+    "policy.reconfigure_seconds": "--reconfigure-seconds",
+    "policy.spare_swap_seconds": "--spare-swap-seconds",
+}
 
 # Failed fractions shown in the loss table (every fraction goes to the CSV/JSON and plots).
 _TABLE_FRACTIONS = (0.001, 0.002, 0.004, 0.01)
@@ -51,7 +78,7 @@ def _ints(text: str) -> tuple[int, ...]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    d, f, p = SimConfig(), FailureConfig(), PolicyConfig()
+    d, m, f, p = SimConfig(), ModelConfig(), FailureConfig(), PolicyConfig()
     parser = argparse.ArgumentParser(
         prog="tessera simulate",
         description="Simulate a large training job under GPU failures and compare checkpoint-"
@@ -68,6 +95,23 @@ def build_parser() -> argparse.ArgumentParser:
     job.add_argument("--tp", type=int, default=d.tp, help="healthy TP degree")
     job.add_argument("--pp", type=int, default=d.pp, help="pipeline stages")
     job.add_argument("--dp", type=int, help=f"DP replicas (default gpus / (tp x pp) = {d.dp})")
+    model = parser.add_argument_group("model (default: the paper's 480B model)")
+    for flag, name in (
+        ("--hidden", "hidden"),
+        ("--heads", "n_heads"),
+        ("--kv-heads", "n_kv_heads"),
+        ("--ffn", "ffn"),
+        ("--vocab", "vocab"),
+        ("--layers", "n_layers"),
+        ("--seq-len", "seq_len"),
+    ):
+        model.add_argument(flag, type=int, dest=name, default=getattr(m.shape, name))
+    model.add_argument(
+        "--tokens-per-batch",
+        type=int,
+        default=m.tokens_per_batch,
+        help="global batch in tokens: a whole number of sequences per DP replica",
+    )
     fail = parser.add_argument_group("failures")
     fail.add_argument(
         "--rate", type=float, default=f.rate_per_gpu_day, help="failures per GPU per day"
@@ -98,6 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
     pol.add_argument("--restart-minutes", type=float, default=p.restart_minutes)
     pol.add_argument("--checkpoint-minutes", type=float, default=p.checkpoint_interval_minutes)
     pol.add_argument("--reconfigure-seconds", type=float, default=p.reconfigure_seconds)
+    pol.add_argument("--spare-swap-seconds", type=float, default=p.spare_swap_seconds)
     mc = parser.add_argument_group("Monte Carlo")
     s = StudySettings()
     mc.add_argument("--traces", type=int, default=s.traces, help="failure traces to replay")
@@ -119,6 +164,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def config_from_args(args: argparse.Namespace) -> SimConfig:
     """A validated config; gpus and dp default to each other through tp x pp."""
+    try:
+        shape = ModelShape(**{f.name: getattr(args, f.name) for f in fields(ModelShape)})
+    except PlanError as exc:
+        raise ConfigError("model", f"model shape: {exc}") from exc
     group = args.tp * args.pp
     dp = args.dp if args.dp is not None else (args.gpus or SimConfig.gpus) // max(group, 1)
     gpus = args.gpus if args.gpus is not None else group * dp
@@ -128,7 +177,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         tp=args.tp,
         pp=args.pp,
         dp=dp,
-        model=ModelConfig(),
+        model=ModelConfig(shape, args.tokens_per_batch),
         failures=FailureConfig(
             rate_per_gpu_day=args.rate,
             hardware_share=args.hardware_share,
@@ -144,6 +193,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
             restart_minutes=args.restart_minutes,
             checkpoint_interval_minutes=args.checkpoint_minutes,
             reconfigure_seconds=args.reconfigure_seconds,
+            spare_swap_seconds=args.spare_swap_seconds,
         ),
         days=args.days,
         seed=args.seed,
@@ -160,8 +210,9 @@ def render_tables(study: Study, console: Console) -> None:
     stats = study.trace_stats
     console.print(
         f"[bold]{cfg.gpus:,} GPUs[/] in {cfg.domain_size}-GPU domains, TP{cfg.tp} x PP{cfg.pp} x "
-        f"DP{cfg.dp} ({cfg.sequences_per_replica} sequences of {cfg.model.seq_len:,} tokens per "
-        f"replica), {cfg.days:g}-day traces: {stats['failures_per_day']:.1f} failures/day, "
+        f"DP{cfg.dp} ({cfg.sequences_per_replica} sequences of {cfg.model.shape.seq_len:,} "
+        f"tokens per replica), {cfg.days:g}-day traces: "
+        f"{stats['failures_per_day']:.1f} failures/day, "
         f"{_pct(stats['failed_fraction_mean'])} GPUs failed on average "
         f"(peak {_pct(stats['failed_fraction_peak'])}), >0.1% failed "
         f"{_pct(stats['time_above_0.1pct'])} of the time"
@@ -230,8 +281,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         settings = StudySettings(
             fractions=args.fractions, tps=args.tps, trials=args.trials, traces=args.traces
         ).validate(cfg.gpus)
-    except (ConfigError, ValueError) as exc:
-        err.print(f"[red]tessera simulate: error:[/] {exc}")
+    except ValueError as exc:
+        flag = _FLAGS.get(exc.field) if isinstance(exc, ConfigError) else None
+        hint = f" (change {flag})" if flag else ""
+        err.print(
+            f"[red]tessera simulate: error:[/] {escape(str(exc))}{hint}",
+            highlight=False,
+            soft_wrap=True,
+        )
         return 2
     columns = (
         TextColumn("{task.description}"),

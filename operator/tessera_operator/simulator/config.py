@@ -6,29 +6,40 @@ DP128, a 480B model, a 15-day trace) and the Llama 3 failure statistics (DESIGN.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Literal
+
+from ntp import plan
 
 RepairDistribution = Literal["fixed", "exponential"]
 
 
 class ConfigError(ValueError):
-    """A simulation config that cannot describe a real job; the message names the field."""
+    """A simulation config that cannot describe a real job; `field` names the offending one."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+# The paper's GPT-style 480B model: multi-head attention, SwiGLU width 2.5 x hidden, so
+# (4 h^2 + 3 h ffn) x 100 layers + embeddings = 487B parameters.
+PAPER_MODEL = plan.ModelShape(
+    hidden=20_480,
+    n_heads=128,
+    n_kv_heads=128,
+    ffn=51_200,
+    vocab=128_256,
+    n_layers=100,
+    seq_len=16_384,
+)
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Transformer shape of the trained model (the planner balances per-rank work from it)."""
+    """The trained model (the planner balances per-rank work from its shape) and its batch."""
 
-    hidden: int = 20_480
-    n_heads: int = 128
-    # Multi-head attention, as in the paper's GPT-style model.
-    n_kv_heads: int = 128
-    # SwiGLU width 2.5 x hidden: (4 h^2 + 3 h ffn) x 100 layers + embeddings = 487B parameters.
-    ffn: int = 51_200
-    vocab: int = 128_256
-    n_layers: int = 100
-    seq_len: int = 16_384
+    shape: plan.ModelShape = PAPER_MODEL
     tokens_per_batch: int = 16 * 1024 * 1024
 
 
@@ -94,16 +105,19 @@ class SimConfig:
 
     @property
     def sequences_per_replica(self) -> int:
-        return self.model.tokens_per_batch // (self.model.seq_len * self.dp)
+        return self.model.tokens_per_batch // (self.model.shape.seq_len * self.dp)
 
     @property
     def min_tp(self) -> int:
         return self.policy.min_tp or max(1, self.tp // 2)
 
     def validate(self) -> SimConfig:
-        """Raise ConfigError naming the first inconsistent field; return self when valid."""
+        """Raise ConfigError naming the first inconsistent field; return self when valid.
+
+        The model shape validates itself on construction (`ntp.plan.ModelShape`).
+        """
         _positive(self, "", ("gpus", "domain_size", "tp", "pp", "dp", "days"))
-        _positive(self.model, "model.", tuple(f.name for f in fields(ModelConfig)))
+        _positive(self.model, "model.", ("tokens_per_batch",))
         _positive(
             self.failures,
             "failures.",
@@ -111,52 +125,67 @@ class SimConfig:
         )
         if self.tp * self.pp * self.dp != self.gpus:
             raise ConfigError(
+                "gpus",
                 f"tp x pp x dp = {self.tp} x {self.pp} x {self.dp} = "
-                f"{self.tp * self.pp * self.dp}, but gpus = {self.gpus}"
+                f"{self.tp * self.pp * self.dp}, but gpus = {self.gpus}",
             )
         if self.domain_size % self.tp:
             raise ConfigError(
+                "domain_size",
                 f"a TP group must fit inside one scale-up domain: domain_size {self.domain_size} "
-                f"is not a multiple of tp {self.tp}"
+                f"is not a multiple of tp {self.tp}",
             )
         if self.gpus % self.domain_size:
             raise ConfigError(
-                f"gpus {self.gpus} is not a whole number of {self.domain_size}-GPU domains"
+                "gpus", f"gpus {self.gpus} is not a whole number of {self.domain_size}-GPU domains"
             )
         if self.domain_size % self.failures.blast_radius:
             raise ConfigError(
+                "failures.blast_radius",
                 f"failures.blast_radius {self.failures.blast_radius} must divide "
-                f"domain_size {self.domain_size}"
+                f"domain_size {self.domain_size}",
             )
-        if self.model.n_heads % self.model.n_kv_heads:
+        shape = self.model.shape
+        if shape.n_heads < self.tp:
             raise ConfigError(
-                f"model.n_heads {self.model.n_heads} is not a multiple of "
-                f"model.n_kv_heads {self.model.n_kv_heads}"
+                "tp", f"tp {self.tp} exceeds the model's {shape.n_heads} attention heads"
             )
-        if self.model.n_heads < self.tp:
+        per_step = shape.seq_len * self.dp
+        if self.model.tokens_per_batch % per_step:
+            sequences = max(1, round(self.model.tokens_per_batch / per_step))
             raise ConfigError(
-                f"tp {self.tp} exceeds the model's {self.model.n_heads} attention heads"
-            )
-        if self.model.tokens_per_batch % (self.model.seq_len * self.dp):
-            raise ConfigError(
+                "model.tokens_per_batch",
                 f"model.tokens_per_batch {self.model.tokens_per_batch} is not a whole number of "
-                f"{self.model.seq_len}-token sequences for each of {self.dp} DP replicas"
+                f"{shape.seq_len}-token sequences for each of {self.dp} DP replicas "
+                f"(e.g. {sequences * per_step} = {sequences} per replica)",
             )
         f = self.failures
         if f.rate_per_gpu_day < 0:
-            raise ConfigError(f"failures.rate_per_gpu_day must be >= 0, got {f.rate_per_gpu_day}")
+            raise ConfigError(
+                "failures.rate_per_gpu_day",
+                f"failures.rate_per_gpu_day must be >= 0, got {f.rate_per_gpu_day}",
+            )
         if not 0.0 <= f.hardware_share <= 1.0:
-            raise ConfigError(f"failures.hardware_share must be in [0, 1], got {f.hardware_share}")
+            raise ConfigError(
+                "failures.hardware_share",
+                f"failures.hardware_share must be in [0, 1], got {f.hardware_share}",
+            )
         if f.repair_distribution not in ("fixed", "exponential"):
             raise ConfigError(
+                "failures.repair_distribution",
                 f"failures.repair_distribution must be 'fixed' or 'exponential', "
-                f"got {f.repair_distribution!r}"
+                f"got {f.repair_distribution!r}",
             )
         p = self.policy
         if p.power_headroom < 0:
-            raise ConfigError(f"policy.power_headroom must be >= 0, got {p.power_headroom}")
+            raise ConfigError(
+                "policy.power_headroom",
+                f"policy.power_headroom must be >= 0, got {p.power_headroom}",
+            )
         if not 0 <= p.min_tp <= self.tp:
-            raise ConfigError(f"policy.min_tp must be in [0, tp={self.tp}], got {p.min_tp}")
+            raise ConfigError(
+                "policy.min_tp", f"policy.min_tp must be in [0, tp={self.tp}], got {p.min_tp}"
+            )
         for name in (
             "spare_domains",
             "restart_minutes",
@@ -165,7 +194,9 @@ class SimConfig:
             "spare_swap_seconds",
         ):
             if getattr(p, name) < 0:
-                raise ConfigError(f"policy.{name} must be >= 0, got {getattr(p, name)}")
+                raise ConfigError(
+                    f"policy.{name}", f"policy.{name} must be >= 0, got {getattr(p, name)}"
+                )
         return self
 
 
@@ -173,4 +204,4 @@ def _positive(section: object, prefix: str, names: tuple[str, ...]) -> None:
     for name in names:
         value = getattr(section, name)
         if not value > 0:
-            raise ConfigError(f"{prefix}{name} must be positive, got {value!r}")
+            raise ConfigError(prefix + name, f"{prefix}{name} must be positive, got {value!r}")

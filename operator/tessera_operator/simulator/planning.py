@@ -8,27 +8,17 @@ a 480B-class shape takes a noticeable fraction of a second.
 
 from __future__ import annotations
 
-from dataclasses import asdict
 from functools import lru_cache
 
 from ntp import plan
 
-from tessera_operator.simulator.config import ModelConfig
-
-
-def model_shape(model: ModelConfig) -> plan.ModelShape:
-    """The planner's view of the model: every field but the batch size."""
-    dims = {k: v for k, v in asdict(model).items() if k != "tokens_per_batch"}
-    return plan.ModelShape(**dims)
-
 
 @lru_cache(maxsize=512)
-def busiest_rank_flops(model: ModelConfig, tp: int) -> float:
+def busiest_rank_flops(shape: plan.ModelShape, tp: int) -> float:
     """Per-layer forward FLOPs of the busiest rank when one replica runs at TP degree `tp`."""
-    shape = model_shape(model)
     return max(plan.layer_flops(shape, shard) for shard in plan.plan_replica(shape, tp))
 
 
-def slowdown(model: ModelConfig, healthy_tp: int, reduced_tp: int) -> float:
+def slowdown(shape: plan.ModelShape, healthy_tp: int, reduced_tp: int) -> float:
     """Step time at `reduced_tp` relative to `healthy_tp`, for the same batch and power."""
-    return busiest_rank_flops(model, reduced_tp) / busiest_rank_flops(model, healthy_tp)
+    return busiest_rank_flops(shape, reduced_tp) / busiest_rank_flops(shape, healthy_tp)

@@ -115,8 +115,9 @@ def build_policies(cfg: SimConfig, perf: PerfModel = PAPER) -> tuple[Policy, ...
     uniform = (survivors == tp).astype(float)
     baseline = np.ones(tp + 1)
     ideal = np.array([tp / s if s >= min_tp else np.inf for s in range(tp + 1)])
+    shape = cfg.model.shape
     planned = np.array(
-        [planning.slowdown(cfg.model, tp, s) if s >= min_tp else np.inf for s in range(tp + 1)]
+        [planning.slowdown(shape, tp, s) if s >= min_tp else np.inf for s in range(tp + 1)]
     )
     pw_speed, pw_power = _boosted(ideal, p.power_headroom, perf)
     ts_speed, ts_power = _boosted(planned, p.power_headroom, perf)
