@@ -27,9 +27,9 @@ def to_dict(study: Study) -> dict[str, Any]:
 
 
 def share_label(rows: list[dict[str, Any]]) -> str:
-    """The failed share the rows actually had (whole blocks), e.g. '0.1007% failed'."""
+    """The failed share the rows actually had (whole blocks), e.g. '0.101% failed'."""
     shares = sorted({r["failed_fraction"] for r in rows})
-    low, high = (f"{100 * x:.4g}%" for x in (shares[0], shares[-1]))
+    low, high = (f"{100 * x:.3g}%" for x in (shares[0], shares[-1]))
     return f"{low} failed" if low == high else f"{low}-{high} failed"
 
 
