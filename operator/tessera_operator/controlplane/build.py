@@ -16,6 +16,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections import deque
 from pathlib import Path
 
 # Newest first: if a release does not build from the registry we fall back to earlier minors.
@@ -43,20 +44,55 @@ def find_cached() -> Path | None:
     return None
 
 
+class GoMissing(RuntimeError):
+    """No `go` command: no release can build, so there is nothing to fall back to."""
+
+
+class GoFailed(RuntimeError):
+    """A go command exited non-zero; the message carries the end of what it printed."""
+
+
+def run_go(args: list[str], cwd: Path, env: dict[str, str], log, tail: int = 40) -> str:
+    """Run `go args` in cwd and return its stdout; progress on stderr is echoed as it comes.
+
+    On failure the raised GoFailed keeps the last `tail` lines of stderr (missing modules,
+    compile errors), which is what the user needs to see.
+    """
+    log(f"$ go {' '.join(args)}  (in {cwd})")
+    # stdout to a file, stderr read line by line: neither pipe can fill up and block go
+    with tempfile.TemporaryFile() as out:
+        try:
+            proc = subprocess.Popen(["go", *args], cwd=cwd, env=env, stdout=out,
+                                    stderr=subprocess.PIPE, text=True, errors="replace")
+        except FileNotFoundError:
+            raise GoMissing("Go >= 1.26 is required to build kube-apiserver; install it or set "
+                            "TESSERA_BIN_DIR to a directory holding kube-apiserver and etcd"
+                            ) from None
+        last: deque[str] = deque(maxlen=tail)
+        with proc:
+            for line in proc.stderr:
+                sys.stderr.write(line)
+                last.append(line.rstrip("\n"))
+        out.seek(0)
+        stdout = out.read().decode(errors="replace")
+    if proc.returncode != 0:
+        # `go mod download -json` reports its errors in the JSON on stdout, not on stderr
+        said = [*last, *stdout.splitlines()[-tail:]]
+        raise GoFailed(f"`go {' '.join(args)}` exited with status {proc.returncode}:\n"
+                       + "\n".join(said))
+    return stdout
+
+
 def _go(args: list[str], cwd: Path, log) -> None:
     env = dict(os.environ, GOFLAGS="-mod=mod", CGO_ENABLED="0", GOTOOLCHAIN="local")
-    log(f"$ go {' '.join(args)}  (in {cwd})")
-    subprocess.run(["go", *args], cwd=cwd, env=env, check=True)
+    run_go(args, cwd, env, log)
 
 
 def staging_modules(k8s_version: str, workdir: Path, log) -> list[str]:
     """Names of the staging modules the given Kubernetes release replaces locally."""
-    out = subprocess.run(
-        ["go", "mod", "download", "-json", f"k8s.io/kubernetes@{k8s_version}"],
-        cwd=workdir, check=True, capture_output=True, text=True,
-        env=dict(os.environ, GOTOOLCHAIN="local"),
-    )
-    gomod = Path(json.loads(out.stdout)["GoMod"]).read_text()
+    out = run_go(["mod", "download", "-json", f"k8s.io/kubernetes@{k8s_version}"], workdir,
+                 dict(os.environ, GOTOOLCHAIN="local"), log)
+    gomod = Path(json.loads(out)["GoMod"]).read_text()
     names = _STAGING_REPLACE.findall(gomod)
     log(f"k8s.io/kubernetes {k8s_version}: {len(names)} staging modules")
     return names
@@ -141,7 +177,7 @@ def _build_newest_that_works(log) -> Path:
     for version in KUBERNETES_VERSIONS:
         try:
             return build(version, log)
-        except subprocess.CalledProcessError as exc:
+        except GoFailed as exc:
             errors.append(f"{version}: {exc}")
             log(f"building Kubernetes {version} failed; trying an earlier minor")
     raise RuntimeError(
@@ -151,7 +187,11 @@ def _build_newest_that_works(log) -> Path:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tessera build-controlplane", description=__doc__)
     parser.parse_args(argv)
-    print(ensure())
+    try:
+        print(ensure())
+    except RuntimeError as exc:  # GoMissing, or every release failed: the message says why
+        print(f"tessera build-controlplane: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 
