@@ -8,6 +8,8 @@ from typing import Any
 
 import yaml
 
+from tessera_operator.controlplane import pki
+
 CONTEXT = "tessera-local"
 
 
@@ -38,6 +40,5 @@ def render(server: str, ca_cert: Path, user: dict[str, str], user_name: str) -> 
 
 
 def write(path: Path, config: dict[str, Any]) -> Path:
-    path.write_text(yaml.safe_dump(config, sort_keys=False))
-    path.chmod(0o600)
-    return path
+    """Write a kubeconfig readable by its owner only: it may embed the admin's private key."""
+    return pki.write_secret(path, yaml.safe_dump(config, sort_keys=False).encode())

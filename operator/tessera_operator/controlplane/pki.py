@@ -7,6 +7,7 @@ EC P-256 keys keep generation well under a second.
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 from dataclasses import dataclass
@@ -34,15 +35,25 @@ class Pki:
         )))
 
 
-def _openssl(*args: str | Path) -> None:
+def write_secret(path: Path, data: bytes) -> Path:
+    """Write a file only its owner can read, from the moment it exists (no umask window)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as file:
+        os.fchmod(fd, 0o600)  # O_CREAT's mode does not apply to a file that already existed
+        file.write(data)
+    return path
+
+
+def _openssl(*args: str | Path) -> bytes:
     if shutil.which("openssl") is None:
         raise RuntimeError("the openssl command is required (Debian package `openssl`)")
-    subprocess.run(["openssl", *map(str, args)], check=True, capture_output=True)
+    return subprocess.run(["openssl", *map(str, args)], check=True, capture_output=True).stdout
 
 
 def _key(path: Path) -> None:
-    _openssl("genpkey", "-algorithm", "EC", "-pkeyopt", "ec_paramgen_curve:P-256", "-out", path)
-    path.chmod(0o600)
+    # the key comes back on stdout, so openssl never creates the file with a looser mode
+    write_secret(path, _openssl("genpkey", "-algorithm", "EC", "-pkeyopt",
+                                "ec_paramgen_curve:P-256"))
 
 
 def _signed(pki: Pki, key: Path, cert: Path, subject: str, *extensions: str) -> None:
