@@ -6,17 +6,17 @@ import copy
 import json
 import subprocess
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 from kubernetes import client
+from tessera_operator import paths
 
 pytestmark = pytest.mark.foundation
 
 GROUP, VERSION, PLURAL = "tessera.dev", "v1alpha1", "ntptrainingjobs"
-EXAMPLE = Path(__file__).resolve().parents[2] / "manifests" / "examples" / "ntpjob-small.yaml"
+EXAMPLE = paths.repo_root() / "manifests" / "examples" / "ntpjob-small.yaml"
 
 
 @pytest.fixture
@@ -132,21 +132,25 @@ def test_kubectl_apply_of_bad_job_names_the_field(control_plane, tessera_crds, n
     assert kubectl(control_plane, "get", "ntpjob", "-n", namespace, "-o", "name").stdout == ""
 
 
+def _parent(spec: dict, path: str) -> tuple[dict, str]:
+    """The mapping that holds the dotted path's last key, and that key."""
+    *parents, leaf = path.split(".")
+    for key in parents:
+        spec = spec[key]
+    return spec, leaf
+
+
 def _set(path: str, value: Any) -> Callable[[dict], None]:
     def mutate(spec: dict) -> None:
-        *parents, leaf = path.split(".")
-        for key in parents:
-            spec = spec[key]
-        spec[leaf] = value
+        parent, leaf = _parent(spec, path)
+        parent[leaf] = value
     return mutate
 
 
 def _drop(path: str) -> Callable[[dict], None]:
     def mutate(spec: dict) -> None:
-        *parents, leaf = path.split(".")
-        for key in parents:
-            spec = spec[key]
-        del spec[leaf]
+        parent, leaf = _parent(spec, path)
+        del parent[leaf]
     return mutate
 
 
