@@ -14,12 +14,17 @@ from tessera_operator.controlplane.prometheus import Prometheus
 
 @pytest.fixture(scope="session")
 def control_plane() -> Iterator[launcher.ControlPlane]:
-    """etcd + kube-apiserver on loopback (binaries built on first use), stopped after the session.
+    """etcd + kube-apiserver on loopback, stopped after the session (or killed with pytest).
 
     No controller-manager runs: deleted namespaces never finish terminating, so tests do not
     delete theirs; the whole store is thrown away at the end of the session.
     """
-    with launcher.ControlPlane.start() as plane:
+    # building takes far longer than pytest-timeout allows a test: fail at once and say why
+    bins = launcher.prebuilt()
+    if bins is None:
+        pytest.fail("kube-apiserver and etcd are not built: run `make setup` (or "
+                    "`tessera build-controlplane`) first, or set TESSERA_BIN_DIR", pytrace=False)
+    with launcher.ControlPlane.start(bin_dir=bins) as plane:
         yield plane
 
 
@@ -47,8 +52,10 @@ def namespace(admin_api: client.ApiClient) -> str:
 @pytest.fixture
 def prometheus() -> Iterator[Callable[[Mapping[str, Sequence[str]]], Prometheus]]:
     """Factory: `prometheus({"job": ["127.0.0.1:PORT"]})` starts a server scraping every second."""
+    # a failure, not a skip: `make setup` installs it, and a skip would hide a broken CI
     if shutil.which("prometheus") is None:
-        pytest.skip("prometheus binary not installed (apt-get install prometheus)")
+        pytest.fail("the prometheus binary is not on PATH: run `make setup` (it installs the "
+                    "Debian package `prometheus`)", pytrace=False)
     servers: list[Prometheus] = []
 
     def start(jobs: Mapping[str, Sequence[str]]) -> Prometheus:

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -44,6 +46,7 @@ def state_env(tmp_path) -> Iterator[dict[str, str]]:
 
 
 def test_up_is_idempotent_and_down_stops_everything(state_env, tmp_path):
+    state = tmp_path / "controlplane"
     first = tessera("up", env=state_env)
     assert first.returncode == 0, first.stderr
     export = first.stdout.strip().splitlines()[-1]
@@ -59,8 +62,60 @@ def test_up_is_idempotent_and_down_stops_everything(state_env, tmp_path):
     assert "already running" in second.stderr
     assert second.stdout.strip().splitlines()[-1] == export
 
-    pids = launcher.ControlPlane.load(tmp_path / "controlplane").pids.values()
+    pids = launcher.ControlPlane.load(state).pids
+    # a running apiserver that stops answering (a loaded machine) is waited on, never wiped
+    os.kill(pids["kube-apiserver"], signal.SIGSTOP)
+    try:
+        stuck = tessera("up", "--ready-timeout", "2", env=state_env)
+    finally:
+        os.kill(pids["kube-apiserver"], signal.SIGCONT)
+    assert stuck.returncode == 1
+    assert "left it untouched" in stuck.stderr
+    assert all(processes.runs(pid, name) for name, pid in pids.items())
+    assert (state / "etcd").is_dir() and launcher.ControlPlane.load(state).pids == pids
+
+    # and one that answers again within the wait is reused as it is
+    os.kill(pids["kube-apiserver"], signal.SIGSTOP)
+    slow = subprocess.Popen([str(TESSERA), "up"], env=state_env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    time.sleep(2.5)  # past the first readiness probe's 2 s timeout, so `up` is waiting
+    os.kill(pids["kube-apiserver"], signal.SIGCONT)
+    out, err = slow.communicate(timeout=60)
+    assert slow.returncode == 0, err
+    assert "already running" in err and out.strip().splitlines()[-1] == export
+
     down = tessera("down", env=state_env)
     assert down.returncode == 0, down.stderr
-    assert not any(processes.is_alive(pid) for pid in pids)
-    assert not (tmp_path / "controlplane").exists()
+    assert not any(processes.is_alive(pid) for pid in pids.values())
+    assert not state.exists()
+
+
+@pytest.mark.parametrize("command", ["up", "down"])
+def test_a_data_dir_that_is_not_a_control_plane_is_refused(command, tmp_path):
+    precious = tmp_path / "thesis.tex"
+    precious.write_text("years of work")
+    shown = tessera(command, "--data-dir", str(tmp_path))
+    assert shown.returncode == 1
+    assert "refusing" in shown.stderr and "Traceback" not in shown.stderr
+    assert precious.read_text() == "years of work"
+
+
+def test_down_clears_a_control_plane_that_never_finished_starting(tmp_path):
+    state = tmp_path / "controlplane"
+    state.mkdir()
+    (state / launcher.MARKER).touch()  # what start() writes before anything else
+    (state / "etcd.log").write_text("etcd: killed during startup")
+    shown = tessera("down", "--data-dir", str(state))
+    assert shown.returncode == 0, shown.stderr
+    assert not state.exists()
+
+
+def test_without_go_the_build_says_what_to_install(tmp_path):
+    env = dict(os.environ, PATH=str(tmp_path), TESSERA_CACHE=str(tmp_path / "cache"))
+    shown = tessera("build-controlplane", env=env)
+    assert shown.returncode == 1
+    assert "Go >= 1.26 is required to build kube-apiserver" in shown.stderr
+    assert "TESSERA_BIN_DIR" in shown.stderr
+    # no release can build without Go: one clear error, no fall back through older releases
+    assert "earlier minor" not in shown.stdout + shown.stderr
+    assert "Traceback" not in shown.stderr

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
+import socket
 import subprocess
+import sys
 
 import pytest
 from kubernetes import client
-from tessera_operator.controlplane import processes
+from tessera_operator.controlplane import probes, processes
 
 pytestmark = pytest.mark.foundation
 
@@ -53,11 +56,80 @@ def test_service_account_token_is_subject_to_rbac(control_plane, admin_api, name
         assert err.value.status == 403
 
 
+def test_private_keys_and_kubeconfig_are_readable_by_their_owner_only(control_plane):
+    secrets = [control_plane.kubeconfig, *control_plane.data_dir.glob("pki/*.key")]
+    assert len(secrets) == 5  # the kubeconfig, and the CA, serving, admin and token keys
+    assert {oct(path.stat().st_mode & 0o777) for path in secrets} == {"0o600"}
+
+
 def test_a_server_that_dies_at_startup_is_reported_with_its_log(tmp_path):
     log = tmp_path / "server.log"
-    proc = processes.spawn(["sh", "-c", "echo 'bind: address already in use'; exit 3"], log)
+    proc = processes.spawn(["sh", "-c", "echo 'TLS setup failed: no such key'; exit 3"], log,
+                           die_with_parent=True)
     with pytest.raises(processes.StartupError) as err:
         processes.wait_until(lambda: False, what="fake-server", proc=proc, log_path=log,
                              timeout=30)
     assert "fake-server exited with code 3" in str(err.value)
-    assert "bind: address already in use" in str(err.value)
+    assert "TLS setup failed: no such key" in str(err.value)
+    assert not isinstance(err.value, processes.PortTaken)
+
+
+def test_a_port_taken_after_it_was_chosen_is_retried_with_fresh_ports(tmp_path):
+    """Another program binds our pick before the server does: the server fails, we retry."""
+    blockers: list[socket.socket] = []
+    servers: list[subprocess.Popen] = []
+
+    def launch(ports: list[int]) -> int:
+        if not blockers:
+            blockers.append(socket.create_server(("127.0.0.1", ports[0])))
+        log = tmp_path / f"server-{len(servers)}.log"
+        servers.append(processes.spawn(
+            [sys.executable, "-m", "http.server", "--bind", "127.0.0.1", "--directory",
+             str(tmp_path), str(ports[0])], log, die_with_parent=True))
+        processes.wait_until(lambda: probes.responds(f"http://127.0.0.1:{ports[0]}/"),
+                             what="http.server", proc=servers[-1], log_path=log, timeout=30)
+        return ports[0]
+
+    try:
+        port = processes.with_free_ports(1, launch)
+        assert port != blockers[0].getsockname()[1]
+        assert "Address already in use" in (tmp_path / "server-0.log").read_text()
+        assert probes.responds(f"http://127.0.0.1:{port}/")
+    finally:
+        for server in servers:
+            processes.stop_group(server)
+        for blocker in blockers:
+            blocker.close()
+
+
+KEEP_SERVERS = """
+import json, sys, time
+from pathlib import Path
+from tessera_operator.controlplane import launcher, prometheus
+root = Path(sys.argv[1])
+plane = launcher.ControlPlane.start(root / "cp", launcher.prebuilt())
+prom = prometheus.Prometheus.start({}, root / "prom")
+print(json.dumps({**plane.pids, "prometheus": prom._proc.pid}), flush=True)
+time.sleep(300)
+"""
+
+
+def test_servers_of_a_killed_test_run_die_with_it(tmp_path):
+    """A SIGKILLed pytest runs no teardown; its control plane and Prometheus must not linger."""
+    holder = subprocess.Popen([sys.executable, "-c", KEEP_SERVERS, str(tmp_path)],
+                              stdout=subprocess.PIPE, text=True)
+    pids: dict[str, int] = {}
+    try:
+        pids = json.loads(holder.stdout.readline())
+        assert all(processes.runs(pid, name) for name, pid in pids.items())
+        holder.kill()
+        holder.wait()
+        probes.poll_until(
+            lambda: [name for name, pid in pids.items() if processes.runs(pid, name)],
+            lambda left: not left, timeout=10,
+            error=lambda left: AssertionError(f"still running after their parent died: {left}"))
+    finally:
+        holder.kill()
+        for name, pid in pids.items():
+            if processes.runs(pid, name):
+                processes.stop_group(pid)

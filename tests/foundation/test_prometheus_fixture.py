@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 from prometheus_client import CollectorRegistry, Gauge, start_http_server
-from tessera_operator.controlplane import processes
 
 pytestmark = pytest.mark.foundation
 
@@ -13,9 +12,9 @@ pytestmark = pytest.mark.foundation
 def exporter():
     registry = CollectorRegistry()
     gauge = Gauge("tessera_test_power_watts", "power of a fake GPU", ["gpu"], registry=registry)
-    port = processes.free_port()
-    server, thread = start_http_server(port, addr="127.0.0.1", registry=registry)
-    yield gauge, f"127.0.0.1:{port}"
+    # port 0: the kernel picks a free one while binding, so nothing can take it first
+    server, thread = start_http_server(0, addr="127.0.0.1", registry=registry)
+    yield gauge, f"127.0.0.1:{server.server_port}"
     server.shutdown()
     thread.join()
 

@@ -2,19 +2,25 @@
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Any
 
 import yaml
 from kubernetes import client
 
+from tessera_operator import paths
+from tessera_operator.controlplane import probes
+
 FIELD_MANAGER = "tessera"
-# crds/ at the repository root (the package is installed editable from the checkout)
-CRD_DIR = Path(__file__).resolve().parents[3] / "crds"
 
 
-def load(directory: Path = CRD_DIR) -> list[dict[str, Any]]:
+def crd_dir() -> Path:
+    return paths.repo_root() / "crds"
+
+
+def load(directory: Path | None = None) -> list[dict[str, Any]]:
+    """Every document in the *.yaml files of directory (default: the checkout's crds/)."""
+    directory = directory or crd_dir()
     docs = [doc for path in sorted(directory.glob("*.yaml"))
             for doc in yaml.safe_load_all(path.read_text()) if doc]
     if not docs:
@@ -37,13 +43,10 @@ def apply(api: client.ApiClient, docs: list[dict[str, Any]], timeout: float = 30
             name, doc, field_manager=FIELD_MANAGER, force=True,
             _content_type="application/apply-patch+yaml")
         names.append(name)
-    deadline = time.monotonic() + timeout
-    pending = set(names)
-    while pending:
-        pending = {n for n in pending
-                   if not established(ext.read_custom_resource_definition(n))}
-        if pending and time.monotonic() > deadline:
-            raise TimeoutError(f"CRDs not Established after {timeout:.0f} s: {sorted(pending)}")
-        if pending:
-            time.sleep(0.1)
+    probes.poll_until(
+        lambda: sorted(n for n in names
+                       if not established(ext.read_custom_resource_definition(n))),
+        lambda pending: not pending, timeout=timeout,
+        error=lambda pending: TimeoutError(
+            f"CRDs not Established after {timeout:.0f} s: {pending}"))
     return names

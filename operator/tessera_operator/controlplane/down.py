@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import shutil
 from pathlib import Path
 
 from rich.console import Console
@@ -18,6 +17,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     console = Console(stderr=True)
 
+    try:
+        launcher.check_state_dir(args.data_dir)
+    except launcher.NotAStateDir as exc:
+        console.print(str(exc), style="red", markup=False, highlight=False)
+        return 1
     plane = launcher.ControlPlane.load(args.data_dir)
     if plane is None:
         console.print("no control plane running")
@@ -25,5 +29,5 @@ def main(argv: list[str] | None = None) -> int:
         with console.status("stopping kube-apiserver and etcd"):
             plane.stop()
         console.print("[green]control plane stopped[/]")
-    shutil.rmtree(args.data_dir, ignore_errors=True)
+    launcher.remove_state_dir(args.data_dir)
     return 0

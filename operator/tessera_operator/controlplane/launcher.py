@@ -15,20 +15,25 @@ import os
 import shutil
 import ssl
 import subprocess
-import urllib.error
-import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from tessera_operator.controlplane import build, kubeconfig, pki, processes
+from tessera_operator.controlplane import build, kubeconfig, pki, probes, processes
 
 if TYPE_CHECKING:
     from kubernetes.client import ApiClient
 
 SERVICE_ACCOUNT_ISSUER = "https://kubernetes.default.svc"
 STATE_FILE = "controlplane.json"
+# written first thing into a data dir, so `up`/`down` know it is theirs even before STATE_FILE
+MARKER = ".tessera-controlplane"
+SERVERS = ("etcd", "kube-apiserver")
+
+
+class NotAStateDir(ValueError):
+    """A --data-dir that holds something other than a control plane: never deleted."""
 
 
 def default_data_dir() -> Path:
@@ -39,10 +44,34 @@ def default_data_dir() -> Path:
     return Path(xdg) / "tessera" / "controlplane"
 
 
-def binaries(log: Callable[[str], object] = print) -> Path:
-    """$TESSERA_BIN_DIR if set (binaries built elsewhere), else the cached registry build."""
+def check_state_dir(path: Path) -> None:
+    """Raise NotAStateDir unless path is absent, empty, or a control plane's state dir.
+
+    `tessera up` and `down` delete their data dir: a mistyped path must not cost a directory.
+    """
+    if not path.exists():
+        return
+    if path.is_dir() and (not any(path.iterdir()) or (path / STATE_FILE).exists()
+                          or (path / MARKER).exists()):
+        return
+    raise NotAStateDir(f"{path} is not a control plane state directory (it has neither "
+                       f"{STATE_FILE} nor {MARKER}); refusing to use or delete it")
+
+
+def remove_state_dir(path: Path) -> None:
+    check_state_dir(path)
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def prebuilt() -> Path | None:
+    """$TESSERA_BIN_DIR if set (binaries built elsewhere), else a cached build, else None."""
     given = os.environ.get("TESSERA_BIN_DIR")
-    return Path(given) if given else build.ensure(log=log)
+    return Path(given) if given else build.find_cached()
+
+
+def binaries(log: Callable[[str], object] = print) -> Path:
+    """The prebuilt binaries, or a registry build made now (many minutes the first time)."""
+    return prebuilt() or build.ensure(log=log)
 
 
 def _etcd_argv(binary: Path, data: Path, client_port: int, peer_port: int) -> list[str]:
@@ -84,14 +113,6 @@ def _tls_context(keys: pki.Pki) -> ssl.SSLContext:
     return context
 
 
-def _responds(url: str, context: ssl.SSLContext | None = None) -> bool:
-    try:
-        with urllib.request.urlopen(url, context=context, timeout=2) as response:
-            return response.status == 200
-    except (OSError, urllib.error.URLError):
-        return False
-
-
 @dataclass
 class ControlPlane:
     """A running etcd + kube-apiserver pair; a context manager that stops them on exit."""
@@ -110,46 +131,69 @@ class ControlPlane:
     @classmethod
     def start(
         cls, data_dir: Path | None = None, bin_dir: Path | None = None, timeout: float = 120.0,
+        *, detached: bool = False,
     ) -> ControlPlane:
-        """Start a fresh control plane; with no data_dir a temporary one is removed on stop()."""
+        """Start a fresh control plane; with no data_dir a temporary one is removed on stop().
+
+        Detached servers outlive this process (`tessera up`); otherwise the kernel kills them
+        when this process dies, so a killed test run leaves no servers behind.
+        """
         root, owns = processes.work_dir(data_dir, "tessera-cp-")
-        bins = bin_dir or binaries()
-        etcd_port, peer_port, port = (processes.free_port() for _ in range(3))
+        try:
+            (root / MARKER).touch()
+            bins = bin_dir or binaries()
+            keys = pki.generate(root / "pki")
+            # a port taken by someone else between our pick and the server's bind: new ports
+            return processes.with_free_ports(3, lambda ports: cls._launch(
+                root, owns, bins, keys, ports, timeout, detached))
+        except BaseException:
+            if owns:
+                shutil.rmtree(root, ignore_errors=True)
+            raise
+
+    @classmethod
+    def _launch(
+        cls, root: Path, owns: bool, bins: Path, keys: pki.Pki, ports: list[int],
+        timeout: float, detached: bool,
+    ) -> ControlPlane:
+        etcd_port, peer_port, port = ports
         plane = cls(root, f"https://127.0.0.1:{port}", root / "kubeconfig", {}, owns)
         try:
-            # 1. credentials and the admin kubeconfig
-            keys = pki.generate(root / "pki")
+            # 1. the admin kubeconfig for this server address
             admin = kubeconfig.certificate_user(keys.admin_cert, keys.admin_key)
             kubeconfig.write(plane.kubeconfig, kubeconfig.render(
                 plane.server, keys.ca_cert, admin, pki.ADMIN_USER))
-            # 2. etcd, ready when its health endpoint answers
+            # 2. etcd on a fresh store (a failed try's store names its old peer address),
+            #    ready when its health endpoint answers
+            shutil.rmtree(root / "etcd", ignore_errors=True)
             etcd_log = root / "etcd.log"
             plane._spawn("etcd", _etcd_argv(bins / "etcd", root / "etcd", etcd_port, peer_port),
-                         etcd_log)
+                         etcd_log, detached)
             processes.wait_until(
-                lambda: _responds(f"http://127.0.0.1:{etcd_port}/health"), what="etcd",
+                lambda: probes.responds(f"http://127.0.0.1:{etcd_port}/health"), what="etcd",
                 proc=plane._procs[-1], log_path=etcd_log, timeout=timeout)
             # 3. kube-apiserver, ready when /readyz passes and the default namespace exists
             api_log = root / "kube-apiserver.log"
             plane._spawn("kube-apiserver",
-                         _apiserver_argv(bins / "kube-apiserver", keys, etcd_port, port), api_log)
+                         _apiserver_argv(bins / "kube-apiserver", keys, etcd_port, port), api_log,
+                         detached)
             tls = _tls_context(keys)
             processes.wait_until(
-                lambda: _responds(f"{plane.server}/readyz", tls)
-                and _responds(f"{plane.server}/api/v1/namespaces/default", tls),
+                lambda: probes.responds(f"{plane.server}/readyz", tls)
+                and probes.responds(f"{plane.server}/api/v1/namespaces/default", tls),
                 what="kube-apiserver", proc=plane._procs[-1], log_path=api_log, timeout=timeout)
         except BaseException:
-            plane.stop()
+            plane._stop_processes()
             raise
         return plane
 
-    def _spawn(self, name: str, argv: list[str], log_path: Path) -> None:
-        proc = processes.spawn(argv, log_path)
+    def _spawn(self, name: str, argv: list[str], log_path: Path, detached: bool) -> None:
+        proc = processes.spawn(argv, log_path, die_with_parent=not detached)
         self._procs.append(proc)
         self.pids[name] = proc.pid
 
-    def stop(self) -> None:
-        """Stop the apiserver before etcd, and remove the data dir if start() created it."""
+    def _stop_processes(self) -> None:
+        """Stop the apiserver before etcd."""
         for name in ("kube-apiserver", "etcd"):
             pid = self.pids.get(name)
             proc = next((p for p in self._procs if p.pid == pid), None)
@@ -159,11 +203,20 @@ class ControlPlane:
             elif pid is not None and processes.runs(pid, name):
                 processes.stop_group(pid)
         self.pids.clear()
+
+    def stop(self) -> None:
+        """Stop the servers, and remove the data dir if start() created it."""
+        self._stop_processes()
         if self.owns_data_dir:
             shutil.rmtree(self.data_dir, ignore_errors=True)
 
+    def is_running(self) -> bool:
+        """Whether both recorded pids still run etcd and kube-apiserver (not reused since)."""
+        return all(name in self.pids and processes.runs(self.pids[name], name)
+                   for name in SERVERS)
+
     def is_ready(self) -> bool:
-        return _responds(f"{self.server}/readyz", _tls_context(self.keys))
+        return probes.responds(f"{self.server}/readyz", _tls_context(self.keys))
 
     def __enter__(self) -> ControlPlane:
         return self

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -15,7 +14,7 @@ from pathlib import Path
 
 import yaml
 
-from tessera_operator.controlplane import processes
+from tessera_operator.controlplane import probes, processes
 
 SCRAPE_INTERVAL = "1s"
 
@@ -57,35 +56,32 @@ class Prometheus:
         root, owns = processes.work_dir(data_dir, "tessera-prom-")
         config = root / "prometheus.yml"
         config.write_text(yaml.safe_dump(scrape_config(jobs)))
-        port = processes.free_port()
-        log = root / "prometheus.log"
-        proc = processes.spawn([
-            exe, f"--config.file={config}", f"--storage.tsdb.path={root / 'tsdb'}",
-            f"--web.listen-address=127.0.0.1:{port}",
-            "--web.enable-lifecycle",  # lets reload() pick up a new scrape config
-        ], log)
-        server = cls(f"http://127.0.0.1:{port}", root, owns, proc)
+
+        def launch(ports: list[int]) -> Prometheus:
+            log = root / "prometheus.log"
+            # a test helper: the server dies with the process that started it, even on SIGKILL
+            proc = processes.spawn([
+                exe, f"--config.file={config}", f"--storage.tsdb.path={root / 'tsdb'}",
+                f"--web.listen-address=127.0.0.1:{ports[0]}",
+            ], log, die_with_parent=True)
+            server = cls(f"http://127.0.0.1:{ports[0]}", root, owns, proc)
+            try:
+                processes.wait_until(server.is_ready, what="prometheus", proc=proc,
+                                     log_path=log, timeout=timeout)
+            except BaseException:
+                processes.stop_group(proc)
+                raise
+            return server
+
         try:
-            processes.wait_until(server.is_ready, what="prometheus", proc=proc, log_path=log,
-                                 timeout=timeout)
+            return processes.with_free_ports(1, launch)
         except BaseException:
-            server.stop()
+            if owns:
+                shutil.rmtree(root, ignore_errors=True)
             raise
-        return server
 
     def is_ready(self) -> bool:
-        try:
-            with urllib.request.urlopen(f"{self.url}/-/ready", timeout=2) as response:
-                return response.status == 200
-        except OSError:
-            return False
-
-    def reload(self, jobs: Mapping[str, Sequence[str]]) -> None:
-        """Replace the scrape targets of the running server."""
-        (self.data_dir / "prometheus.yml").write_text(yaml.safe_dump(scrape_config(jobs)))
-        request = urllib.request.Request(f"{self.url}/-/reload", method="POST")
-        with urllib.request.urlopen(request, timeout=10):
-            pass
+        return probes.responds(f"{self.url}/-/ready")
 
     def query(self, promql: str) -> list[Sample]:
         """Evaluate an instant query; raises ValueError with Prometheus' message if it fails."""
@@ -106,14 +102,10 @@ class Prometheus:
         self, promql: str, until: Callable[[list[Sample]], bool] = bool, timeout: float = 30.0,
     ) -> list[Sample]:
         """Query repeatedly until the result satisfies `until` (by default: is non-empty)."""
-        deadline = time.monotonic() + timeout
-        while True:
-            samples = self.query(promql)
-            if until(samples):
-                return samples
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{promql!r} still gives {samples} after {timeout:.0f} s")
-            time.sleep(0.2)
+        return probes.poll_until(
+            lambda: self.query(promql), until, timeout=timeout, interval=0.2,
+            error=lambda samples: TimeoutError(
+                f"{promql!r} still gives {samples} after {timeout:.0f} s"))
 
     def stop(self) -> None:
         if self._proc is not None:
