@@ -14,10 +14,10 @@ from pathlib import Path
 import yaml
 from rich.console import Console
 
+from tessera_operator import paths
 from tessera_operator.controlplane import launcher, up
 
-REPO = Path(__file__).resolve().parents[2]
-EXAMPLE = REPO / "manifests" / "examples" / "ntpjob-small.yaml"
+EXAMPLE = paths.repo_root() / "manifests" / "examples" / "ntpjob-small.yaml"
 
 
 def _kubectl(kubeconfig: Path, *args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
