@@ -67,7 +67,12 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 def run_layout(
-    layout: JobLayout, tmp: Path, steps: int, init: Path | None = None, extra: tuple = ()
+    layout: JobLayout,
+    tmp: Path,
+    steps: int,
+    init: Path | None = None,
+    extra: tuple = (),
+    **launch: object,
 ) -> dict:
     args = [
         *extra,
@@ -89,10 +94,9 @@ def run_layout(
     resumed = init is not None or "--resume" in extra
     if not resumed:
         args.append("--dump-grads")
-    launch_local(layout, args, timeout_s=240)
-    metrics = [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(layout.world_size)]
+    launch_local(layout, args, timeout_s=240, **launch)
     return {
-        "losses": metrics[0]["losses"],
+        "losses": json.loads((tmp / "rank0.json").read_text())["losses"],
         "grads": [torch.load(tmp / f"grads-replica{r}.pt") for r in range(len(layout.replicas))]
         if not resumed
         else [],
@@ -193,3 +197,30 @@ def test_checkpoint_moves_between_layouts(tmp_path):
         assert rel_err(b["ckpt"]["model"][n], weight) <= STATE_TOL, n
         assert rel_err(b["ckpt"]["optimizer"]["exp_avg"][n], exp_avg) <= STATE_TOL, n
         assert rel_err(b["ckpt"]["optimizer"]["exp_avg_sq"][n], exp_avg_sq) <= STATE_TOL, n
+
+
+def test_live_reconfiguration_after_a_gpu_loss(tmp_path):
+    # Two TP4 replicas; global rank 6 (replica 1) dies at the start of step 3. The survivors
+    # re-form groups as TP4 + TP3 (generation 1), fetch the lost units and their AdamW state
+    # from the DP peer, redo step 3 and go on: the loss curve is the dense one throughout.
+    before = plan_job(SHAPE, [4, 4], global_batch=16)
+    after = plan_job(SHAPE, [4, 3], global_batch=16)
+    (tmp_path / "gen1.json").write_text(
+        json.dumps(after.to_dict() | {"generation": 1, "origin": [0, 1, 2, 3, 4, 5, 7]})
+    )
+    got = run_layout(
+        before,
+        tmp_path,
+        steps=6,
+        extra=("--layout-dir", str(tmp_path), "--reconfigure-timeout", "60"),
+        env={"TESSERA_FAULT_AT": "6:3", "TESSERA_COLLECTIVE_TIMEOUT_S": "8"},
+        may_fail={6},
+    )
+    assert json.loads((tmp_path / "rank6.json").read_text())["generation"] == 1  # new rank 6
+    assert not (tmp_path / "rank7.json").exists()
+    want = dense_run(16, 6)
+    assert got["losses"] == pytest.approx(want["losses"], abs=1e-4)
+    for n, (weight, exp_avg, exp_avg_sq) in want["states"][6].items():
+        assert rel_err(got["ckpt"]["model"][n], weight) <= STATE_TOL, n
+        assert rel_err(got["ckpt"]["optimizer"]["exp_avg"][n], exp_avg) <= STATE_TOL, n
+        assert rel_err(got["ckpt"]["optimizer"]["exp_avg_sq"][n], exp_avg_sq) <= STATE_TOL, n

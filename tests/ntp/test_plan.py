@@ -16,6 +16,7 @@ from ntp.plan import (
     layout_from_shards,
     plan_job,
     plan_replica,
+    reshard_moves,
 )
 
 SHAPE_480B = ModelShape(hidden=20480, n_heads=128, n_kv_heads=128, ffn=81920, vocab=128000)
@@ -212,3 +213,36 @@ def test_explicit_sync_partitions_for_healthy_replicas():
     assert JobLayout.from_dict(job.to_dict()) == job
     with pytest.raises(PlanError, match="sync partitions"):
         layout_from_shards(shape, [three], 8, "ntp", sync_shards=healthy)
+
+
+def test_reshard_moves_take_lost_units_from_survivors():
+    shape = ModelShape(hidden=96, n_heads=12, n_kv_heads=4, ffn=40, vocab=64)
+    old = plan_job(shape, [4, 4], 16)
+    new = plan_job(shape, [4, 3], 16)
+    origin = [0, 1, 2, 3, 4, 5, 7]  # old global rank 6 died
+    moves = reshard_moves(old, new, origin)
+    old_shards = [s for r in old.replicas for s in r.shards]
+    new_shards = [s for r in new.replicas for s in r.shards]
+    for d, shard in enumerate(new_shards):
+        for kind in UNIT_KINDS:
+            # Every unit the new rank holds arrives exactly once, from a survivor that held it.
+            got = sorted(u for piece in moves[d] for u in piece.units(kind))
+            assert got == list(shard.units(kind))
+            for s, piece in enumerate(moves[d]):
+                assert set(piece.units(kind)) <= set(old_shards[origin[s]].units(kind))
+            # What the process already held stays local.
+            kept = set(shard.units(kind)) & set(old_shards[origin[d]].units(kind))
+            assert kept == set(moves[d][d].units(kind))
+    # The dead rank's units reach its replica from the healthy replica (a DP peer).
+    lost = set(old_shards[6].mlp_cols)
+    sources = {
+        origin[s]
+        for d in (4, 5, 6)
+        for s, piece in enumerate(moves[d])
+        if lost & set(piece.mlp_cols)
+    }
+    assert sources and sources <= {0, 1, 2, 3}
+    with pytest.raises(PlanError, match="survives on no rank"):
+        reshard_moves(plan_job(shape, [2], 4), plan_job(shape, [1], 4), [0])
+    with pytest.raises(PlanError, match="distinct"):
+        reshard_moves(old, new, [0, 0, 1, 2, 3, 4, 5])

@@ -10,7 +10,7 @@ import os
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 
 import torch.distributed as dist
@@ -51,11 +51,14 @@ def launch_local(
     train_args: Sequence[str],
     timeout_s: float = 300.0,
     threads_per_rank: int = 1,
+    env: Mapping[str, str] | None = None,
+    may_fail: Collection[int] = (),
 ) -> None:
     """Run one trainer process per rank of `layout` and wait for all of them.
 
     The store lives in this process, not in a rank, so any rank can die without taking the
-    rendezvous down. On the first failure the other ranks are stopped and the error raised.
+    rendezvous down. On the first failure of a rank not in `may_fail` the other ranks are
+    stopped and the error raised. `env` is added to every rank's environment.
     """
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     ctx = _context()
@@ -63,7 +66,8 @@ def launch_local(
         layout_file = Path(tmp) / "layout.json"
         layout_file.write_text(json.dumps(layout.to_dict()))
         argv = ["--layout", str(layout_file), *train_args]
-        env = {
+        rank_env = {
+            **(env or {}),
             "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(store.port),
             "WORLD_SIZE": str(layout.world_size),
@@ -74,11 +78,11 @@ def launch_local(
             for rank in range(layout.world_size):
                 log = Path(tmp) / f"rank{rank}.log"
                 proc = ctx.Process(
-                    target=_rank_main, args=(argv, env | {"RANK": str(rank)}, str(log))
+                    target=_rank_main, args=(argv, rank_env | {"RANK": str(rank)}, str(log))
                 )
                 proc.start()
                 procs.append((proc, log))
-            _wait_all(procs, time.monotonic() + timeout_s)
+            _wait_all(procs, time.monotonic() + timeout_s, may_fail)
         finally:
             for proc, _ in procs:
                 if proc.is_alive():
@@ -87,7 +91,9 @@ def launch_local(
 
 
 def _wait_all(
-    procs: list[tuple[multiprocessing.process.BaseProcess, Path]], deadline: float
+    procs: list[tuple[multiprocessing.process.BaseProcess, Path]],
+    deadline: float,
+    may_fail: Collection[int],
 ) -> None:
     pending = list(procs)
     while pending:
@@ -95,8 +101,8 @@ def _wait_all(
             if proc.exitcode is None:
                 continue
             pending.remove((proc, log))
-            if proc.exitcode != 0:
-                rank = procs.index((proc, log))
+            rank = procs.index((proc, log))
+            if proc.exitcode != 0 and rank not in may_fail:
                 raise LaunchError(f"rank {rank} exited with {proc.exitcode}:\n{_tail(log)}")
         if time.monotonic() > deadline:
             raise LaunchError(f"job ran past its deadline; rank 0 log:\n{_tail(procs[0][1])}")

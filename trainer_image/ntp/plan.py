@@ -537,3 +537,67 @@ def plan_job(
         tp: base if tp == p else plan_replica(shape, tp, align_to=base) for tp in set(tp_degrees)
     }
     return layout_from_shards(shape, [by_degree[tp] for tp in tp_degrees], global_batch, mode)
+
+
+# ----------------------------------------------------------------------------------------------
+# Live reconfiguration
+# ----------------------------------------------------------------------------------------------
+
+
+def reshard_moves(
+    old: JobLayout, new: JobLayout, origin: Sequence[int]
+) -> tuple[tuple[RankShard, ...], ...]:
+    """Where every rank of the new layout gets the units (weights and optimizer state) it holds.
+
+    `origin[d]` is the old global rank of the surviving process that becomes new global rank d.
+    Returns moves[d][s]: the units new rank d receives from new rank s (s == d: already held).
+    A missing unit comes from a survivor holding it, preferably in the process's own old replica
+    (the same scale-up domain), otherwise from a DP peer, spreading the load over the holders.
+    """
+    if old.shape != new.shape:
+        raise PlanError(f"cannot reshard between shapes {old.shape} and {new.shape}")
+    if len(origin) != new.world_size or len(set(origin)) != len(origin):
+        raise PlanError(f"origin must name {new.world_size} distinct surviving ranks")
+    if any(not 0 <= o < old.world_size for o in origin):
+        raise PlanError(f"origin ranks must lie in the old world of {old.world_size}")
+    new_rank = {o: d for d, o in enumerate(origin)}
+    old_shard = {}
+    old_replica = {}
+    for rep in old.replicas:
+        for j, shard in enumerate(rep.shards):
+            old_shard[rep.global_rank(j)] = shard
+            old_replica[rep.global_rank(j)] = rep.index
+    holders: dict[str, dict[int, list[int]]] = {kind: {} for kind in UNIT_KINDS}
+    for o in origin:
+        for kind in UNIT_KINDS:
+            for u in old_shard[o].units(kind):
+                holders[kind].setdefault(u, []).append(o)
+    load = dict.fromkeys(origin, 0)
+    moves = []
+    for rep in new.replicas:
+        for j, shard in enumerate(rep.shards):
+            me = origin[rep.global_rank(j)]
+            got: dict[int, dict[str, list[int]]] = {}
+            for kind in UNIT_KINDS:
+                mine = set(old_shard[me].units(kind))
+                for u in shard.units(kind):
+                    if u in mine:
+                        src = me
+                    else:
+                        if u not in holders[kind]:
+                            raise PlanError(
+                                f"{kind} {u} survives on no rank: restore from a checkpoint"
+                            )
+                        src = min(
+                            holders[kind][u],
+                            key=lambda o: (old_replica[o] != old_replica[me], load[o], o),
+                        )
+                        load[src] += 1
+                    got.setdefault(new_rank[src], {}).setdefault(kind, []).append(u)
+            moves.append(
+                tuple(
+                    RankShard(**{k: tuple(v) for k, v in got.get(s, {}).items()})
+                    for s in range(new.world_size)
+                )
+            )
+    return tuple(moves)

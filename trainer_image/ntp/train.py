@@ -3,25 +3,37 @@
 from __future__ import annotations
 
 import argparse
+import faulthandler
+import gc
 import json
 import os
+import signal
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import _abort_process_group
 
-from ntp.checkpoint import DenseState, gather_checkpoint, gather_tensor, load_checkpoint
+from ntp.checkpoint import (
+    MOMENTS,
+    DenseState,
+    gather_checkpoint,
+    gather_tensor,
+    load_checkpoint,
+)
 from ntp.clip import clip_grad_norm_
 from ntp.data import split_inputs, synthetic_batch
 from ntp.grad_sync import DEFAULT_BUCKET_ELEMENTS, GradSync
 from ntp.groups import build_groups
 from ntp.model import FLAVORS, ModelArgs, build_model
 from ntp.parallelize import apply_ntp
-from ntp.plan import JobLayout
+from ntp.plan import JobLayout, reshard_moves
+from ntp.reshard import LocalState, exchange_state
 
 
 @dataclass(frozen=True)
@@ -56,31 +68,89 @@ class Trainer:
     """Builds this rank's shard from dense weights and runs synchronized AdamW steps."""
 
     def __init__(self, layout: JobLayout, config: TrainConfig, init: DenseState | None = None):
-        # 1. Groups and this rank's place in the layout.
-        self.layout, self.config = layout, config
-        self.args = model_args(config.flavor, layout)
-        self.groups = build_groups(layout)
-        replica = layout.replicas[self.groups.replica]
-        self.replica, self.shard = replica, replica.shards[self.groups.rank]
-        # 2. Dense weights (seeded or from a checkpoint) cut to this rank's shard.
-        self.model = build_model(self.args, seed=config.seed)
-        dense = None if init is None else init["model"]
-        self.loss_fn = apply_ntp(self.model, self.shard, self.groups.tp, state_dict=dense)
+        self.config = config
         self.device = torch.device(config.device)
-        self.model.to(self.device)
-        # 3. AdamW is elementwise, so local shards with their own state do exactly the dense math.
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=config.lr, weight_decay=config.weight_decay, foreach=False
-        )
+        self.times = StepTimes()
         self.step = 0
+        self._build(layout, dense=None if init is None else init["model"])
         if init is not None and init.get("optimizer") is not None:
             load_checkpoint(self.model, self.optimizer, init, layout.shape, self.shard)
             self.step = int(init["optimizer"]["step"])
+
+    def _build(self, layout: JobLayout, dense: Mapping[str, torch.Tensor] | None = None) -> None:
+        """Groups, this rank's shard of the model, AdamW and the sync hooks for `layout`."""
+        # 1. Groups and this rank's place in the layout.
+        self.layout = layout
+        self.args = model_args(self.config.flavor, layout)
+        self.groups = build_groups(layout, timeout=collective_timeout())
+        self.replica = layout.replicas[self.groups.replica]
+        self.shard = self.replica.shards[self.groups.rank]
+        # 2. Dense weights (seeded or given) cut to this rank's shard.
+        self.model = build_model(self.args, seed=self.config.seed)
+        self.loss_fn = apply_ntp(self.model, self.shard, self.groups.tp, state_dict=dense)
+        self.model.to(self.device)
+        # 3. AdamW is elementwise, so local shards with their own state do exactly the dense math.
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(),
+            lr=self.config.lr,
+            weight_decay=self.config.weight_decay,
+            foreach=False,
+        )
         # 4. Gradient sync hooks.
         self.sync = GradSync(
-            self.model, layout, self.groups, config.bucket_elements, overlap=config.overlap
+            self.model,
+            layout,
+            self.groups,
+            self.config.bucket_elements,
+            overlap=self.config.overlap,
         )
-        self.times = StepTimes()
+
+    def local_state(self) -> LocalState:
+        """Each parameter's local weight followed by its AdamW moments (if any yet)."""
+        state: LocalState = {}
+        for name, p in self.model.named_parameters():
+            moments = self.optimizer.state.get(p, {})
+            state[name] = [p.detach(), *(moments[m] for m in MOMENTS if m in moments)]
+        return state
+
+    def reconfigure(self, layout: JobLayout, origin: Sequence[int], generation: int) -> None:
+        """Continue on `layout` without a restart: new groups, units moved from survivors.
+
+        `origin[d]` is the old global rank of the process that becomes new rank d.
+        """
+        # 1. What this process holds now.
+        old_layout, old_shard, old_rank = self.layout, self.shard, dist.get_rank()
+        state = self.local_state()
+        # 2. Leave the old groups (a dead peer may have broken them) and join the new generation.
+        # Every reference to the old groups goes, so their sockets close and peers still blocked
+        # on this rank fail at once instead of waiting for the collective timeout.
+        del self.model, self.optimizer, self.sync, self.loss_fn, self.groups
+        leave_process_groups()
+        new_rank = origin.index(old_rank)
+        init_distributed(self.config.device, new_rank, layout.world_size, f"gen{generation}")
+        # 3. Survivors must agree on the step: a failure inside an optimizer step is not
+        #    repairable in place (that needs the last checkpoint).
+        steps = torch.tensor([self.step, -self.step], device=self.device)
+        dist.all_reduce(steps, op=dist.ReduceOp.MAX)
+        if int(steps[0]) != -int(steps[1]):
+            raise RuntimeError(
+                f"survivors are at different steps ({-int(steps[1])}..{int(steps[0])})"
+            )
+        # 4. Move weights and moments, then rebuild this rank's shard around them.
+        new_replica, new_tp_rank = layout.locate(new_rank)
+        new_shard = layout.replicas[new_replica].shards[new_tp_rank]
+        moves = reshard_moves(old_layout, layout, origin)
+        moved = exchange_state(state, layout.shape, old_shard, new_shard, moves, new_rank)
+        self._build(layout)
+        with torch.no_grad():
+            for name, p in self.model.named_parameters():
+                weight, *moments = moved[name]
+                p.copy_(weight)
+                if moments:
+                    self.optimizer.state[p] = {
+                        "step": torch.tensor(float(self.step)),
+                        **dict(zip(MOMENTS, moments, strict=True)),
+                    }
 
     def forward_backward(self) -> torch.Tensor:
         """Local loss on this replica's slice of the global batch; gradients left in .grad."""
@@ -177,19 +247,41 @@ def pick_device(requested: str) -> str:
     return f"cuda:{local_rank % gpus}"
 
 
-def init_distributed(device: str) -> None:
-    """Join the job through a TCPStore hosted outside the ranks (MASTER_ADDR/PORT)."""
+def collective_timeout() -> timedelta:
+    return timedelta(seconds=float(os.environ.get("TESSERA_COLLECTIVE_TIMEOUT_S", "300")))
+
+
+def leave_process_groups() -> None:
+    """Abort every group so peers still blocked on this rank fail now rather than time out."""
+    try:
+        _abort_process_group()
+    except (RuntimeError, ValueError):
+        dist.destroy_process_group()
+    gc.collect()
+
+
+def init_distributed(
+    device: str, rank: int | None = None, world_size: int | None = None, prefix: str | None = None
+) -> None:
+    """Join the job through a TCPStore hosted outside the ranks (MASTER_ADDR/PORT).
+
+    Each layout generation rendezvouses under its own store prefix, so survivors can re-form
+    groups on the same store after a failure.
+    """
     store = dist.TCPStore(
         os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False
     )
-    prefix = os.environ.get("TESSERA_GENERATION", "gen0")
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
+    # The default group only rendezvouses (and may wait for slow survivors); the job's
+    # collectives run on groups with the short collective timeout (groups.build_groups).
+    timeout = float(os.environ.get("TESSERA_RENDEZVOUS_TIMEOUT_S", "600"))
     dist.init_process_group(
         backend="nccl" if device.startswith("cuda") else "gloo",
-        store=dist.PrefixStore(prefix, store),
-        rank=int(os.environ["RANK"]),
-        world_size=int(os.environ["WORLD_SIZE"]),
+        store=dist.PrefixStore(prefix or os.environ.get("TESSERA_GENERATION", "gen0"), store),
+        rank=int(os.environ["RANK"]) if rank is None else rank,
+        world_size=int(os.environ["WORLD_SIZE"]) if world_size is None else world_size,
+        timeout=timedelta(seconds=timeout),
     )
 
 
@@ -224,6 +316,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--bucket-elements", type=int, default=DEFAULT_BUCKET_ELEMENTS)
     parser.add_argument("--max-grad-norm", type=float, help="clip by the global gradient norm")
     parser.add_argument("--no-overlap", action="store_true", help="sync only after backward")
+    parser.add_argument(
+        "--layout-dir", type=Path, help="where gen{N}.json of later generations appear"
+    )
+    parser.add_argument("--reconfigure-timeout", type=float, default=300.0)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"])
     parser.add_argument("--init", type=Path, help="dense checkpoint to start from")
     parser.add_argument("--save", type=Path, help="write the dense checkpoint here at the end")
@@ -236,10 +332,31 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def wait_for_generation(directory: Path, generation: int, timeout_s: float) -> dict | None:
+    """The layout document of `generation` (`gen{N}.json` in `directory`), once it appears."""
+    path = directory / f"gen{generation}.json"
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if path.exists():
+            return json.loads(path.read_text())
+        time.sleep(0.05)
+    return None
+
+
+def injected_fault(generation: int, rank: int, step: int) -> bool:
+    """TESSERA_FAULT_AT=RANK:STEP makes that rank of the first generation die at that step
+    (failure drills and tests)."""
+    spec = os.environ.get("TESSERA_FAULT_AT")
+    return generation == 0 and spec is not None and spec == f"{rank}:{step}"
+
+
 def main(argv: list[str] | None = None) -> int:
     opts = parse_args(sys.argv[1:] if argv is None else argv)
+    faulthandler.register(signal.SIGUSR1)  # `kill -USR1 PID` prints every thread's stack
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    layout = JobLayout.from_dict(json.loads(opts.layout.read_text()))
+    document = json.loads(opts.layout.read_text())
+    generation = int(document.get("generation", 0))
+    layout_dir = opts.layout_dir or opts.layout.parent
     device = pick_device(opts.device)
     config = TrainConfig(
         device=device,
@@ -252,38 +369,63 @@ def main(argv: list[str] | None = None) -> int:
     )
     if opts.resume and opts.save is not None and opts.save.exists():
         opts.init = opts.save
-    init_distributed(device)
+    init_distributed(device, prefix=f"gen{generation}")
     init = (
         None if opts.init is None else torch.load(opts.init, weights_only=True, map_location="cpu")
     )
-    trainer = Trainer(layout, config, init)
-    replica, rank = trainer.groups.replica, trainer.groups.rank
+    trainer = Trainer(JobLayout.from_dict(document), config, init)
     if opts.out is not None:
         opts.out.mkdir(parents=True, exist_ok=True)
 
     def dump_grads(t: Trainer) -> None:
         grads = t.dense_grads()
-        if rank == 0 and opts.out is not None:
-            torch.save(grads, opts.out / f"grads-replica{replica}.pt")
+        if t.groups.rank == 0 and opts.out is not None:
+            torch.save(grads, opts.out / f"grads-replica{t.groups.replica}.pt")
 
-    losses = []
-    for i in range(opts.steps):
-        losses.append(trainer.train_step(dump_grads if i == 0 and opts.dump_grads else None))
+    first, target = trainer.step, trainer.step + opts.steps
+    losses: list[float] = []
+    while trainer.step < target:
+        if injected_fault(generation, dist.get_rank(), trainer.step):
+            os._exit(3)
+        error = None
+        try:
+            dump = dump_grads if trainer.step == first and opts.dump_grads else None
+            losses.append(trainer.train_step(dump))
+        except RuntimeError as exc:
+            # Handled below, outside the except block: its traceback would keep the failed
+            # step's graph, and with it the old process groups, alive.
+            error = repr(exc)
+        if error is not None:
+            # A peer is gone: wait for the next layout generation and continue on it in place.
+            following = wait_for_generation(layout_dir, generation + 1, opts.reconfigure_timeout)
+            if following is None:
+                raise RuntimeError(
+                    f"a collective failed and no generation {generation + 1} "
+                    f"layout appeared: {error}"
+                )
+            generation, old_rank = generation + 1, dist.get_rank()
+            if old_rank not in following["origin"]:
+                dist.destroy_process_group()
+                return 0
+            trainer.reconfigure(JobLayout.from_dict(following), following["origin"], generation)
+            if dist.get_rank() == 0:
+                event = {"event": "reconfigured", "generation": generation, "step": trainer.step}
+                print(json.dumps(event | {"tp_degrees": list(trainer.layout.tp_degrees)}))
+            continue
         if dist.get_rank() == 0:
             log_step(trainer, losses[-1])
-        last = i == opts.steps - 1
-        if opts.save is not None and (
-            last or (opts.save_every and trainer.step % opts.save_every == 0)
-        ):
+        every = opts.save_every and trainer.step % opts.save_every == 0
+        if opts.save is not None and (trainer.step == target or every):
             save_checkpoint(trainer, opts.save)
     if opts.save is not None and not opts.steps:
         save_checkpoint(trainer, opts.save)
     if opts.out is not None:
         metrics = {
-            "replica": replica,
-            "rank": rank,
+            "replica": trainer.groups.replica,
+            "rank": trainer.groups.rank,
             "tp": trainer.replica.tp,
             "local_batch": trainer.replica.local_batch,
+            "generation": generation,
             "losses": losses,
             **vars(trainer.times),
         }
