@@ -15,8 +15,8 @@ FROM base AS operator
 USER 65532
 ENTRYPOINT ["tessera"]
 
-# NVML needs the driver's utility capability; the DaemonSet mounts /dev/nvidia* and runs as root
-# only because setting power limits requires it.
+# NVML needs the driver's utility capability; the NVIDIA container runtime (runtimeClassName
+# nvidia in the DaemonSet) injects the devices, and root + SYS_ADMIN is what setting limits needs.
 FROM base AS power-agent
 ENV NVIDIA_DRIVER_CAPABILITIES=utility NVIDIA_VISIBLE_DEVICES=all
 ENTRYPOINT ["tessera", "power-agent"]
