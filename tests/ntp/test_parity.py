@@ -224,3 +224,40 @@ def test_live_reconfiguration_after_a_gpu_loss(tmp_path):
         assert rel_err(got["ckpt"]["model"][n], weight) <= STATE_TOL, n
         assert rel_err(got["ckpt"]["optimizer"]["exp_avg"][n], exp_avg) <= STATE_TOL, n
         assert rel_err(got["ckpt"]["optimizer"]["exp_avg_sq"][n], exp_avg_sq) <= STATE_TOL, n
+
+
+def test_a_returning_gpu_joins_without_a_restart(tmp_path):
+    # TP4 + TP4; rank 6 dies at step 3 (generation 1: TP4 + TP3 redoes step 3); the GPU comes
+    # back and a fresh process joins at step 5 (generation 2: TP4 + TP4 again), receiving its
+    # units and AdamW state from the others. The whole run equals the dense one.
+    gen0 = plan_job(SHAPE, [4, 4], global_batch=16)
+    gen1 = plan_job(SHAPE, [4, 3], global_batch=16)
+    gen2 = json.loads(json.dumps(gen0.to_dict()))
+    (tmp_path / "gen1.json").write_text(
+        json.dumps(gen1.to_dict() | {"generation": 1, "origin": [0, 1, 2, 3, 4, 5, 7]})
+    )
+    (tmp_path / "gen2.json").write_text(
+        json.dumps(gen2 | {"generation": 2, "at_step": 5, "origin": [0, 1, 2, 3, 4, 5, 6, None]})
+    )
+    joiner = (
+        ["--layout", str(tmp_path / "gen2.json"), "--join", "--steps", "2"],
+        {"RANK": "7", "WORLD_SIZE": "8"},
+    )
+    got = run_layout(
+        gen0,
+        tmp_path,
+        steps=7,
+        extra=("--layout-dir", str(tmp_path), "--reconfigure-timeout", "60"),
+        env={"TESSERA_FAULT_AT": "6:3", "TESSERA_COLLECTIVE_TIMEOUT_S": "8"},
+        may_fail={6},
+        joiners=[joiner],
+    )
+    want = dense_run(16, 7)
+    assert got["losses"] == pytest.approx(want["losses"], abs=1e-4)
+    joined = json.loads((tmp_path / "rank7.json").read_text())
+    assert joined["generation"] == 2
+    assert joined["losses"] == pytest.approx(want["losses"][5:], abs=1e-4)
+    for n, (weight, exp_avg, exp_avg_sq) in want["states"][7].items():
+        assert rel_err(got["ckpt"]["model"][n], weight) <= STATE_TOL, n
+        assert rel_err(got["ckpt"]["optimizer"]["exp_avg"][n], exp_avg) <= STATE_TOL, n
+        assert rel_err(got["ckpt"]["optimizer"]["exp_avg_sq"][n], exp_avg_sq) <= STATE_TOL, n

@@ -246,3 +246,18 @@ def test_reshard_moves_take_lost_units_from_survivors():
         reshard_moves(plan_job(shape, [2], 4), plan_job(shape, [1], 4), [0])
     with pytest.raises(PlanError, match="distinct"):
         reshard_moves(old, new, [0, 0, 1, 2, 3, 4, 5])
+
+
+def test_reshard_moves_feed_a_process_that_joins_with_nothing():
+    shape = ModelShape(hidden=96, n_heads=12, n_kv_heads=4, ffn=40, vocab=64)
+    reduced = plan_job(shape, [4, 3], 16)
+    healed = plan_job(shape, [4, 4], 16)
+    moves = reshard_moves(reduced, healed, [0, 1, 2, 3, 4, 5, 6, None])
+    joiner = healed.replicas[1].shards[3]
+    assert moves[7][7].is_empty()
+    for kind in UNIT_KINDS:
+        assert sorted(u for piece in moves[7] for u in piece.units(kind)) == list(
+            joiner.units(kind)
+        )
+    with pytest.raises(PlanError, match="survivors"):
+        reshard_moves(reduced, healed, [None] * 8)

@@ -53,12 +53,15 @@ def launch_local(
     threads_per_rank: int = 1,
     env: Mapping[str, str] | None = None,
     may_fail: Collection[int] = (),
+    joiners: Sequence[tuple[Sequence[str], Mapping[str, str]]] = (),
 ) -> None:
     """Run one trainer process per rank of `layout` and wait for all of them.
 
     The store lives in this process, not in a rank, so any rank can die without taking the
     rendezvous down. On the first failure of a rank not in `may_fail` the other ranks are
-    stopped and the error raised. `env` is added to every rank's environment.
+    stopped and the error raised. `env` is added to every rank's environment. `joiners` are
+    extra processes (trainer arguments appended to `train_args`, their own RANK/WORLD_SIZE) that
+    join a later layout generation, as a returning GPU would.
     """
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     ctx = _context()
@@ -75,11 +78,11 @@ def launch_local(
         }
         procs: list[tuple[multiprocessing.process.BaseProcess, Path]] = []
         try:
-            for rank in range(layout.world_size):
-                log = Path(tmp) / f"rank{rank}.log"
-                proc = ctx.Process(
-                    target=_rank_main, args=(argv, rank_env | {"RANK": str(rank)}, str(log))
-                )
+            starts = [(argv, rank_env | {"RANK": str(r)}) for r in range(layout.world_size)]
+            starts += [([*argv, *extra], rank_env | dict(own)) for extra, own in joiners]
+            for i, (args, proc_env) in enumerate(starts):
+                log = Path(tmp) / f"process{i}.log"
+                proc = ctx.Process(target=_rank_main, args=(args, proc_env, str(log)))
                 proc.start()
                 procs.append((proc, log))
             _wait_all(procs, time.monotonic() + timeout_s, may_fail)

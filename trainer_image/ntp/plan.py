@@ -545,22 +545,24 @@ def plan_job(
 
 
 def reshard_moves(
-    old: JobLayout, new: JobLayout, origin: Sequence[int]
+    old: JobLayout, new: JobLayout, origin: Sequence[int | None]
 ) -> tuple[tuple[RankShard, ...], ...]:
     """Where every rank of the new layout gets the units (weights and optimizer state) it holds.
 
-    `origin[d]` is the old global rank of the surviving process that becomes new global rank d.
-    Returns moves[d][s]: the units new rank d receives from new rank s (s == d: already held).
-    A missing unit comes from a survivor holding it, preferably in the process's own old replica
-    (the same scale-up domain), otherwise from a DP peer, spreading the load over the holders.
+    `origin[d]` is the old global rank of the process that becomes new global rank d, or None
+    for a process that held nothing (a returning GPU). Returns moves[d][s]: the units new rank d
+    receives from new rank s (s == d: already held). A missing unit comes from a survivor holding
+    it, preferably in the process's own old replica (the same scale-up domain), otherwise from a
+    DP peer, spreading the load over the holders.
     """
     if old.shape != new.shape:
         raise PlanError(f"cannot reshard between shapes {old.shape} and {new.shape}")
-    if len(origin) != new.world_size or len(set(origin)) != len(origin):
-        raise PlanError(f"origin must name {new.world_size} distinct surviving ranks")
-    if any(not 0 <= o < old.world_size for o in origin):
-        raise PlanError(f"origin ranks must lie in the old world of {old.world_size}")
-    new_rank = {o: d for d, o in enumerate(origin)}
+    survivors = [o for o in origin if o is not None]
+    if len(origin) != new.world_size or len(set(survivors)) != len(survivors):
+        raise PlanError(f"origin must name {new.world_size} ranks, survivors distinct")
+    if not survivors or any(not 0 <= o < old.world_size for o in survivors):
+        raise PlanError(f"origin needs survivors, all within the old world of {old.world_size}")
+    new_rank = {o: d for d, o in enumerate(origin) if o is not None}
     old_shard = {}
     old_replica = {}
     for rep in old.replicas:
@@ -568,18 +570,18 @@ def reshard_moves(
             old_shard[rep.global_rank(j)] = shard
             old_replica[rep.global_rank(j)] = rep.index
     holders: dict[str, dict[int, list[int]]] = {kind: {} for kind in UNIT_KINDS}
-    for o in origin:
+    for o in survivors:
         for kind in UNIT_KINDS:
             for u in old_shard[o].units(kind):
                 holders[kind].setdefault(u, []).append(o)
-    load = dict.fromkeys(origin, 0)
+    load = dict.fromkeys(survivors, 0)
     moves = []
     for rep in new.replicas:
         for j, shard in enumerate(rep.shards):
             me = origin[rep.global_rank(j)]
             got: dict[int, dict[str, list[int]]] = {}
             for kind in UNIT_KINDS:
-                mine = set(old_shard[me].units(kind))
+                mine = set() if me is None else set(old_shard[me].units(kind))
                 for u in shard.units(kind):
                     if u in mine:
                         src = me
@@ -590,7 +592,7 @@ def reshard_moves(
                             )
                         src = min(
                             holders[kind][u],
-                            key=lambda o: (old_replica[o] != old_replica[me], load[o], o),
+                            key=lambda o: (old_replica[o] != old_replica.get(me), load[o], o),
                         )
                         load[src] += 1
                     got.setdefault(new_rank[src], {}).setdefault(kind, []).append(u)

@@ -33,12 +33,14 @@ def exchange_state(
     new_shard: RankShard,
     moves: Sequence[Sequence[RankShard]],
     rank: int,
+    replicated_src: int,
     group: dist.ProcessGroup | None = None,
 ) -> LocalState:
     """This rank's tensors in the new layout (collective over the new world).
 
     `moves[d][s]` are the units new rank d takes from new rank s (see `plan.reshard_moves`).
-    Replicated tensors are identical everywhere and stay as they are.
+    Replicated tensors are identical on every survivor; `replicated_src` (a survivor) broadcasts
+    them for the ranks that join with nothing.
     """
     names = sorted(state)
     world = len(moves)
@@ -78,6 +80,10 @@ def exchange_state(
     incoming = outgoing.new_empty(sum(recv_splits))
     dist.all_to_all_single(incoming, outgoing, recv_splits, send_splits, group=group)
 
+    for name in names:
+        if spec_of(name) is None:
+            for t in out[name]:
+                dist.broadcast(t, replicated_src, group=group)
     offset = 0
     for s in range(world):
         for name in names:

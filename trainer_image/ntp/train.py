@@ -32,8 +32,9 @@ from ntp.grad_sync import DEFAULT_BUCKET_ELEMENTS, GradSync
 from ntp.groups import build_groups
 from ntp.model import FLAVORS, ModelArgs, build_model
 from ntp.parallelize import apply_ntp
-from ntp.plan import JobLayout, reshard_moves
+from ntp.plan import JobLayout, RankShard, reshard_moves
 from ntp.reshard import LocalState, exchange_state
+from ntp.sharding import shard_tensor, spec_of
 
 
 @dataclass(frozen=True)
@@ -128,19 +129,68 @@ class Trainer:
         leave_process_groups()
         new_rank = origin.index(old_rank)
         init_distributed(self.config.device, new_rank, layout.world_size, f"gen{generation}")
-        # 3. Survivors must agree on the step: a failure inside an optimizer step is not
-        #    repairable in place (that needs the last checkpoint).
-        steps = torch.tensor([self.step, -self.step], device=self.device)
+        self._adopt(layout, old_layout, old_shard, state, origin)
+
+    @classmethod
+    def join(
+        cls,
+        layout: JobLayout,
+        previous: JobLayout,
+        origin: Sequence[int | None],
+        config: TrainConfig,
+    ) -> Trainer:
+        """A process holding nothing (a returning GPU) joins the generation `layout` describes.
+
+        The default group must already be the new generation's; the survivors are switching to
+        it at the same time and hand this rank its units and their optimizer state.
+        """
+        trainer = cls.__new__(cls)
+        trainer.config, trainer.device, trainer.times = (
+            config,
+            torch.device(config.device),
+            StepTimes(),
+        )
+        trainer.step = -1  # learnt from the survivors
+        dense = build_model(model_args(config.flavor, layout), seed=config.seed)
+        empty = RankShard()
+        state: LocalState = {}
+        for name, p in dense.named_parameters():
+            spec = spec_of(name)
+            t = p.detach() if spec is None else shard_tensor(p.detach(), layout.shape, spec, empty)
+            state[name] = [t.to(trainer.device)]
+        trainer._adopt(layout, previous, empty, state, origin)
+        return trainer
+
+    def _adopt(
+        self,
+        layout: JobLayout,
+        old_layout: JobLayout,
+        old_shard: RankShard,
+        state: LocalState,
+        origin: Sequence[int | None],
+    ) -> None:
+        """Take this rank's units of `layout` from the survivors and rebuild around them."""
+        new_rank = dist.get_rank()
+        # 1. Survivors must agree on the step: a failure inside an optimizer step is not
+        #    repairable in place (that needs the last checkpoint). Joiners learn it here.
+        survivor = origin[new_rank] is not None
+        mine = [self.step, -self.step] if survivor else [-1, -(2**62)]
+        steps = torch.tensor(mine, dtype=torch.long, device=self.device)
         dist.all_reduce(steps, op=dist.ReduceOp.MAX)
         if int(steps[0]) != -int(steps[1]):
             raise RuntimeError(
                 f"survivors are at different steps ({-int(steps[1])}..{int(steps[0])})"
             )
-        # 4. Move weights and moments, then rebuild this rank's shard around them.
+        self.step = int(steps[0])
+        if not survivor and self.step > 0:
+            # Weight plus both AdamW moments travel once the optimizer has state.
+            state = {n: [ts[0].clone() for _ in range(1 + len(MOMENTS))] for n, ts in state.items()}
+        # 2. Move weights and moments, then rebuild this rank's shard around them.
         new_replica, new_tp_rank = layout.locate(new_rank)
         new_shard = layout.replicas[new_replica].shards[new_tp_rank]
         moves = reshard_moves(old_layout, layout, origin)
-        moved = exchange_state(state, layout.shape, old_shard, new_shard, moves, new_rank)
+        src = next(d for d, o in enumerate(origin) if o is not None)
+        moved = exchange_state(state, layout.shape, old_shard, new_shard, moves, new_rank, src)
         self._build(layout)
         with torch.no_grad():
             for name, p in self.model.named_parameters():
@@ -320,6 +370,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--layout-dir", type=Path, help="where gen{N}.json of later generations appear"
     )
     parser.add_argument("--reconfigure-timeout", type=float, default=300.0)
+    parser.add_argument(
+        "--join", action="store_true", help="join --layout's generation holding nothing"
+    )
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"])
     parser.add_argument("--init", type=Path, help="dense checkpoint to start from")
     parser.add_argument("--save", type=Path, help="write the dense checkpoint here at the end")
@@ -341,6 +394,18 @@ def wait_for_generation(directory: Path, generation: int, timeout_s: float) -> d
             return json.loads(path.read_text())
         time.sleep(0.05)
     return None
+
+
+def planned_switch(directory: Path, generation: int, step: int) -> dict | None:
+    """The next generation's document if it schedules a switch at this step (`"at_step"`).
+
+    Failure documents carry no `at_step`: ranks only read them after a collective failed.
+    """
+    path = directory / f"gen{generation}.json"
+    if not path.exists():
+        return None
+    document = json.loads(path.read_text())
+    return document if document.get("at_step") == step else None
 
 
 def injected_fault(generation: int, rank: int, step: int) -> bool:
@@ -370,10 +435,21 @@ def main(argv: list[str] | None = None) -> int:
     if opts.resume and opts.save is not None and opts.save.exists():
         opts.init = opts.save
     init_distributed(device, prefix=f"gen{generation}")
-    init = (
-        None if opts.init is None else torch.load(opts.init, weights_only=True, map_location="cpu")
-    )
-    trainer = Trainer(JobLayout.from_dict(document), config, init)
+    if opts.join:
+        previous = json.loads((layout_dir / f"gen{generation - 1}.json").read_text())
+        trainer = Trainer.join(
+            JobLayout.from_dict(document),
+            JobLayout.from_dict(previous),
+            document["origin"],
+            config,
+        )
+    else:
+        init = (
+            None
+            if opts.init is None
+            else torch.load(opts.init, weights_only=True, map_location="cpu")
+        )
+        trainer = Trainer(JobLayout.from_dict(document), config, init)
     if opts.out is not None:
         opts.out.mkdir(parents=True, exist_ok=True)
 
@@ -389,34 +465,41 @@ def main(argv: list[str] | None = None) -> int:
             os._exit(3)
         error = None
         try:
-            dump = dump_grads if trainer.step == first and opts.dump_grads else None
+            # Every rank of the job must take part in the dump: a joiner arrives later.
+            dump = (
+                dump_grads if trainer.step == first and opts.dump_grads and not opts.join else None
+            )
             losses.append(trainer.train_step(dump))
         except RuntimeError as exc:
             # Handled below, outside the except block: its traceback would keep the failed
             # step's graph, and with it the old process groups, alive.
             error = repr(exc)
-        if error is not None:
-            # A peer is gone: wait for the next layout generation and continue on it in place.
+        if error is None:
+            if dist.get_rank() == 0:
+                log_step(trainer, losses[-1])
+            every = opts.save_every and trainer.step % opts.save_every == 0
+            if opts.save is not None and (trainer.step == target or every):
+                save_checkpoint(trainer, opts.save)
+            # A planned change (a GPU back, a drain) may be due at this step boundary.
+            following = planned_switch(layout_dir, generation + 1, trainer.step)
+            if following is None:
+                continue
+        else:
+            # A peer is gone: the failed step is redone on the next generation's layout.
             following = wait_for_generation(layout_dir, generation + 1, opts.reconfigure_timeout)
             if following is None:
                 raise RuntimeError(
-                    f"a collective failed and no generation {generation + 1} "
-                    f"layout appeared: {error}"
+                    f"a collective failed and no generation {generation + 1} layout appeared: "
+                    f"{error}"
                 )
-            generation, old_rank = generation + 1, dist.get_rank()
-            if old_rank not in following["origin"]:
-                dist.destroy_process_group()
-                return 0
-            trainer.reconfigure(JobLayout.from_dict(following), following["origin"], generation)
-            if dist.get_rank() == 0:
-                event = {"event": "reconfigured", "generation": generation, "step": trainer.step}
-                print(json.dumps(event | {"tp_degrees": list(trainer.layout.tp_degrees)}))
-            continue
+        generation += 1
+        if dist.get_rank() not in following["origin"]:
+            leave_process_groups()
+            return 0
+        trainer.reconfigure(JobLayout.from_dict(following), following["origin"], generation)
         if dist.get_rank() == 0:
-            log_step(trainer, losses[-1])
-        every = opts.save_every and trainer.step % opts.save_every == 0
-        if opts.save is not None and (trainer.step == target or every):
-            save_checkpoint(trainer, opts.save)
+            event = {"event": "reconfigured", "generation": generation, "step": trainer.step}
+            print(json.dumps(event | {"tp_degrees": list(trainer.layout.tp_degrees)}), flush=True)
     if opts.save is not None and not opts.steps:
         save_checkpoint(trainer, opts.save)
     if opts.out is not None:
