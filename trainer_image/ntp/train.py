@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
-import gc
 import json
 import os
 import signal
@@ -12,12 +11,10 @@ import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.distributed_c10d import _abort_process_group
 
 from ntp.checkpoint import (
     MOMENTS,
@@ -28,6 +25,13 @@ from ntp.checkpoint import (
 )
 from ntp.clip import clip_grad_norm_
 from ntp.data import split_inputs, synthetic_batch
+from ntp.distributed import (
+    collective_timeout,
+    init_distributed,
+    leave_process_groups,
+    pick_device,
+)
+from ntp.generations import injected_fault, planned_switch, wait_for_generation
 from ntp.grad_sync import DEFAULT_BUCKET_ELEMENTS, GradSync
 from ntp.groups import build_groups
 from ntp.model import FLAVORS, ModelArgs, build_model
@@ -285,56 +289,6 @@ class Trainer:
         )
 
 
-def pick_device(requested: str) -> str:
-    """`cpu` (gloo) or this rank's GPU (NCCL); `auto` takes GPUs when each rank can have one."""
-    ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if requested == "cpu" or (requested == "auto" and gpus < ranks_here):
-        return "cpu"
-    if gpus < ranks_here:
-        raise ValueError(f"--device cuda needs {ranks_here} GPUs on this host, found {gpus}")
-    local_rank = int(os.environ.get("LOCAL_RANK", os.environ["RANK"]))
-    return f"cuda:{local_rank % gpus}"
-
-
-def collective_timeout() -> timedelta:
-    return timedelta(seconds=float(os.environ.get("TESSERA_COLLECTIVE_TIMEOUT_S", "300")))
-
-
-def leave_process_groups() -> None:
-    """Abort every group so peers still blocked on this rank fail now rather than time out."""
-    try:
-        _abort_process_group()
-    except (RuntimeError, ValueError):
-        dist.destroy_process_group()
-    gc.collect()
-
-
-def init_distributed(
-    device: str, rank: int | None = None, world_size: int | None = None, prefix: str | None = None
-) -> None:
-    """Join the job through a TCPStore hosted outside the ranks (MASTER_ADDR/PORT).
-
-    Each layout generation rendezvouses under its own store prefix, so survivors can re-form
-    groups on the same store after a failure.
-    """
-    store = dist.TCPStore(
-        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False
-    )
-    if device.startswith("cuda"):
-        torch.cuda.set_device(torch.device(device))
-    # The default group only rendezvouses (and may wait for slow survivors); the job's
-    # collectives run on groups with the short collective timeout (groups.build_groups).
-    timeout = float(os.environ.get("TESSERA_RENDEZVOUS_TIMEOUT_S", "600"))
-    dist.init_process_group(
-        backend="nccl" if device.startswith("cuda") else "gloo",
-        store=dist.PrefixStore(prefix or os.environ.get("TESSERA_GENERATION", "gen0"), store),
-        rank=int(os.environ["RANK"]) if rank is None else rank,
-        world_size=int(os.environ["WORLD_SIZE"]) if world_size is None else world_size,
-        timeout=timedelta(seconds=timeout),
-    )
-
-
 def log_step(trainer: Trainer, loss: float) -> None:
     """One JSON line per step on stdout, for whoever supervises the job."""
     record = {
@@ -383,36 +337,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, help="directory for per-rank metrics and grad dumps")
     parser.add_argument("--dump-grads", action="store_true", help="dense grads after step 1")
     return parser.parse_args(argv)
-
-
-def wait_for_generation(directory: Path, generation: int, timeout_s: float) -> dict | None:
-    """The layout document of `generation` (`gen{N}.json` in `directory`), once it appears."""
-    path = directory / f"gen{generation}.json"
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if path.exists():
-            return json.loads(path.read_text())
-        time.sleep(0.05)
-    return None
-
-
-def planned_switch(directory: Path, generation: int, step: int) -> dict | None:
-    """The next generation's document if it schedules a switch at this step (`"at_step"`).
-
-    Failure documents carry no `at_step`: ranks only read them after a collective failed.
-    """
-    path = directory / f"gen{generation}.json"
-    if not path.exists():
-        return None
-    document = json.loads(path.read_text())
-    return document if document.get("at_step") == step else None
-
-
-def injected_fault(generation: int, rank: int, step: int) -> bool:
-    """TESSERA_FAULT_AT=RANK:STEP makes that rank of the first generation die at that step
-    (failure drills and tests)."""
-    spec = os.environ.get("TESSERA_FAULT_AT")
-    return generation == 0 and spec is not None and spec == f"{rank}:{step}"
 
 
 def main(argv: list[str] | None = None) -> int:

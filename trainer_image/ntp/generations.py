@@ -1,0 +1,38 @@
+"""Layout generations on disk: gen{N}.json documents, planned switches and fault drills."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+
+def wait_for_generation(directory: Path, generation: int, timeout_s: float) -> dict | None:
+    """The layout document of `generation` (`gen{N}.json` in `directory`), once it appears."""
+    path = directory / f"gen{generation}.json"
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if path.exists():
+            return json.loads(path.read_text())
+        time.sleep(0.05)
+    return None
+
+
+def planned_switch(directory: Path, generation: int, step: int) -> dict | None:
+    """The next generation's document if it schedules a switch at this step (`"at_step"`).
+
+    Failure documents carry no `at_step`: ranks only read them after a collective failed.
+    """
+    path = directory / f"gen{generation}.json"
+    if not path.exists():
+        return None
+    document = json.loads(path.read_text())
+    return document if document.get("at_step") == step else None
+
+
+def injected_fault(generation: int, rank: int, step: int) -> bool:
+    """TESSERA_FAULT_AT=RANK:STEP makes that rank of the first generation die at that step
+    (failure drills and tests)."""
+    spec = os.environ.get("TESSERA_FAULT_AT")
+    return generation == 0 and spec is not None and spec == f"{rank}:{step}"
