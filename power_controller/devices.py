@@ -43,10 +43,11 @@ class BackendUnavailable(PowerError):
 
 @dataclass(frozen=True)
 class GpuId:
-    """A GPU as the node sees it: its index on this node and its stable UUID."""
+    """A GPU as the node sees it: its index on this node and its stable UUID, None while the GPU
+    cannot be identified (lost before it was ever read)."""
 
     index: int
-    uuid: str
+    uuid: str | None
 
 
 @dataclass(frozen=True)
@@ -71,9 +72,17 @@ class GpuReading:
 
 
 class PowerBackend(Protocol):
-    """What the agent needs from a node's GPUs. Implementations raise only `PowerError`s."""
+    """What the agent needs from a node's GPUs. Implementations raise only `PowerError`s.
+
+    `gpus()` fails only when the whole backend does; one GPU's failure shows as its `uuid` None
+    there, or as errors from `read`/`set_limit` on its index. `restore_default` finds the GPU by
+    UUID (indices may change across reboots), reads its default limit from the device, sets it,
+    and returns it.
+    """
 
     def gpus(self) -> list[GpuId]: ...
+
+    def restore_default(self, uuid: str) -> int: ...
 
     def read(self, index: int) -> GpuReading: ...
 

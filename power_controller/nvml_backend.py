@@ -54,6 +54,9 @@ class NvmlBackend:
     def __init__(self, nvml: ModuleType | Any | None = None) -> None:
         self._nvml = nvml
         self._handles: dict[int, Any] = {}
+        # UUIDs read once per index: a GPU that falls off the bus later (XID 79) no longer
+        # answers nvmlDeviceGetUUID, but must still be listed and restored by its UUID.
+        self._uuids: dict[int, str] = {}
 
     def __enter__(self) -> NvmlBackend:
         self.open()
@@ -69,10 +72,11 @@ class NvmlBackend:
             except ImportError as err:
                 raise BackendUnavailable(f"nvidia-ml-py is not installed: {err}") from err
         self._call(None, self._nvml.nvmlInit)
+        self.gpus()
 
     def close(self) -> None:
         if self._nvml is not None:
-            self._handles = {}
+            self._handles, self._uuids = {}, {}
             # Shutting down a library that is already gone has nothing left to release.
             with contextlib.suppress(PowerError):
                 self._call(None, self._nvml.nvmlShutdown)
@@ -96,12 +100,27 @@ class NvmlBackend:
             self._handles[index] = self._call(index, self._nvml.nvmlDeviceGetHandleByIndex, index)
         return self._handles[index]
 
+    def _uuid(self, index: int) -> str | None:
+        if index not in self._uuids:
+            try:
+                handle = self._handle(index)
+                self._uuids[index] = _as_str(
+                    self._call(index, self._nvml.nvmlDeviceGetUUID, handle))
+            except PowerError:
+                return None  # not identified yet; asked again on the next listing
+        return self._uuids[index]
+
     def gpus(self) -> list[GpuId]:
         count = self._call(None, self._nvml.nvmlDeviceGetCount)
-        return [
-            GpuId(i, _as_str(self._call(i, self._nvml.nvmlDeviceGetUUID, self._handle(i))))
-            for i in range(count)
-        ]
+        return [GpuId(i, self._uuid(i)) for i in range(count)]
+
+    def restore_default(self, uuid: str) -> int:
+        nv = self._nvml
+        index = next((i for i, u in self._uuids.items() if u == uuid), None)
+        handle = self._call(index, nv.nvmlDeviceGetHandleByUUID, uuid)
+        default = int(self._call(index, nv.nvmlDeviceGetPowerManagementDefaultLimit, handle))
+        self._call(index, nv.nvmlDeviceSetPowerManagementLimit, handle, default)
+        return default
 
     def _clock_event_reasons(self, index: int, handle: Any) -> int | None:
         missing = getattr(self._nvml, "NVMLError_FunctionNotFound", ())
@@ -129,7 +148,7 @@ class NvmlBackend:
             clock = None
         return GpuReading(
             index=index,
-            uuid=_as_str(self._call(index, nv.nvmlDeviceGetUUID, h)),
+            uuid=self._uuids.get(index) or _as_str(self._call(index, nv.nvmlDeviceGetUUID, h)),
             power_mw=int(self._call(index, nv.nvmlDeviceGetPowerUsage, h)),
             limit_mw=int(self._call(index, nv.nvmlDeviceGetPowerManagementLimit, h)),
             enforced_mw=int(self._call(index, nv.nvmlDeviceGetEnforcedPowerLimit, h)),

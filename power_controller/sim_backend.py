@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -57,38 +57,43 @@ class SimGpuSpec:
             raise ValueError(f"need 0 < min <= default <= max, got {self}")
 
 
-def _new_state(node: str, count: int, spec: SimGpuSpec) -> dict[str, Any]:
+def _new_state(node: str, specs: Sequence[SimGpuSpec]) -> dict[str, Any]:
     return {
         "node": node,
-        "spec": spec.__dict__,
         "gpus": [
             {
                 "uuid": f"GPU-{uuid.uuid5(uuid.NAMESPACE_URL, f'tessera-sim/{node}/{i}')}",
+                "spec": spec.__dict__,
                 "limit_mw": spec.default_w * 1000,
                 "demand_mw": spec.max_w * 1000,  # a training GPU draws all it is allowed
                 "faults": {},
             }
-            for i in range(count)
+            for i, spec in enumerate(specs)
         ],
         "rejected": [],
     }
 
 
 class SimBackend:
-    """Simulated GPUs of one node, in memory or shared through `state_path`."""
+    """Simulated GPUs of one node, in memory or shared through `state_path`.
+
+    `spec` is one model for every GPU or a list with one per GPU (then `count` is ignored). An
+    existing state file wins over both: the GPUs are whatever it holds.
+    """
 
     def __init__(
         self,
         count: int = 8,
         node: str = "sim-node",
-        spec: SimGpuSpec | None = None,
+        spec: SimGpuSpec | Sequence[SimGpuSpec] | None = None,
         state_path: Path | None = None,
         model: PerfModel = PAPER,
     ) -> None:
         self._path = state_path
         self._model = model
+        specs = [spec or SimGpuSpec()] * count if not isinstance(spec, Sequence) else list(spec)
         existing = read_json(state_path) if state_path is not None else None
-        self._mem = existing or _new_state(node, count, spec or SimGpuSpec())
+        self._mem = existing or _new_state(node, specs)
         if state_path is not None and existing is None:
             with locked(state_path):
                 if read_json(state_path) is None:
@@ -107,10 +112,9 @@ class SimBackend:
             if write:
                 write_json_atomic(self._path, state)
 
-    @property
-    def spec(self) -> SimGpuSpec:
+    def spec(self, index: int) -> SimGpuSpec:
         with self._state() as st:
-            return SimGpuSpec(**st["spec"])
+            return SimGpuSpec(**st["gpus"][index]["spec"])
 
     def _gpu(self, st: dict[str, Any], index: int, op: str) -> dict[str, Any]:
         if not 0 <= index < len(st["gpus"]):
@@ -124,12 +128,20 @@ class SimBackend:
     # --- the PowerBackend interface -------------------------------------------------------
 
     def gpus(self) -> list[GpuId]:
+        """Like NVML: an unavailable library fails the listing, a lost GPU cannot be identified."""
         with self._state() as st:
-            return [GpuId(i, g["uuid"]) for i, g in enumerate(st["gpus"])]
+            faults = [g["faults"] for g in st["gpus"]]
+            if any("unavailable" in f.values() for f in faults):
+                raise BackendUnavailable("simulated NVML library unavailable")
+            return [
+                GpuId(i, None if "gpu_lost" in (f.get("read"), f.get("any")) else g["uuid"])
+                for i, (g, f) in enumerate(zip(st["gpus"], faults, strict=True))
+            ]
 
     def read(self, index: int) -> GpuReading:
         with self._state() as st:
-            gpu, spec = self._gpu(st, index, "read"), SimGpuSpec(**st["spec"])
+            gpu = self._gpu(st, index, "read")
+            spec = SimGpuSpec(**gpu["spec"])
         power = min(gpu["limit_mw"], gpu["demand_mw"])
         clock = min(
             spec.max_clock_mhz,
@@ -150,14 +162,25 @@ class SimBackend:
 
     def set_limit(self, index: int, milliwatts: int) -> None:
         with self._state(write=True) as st:
-            gpu, spec = self._gpu(st, index, "set"), SimGpuSpec(**st["spec"])
+            gpu = self._gpu(st, index, "set")
+            spec = SimGpuSpec(**gpu["spec"])
             if not spec.min_w * 1000 <= milliwatts <= spec.max_w * 1000:
                 # Kept so tests can prove the agent never asks for an out-of-range limit.
                 st["rejected"].append([index, milliwatts])
                 raise InvalidArgument(
                     f"GPU {index}: {milliwatts} mW outside [{spec.min_w}, {spec.max_w}] W", index
                 )
-            gpu["limit_mw"] = int(milliwatts)
+            # The driver keeps whole watts, rounding to the nearest: the worst case for a budget.
+            gpu["limit_mw"] = (int(milliwatts) + 500) // 1000 * 1000
+
+    def restore_default(self, uuid: str) -> int:
+        with self._state(write=True) as st:
+            index = next((i for i, g in enumerate(st["gpus"]) if g["uuid"] == uuid), None)
+            if index is None:
+                raise InvalidArgument(f"no GPU with UUID {uuid} on this node")
+            gpu = self._gpu(st, index, "set")
+            gpu["limit_mw"] = SimGpuSpec(**gpu["spec"]).default_w * 1000
+            return gpu["limit_mw"]
 
     def close(self) -> None:
         """Nothing to release: the state (if shared) stays in its file."""
@@ -195,4 +218,4 @@ class SimBackend:
     def speed(self, index: int) -> float:
         """Throughput relative to a GPU drawing the reference power (the calibrated model)."""
         reading = self.read(index)
-        return self._model.speedup(reading.power_mw / 1000 / self.spec.reference_w)
+        return self._model.speedup(reading.power_mw / 1000 / self.spec(index).reference_w)

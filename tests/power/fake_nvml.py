@@ -6,6 +6,7 @@ translation, because every failure is an instance of the installed pynvml's own 
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 
 import pynvml
@@ -27,12 +28,16 @@ class FakeGpu:
 class FakeNvml:
     """Module-like object: the functions and names the backend uses, and failures to inject.
 
-    `fail` maps (function name, GPU index or None for any) -> NVML error code.
-    `uuid_as_bytes` mimics older bindings; `reason_funcs` the clock-event function names present.
+    `fail` maps (function name, GPU index or None for any) -> NVML error code; a GPU in `lost`
+    fails every call with GPU_IS_LOST (fallen off the bus); a call in `hang` blocks until that
+    event is set. `uuid_as_bytes` mimics older bindings; `reason_funcs` the clock-event function
+    names present.
     """
 
     gpus: list[FakeGpu]
     fail: dict[tuple[str, int | None], int] = field(default_factory=dict)
+    lost: set[int] = field(default_factory=set)
+    hang: dict[tuple[str, int], threading.Event] = field(default_factory=dict)
     uuid_as_bytes: bool = False
     reason_funcs: tuple[str, ...] = ("nvmlDeviceGetCurrentClocksEventReasons",)
     calls: list[tuple[str, tuple]] = field(default_factory=list)
@@ -52,7 +57,11 @@ class FakeNvml:
 
     def _check(self, name: str, index: int | None) -> None:
         self.calls.append((name, (index,)))
+        if (name, index) in self.hang:
+            self.hang[name, index].wait()
         code = self.fail.get((name, index), self.fail.get((name, None)))
+        if index in self.lost:
+            code = pynvml.NVML_ERROR_GPU_IS_LOST
         if code is not None:
             raise pynvml.NVMLError(code)
 
@@ -74,6 +83,14 @@ class FakeNvml:
         self._check("nvmlDeviceGetHandleByIndex", index)
         if not 0 <= index < len(self.gpus):
             raise pynvml.NVMLError(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        return index
+
+    def nvmlDeviceGetHandleByUUID(self, uuid: str | bytes) -> int:
+        uuid = uuid.decode() if isinstance(uuid, bytes) else uuid
+        index = next((i for i, g in enumerate(self.gpus) if g.uuid == uuid), None)
+        if index is None:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_FOUND)
+        self._check("nvmlDeviceGetHandleByUUID", index)
         return index
 
     def nvmlDeviceGetUUID(self, h: int) -> str | bytes:

@@ -105,11 +105,34 @@ def test_out_of_range_limit_rejected_by_the_driver_is_invalid_argument() -> None
     assert nvml.gpus[0].limit_mw == 500_000
 
 
-def test_gpu_lost_while_listing() -> None:
+def test_a_gpu_lost_after_start_is_still_listed_by_its_uuid() -> None:
     backend, nvml = _backend()
-    nvml.fail[("nvmlDeviceGetUUID", 1)] = pynvml.NVML_ERROR_GPU_IS_LOST
+    nvml.lost.add(1)
+    assert backend.gpus() == [GpuId(0, "GPU-aaa"), GpuId(1, "GPU-bbb")]
     with pytest.raises(GpuLost):
-        backend.gpus()
+        backend.read(1)
+    assert backend.read(0).limit_mw == 500_000
+
+
+def test_a_gpu_lost_before_start_is_listed_unidentified_until_it_answers() -> None:
+    nvml = FakeNvml([FakeGpu("GPU-aaa"), FakeGpu("GPU-bbb")], lost={1})
+    backend = NvmlBackend(nvml)
+    backend.open()
+    assert backend.gpus() == [GpuId(0, "GPU-aaa"), GpuId(1, None)]
+    nvml.lost.clear()
+    assert backend.gpus()[1] == GpuId(1, "GPU-bbb")
+
+
+def test_restore_default_finds_the_gpu_by_uuid_and_sets_its_default() -> None:
+    backend, nvml = _backend()
+    nvml.gpus[1].default_mw = 640_000
+    assert backend.restore_default("GPU-bbb") == 640_000
+    assert [g.limit_mw for g in nvml.gpus] == [500_000, 640_000]
+    nvml.lost.add(0)
+    with pytest.raises(GpuLost):
+        backend.restore_default("GPU-aaa")
+    with pytest.raises(PowerError, match="Not Found"):
+        backend.restore_default("GPU-gone")
 
 
 @pytest.mark.parametrize(
