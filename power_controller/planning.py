@@ -32,9 +32,19 @@ class PowerPolicy:
     def __post_init__(self) -> None:
         if not 0 < self.min_w <= self.base_w <= self.boost_cap_w:
             raise ValueError(f"need 0 < min <= base <= boost cap, got {self}")
+        if self.rack_budget_w is not None and self.rack_budget_w < self.min_w:
+            raise ValueError(f"rack budget {self.rack_budget_w} W is below one GPU's minimum")
 
     def budget(self, gpus: int) -> int:
-        return self.rack_budget_w if self.rack_budget_w is not None else gpus * self.base_w
+        """The rack budget for `gpus` GPUs; ValueError if it cannot hold them all at minimum
+        (the node shares would then add up to more than the rack budget)."""
+        budget = self.rack_budget_w if self.rack_budget_w is not None else gpus * self.base_w
+        if budget < gpus * self.min_w:
+            raise ValueError(
+                f"rack budget {budget} W cannot hold {gpus} GPUs at their {self.min_w} W minimum"
+                f" ({gpus * self.min_w} W)"
+            )
+        return budget
 
 
 def ratio_for_tp(
