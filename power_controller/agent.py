@@ -1,37 +1,53 @@
 """The node power agent (`tessera power-agent`): collect -> decide -> actuate -> serve metrics.
 
 Each step reads the node's GPUs and its `GPUPowerTarget`, lets the pure policy decide, lowers
-limits first and raises only into the headroom that is really there. On SIGTERM it puts every GPU
-it changed back to its default limit; the set of changed GPUs is persisted on the host before
-each change, so an agent that was killed restores them when it starts again.
+limits first and raises only into the headroom that is really there. Every GPU it changes is
+recorded on the host, with the limit set, before the change: on SIGTERM it puts them back to
+their default limits (or, with `--on-exit hold`, leaves them for the next agent); an agent that
+starts and finds GPUs recorded adopts them if the operator's target is fresh, restores them if
+the target is gone, and holds them at their recorded limits while it cannot tell.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import os
 import signal
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
+from enum import Enum
 from pathlib import Path
 from typing import Any, Protocol
 
+from power_controller.bounded import call_all
 from power_controller.devices import BackendUnavailable, GpuId, GpuReading, PowerBackend, PowerError
 from power_controller.metrics import GpuStatus, NodeStatus
-from power_controller.policy import DeviceView, admit_raises, decide
-from power_controller.state import ManagedGpus
+from power_controller.policy import WATT, Decision, DeviceView, admit_raises, clamp, decide
+from power_controller.state import ManagedGpus, StateLocked
 from power_controller.targets import InvalidTarget, PowerTarget, parse_object
 
 log = logging.getLogger("tessera.power-agent")
 
 
 class TargetSource(Protocol):
-    """Where the agent reads its node's target object (the API server in production)."""
+    """Where the agent reads its node's target object (the API server in production): the object,
+    None when there is none (404), or an exception when it cannot be known."""
 
     def fetch(self) -> dict[str, Any] | None: ...
+
+
+class Fetched(Enum):
+    """What one read of the target established."""
+
+    VALID = "valid"
+    ABSENT = "absent"  # the operator has no target for this node: it released the node
+    INVALID = "invalid"
+    UNREACHABLE = "unreachable"
 
 
 def utc_now() -> datetime:
@@ -48,24 +64,31 @@ class Agent:
     managed: ManagedGpus
     step_mw: int = 50_000
     clock: Callable[[], datetime] = utc_now
+    restore_timeout_s: float = 10.0
     target: PowerTarget | None = None
     status: NodeStatus = field(init=False)
+    # GPUs a previous agent left changed, until the operator's target says what to do with them.
+    recovering: bool = field(init=False)
     # Limits last seen per GPU index: a GPU that stops answering is counted at this value.
     _known_mw: dict[int, int] = field(default_factory=dict, init=False)
-    _last_error: dict[str, str] = field(default_factory=dict, init=False)
+    _last_warning: dict[str, str] = field(default_factory=dict, init=False)
 
     def __post_init__(self) -> None:
         self.status = NodeStatus(node=self.node)
+        self.recovering = bool(self.managed.gpus)
+
+    def _warn(self, where: str, message: str) -> None:
+        if self._last_warning.get(where) != message:  # log changes, not every repeat
+            log.warning("%s: %s", where, message)
+            self._last_warning[where] = message
 
     def _error(self, where: str, err: Exception) -> None:
         kind = type(err).__name__
         self.status.errors[kind] = self.status.errors.get(kind, 0) + 1
-        if self._last_error.get(where) != str(err):  # log changes, not every repeat
-            log.warning("%s: %s: %s", where, kind, err)
-            self._last_error[where] = str(err)
+        self._warn(where, f"{kind}: {err}")
 
     def _ok(self, where: str) -> None:
-        if self._last_error.pop(where, None) is not None:
+        if self._last_warning.pop(where, None) is not None:
             log.info("%s: recovered", where)
 
     # 1. collect -----------------------------------------------------------------------------
@@ -83,18 +106,85 @@ class Agent:
                 self._error(where, err)
         return readings
 
-    def _refresh_target(self) -> None:
+    def _refresh_target(self) -> Fetched:
         try:
             obj = self.source.fetch()
             self._ok("target")
         except Exception as err:  # outage: keep acting on the last valid target until it is stale
             self._error("target", err)
-            return
+            return Fetched.UNREACHABLE
+        if obj is None:
+            self.target = None
+            return Fetched.ABSENT
         try:
-            self.target = None if obj is None else parse_object(obj, self.node)
+            self.target = parse_object(obj, self.node)
         except InvalidTarget as err:
             self.target = None
             self._error("target", err)
+            return Fetched.INVALID
+        return Fetched.VALID
+
+    def _check_indices(self, gpus: list[GpuId]) -> None:
+        beyond = sorted(i for i in (self.target.gpu_w if self.target else {}) if i >= len(gpus))
+        if beyond:
+            self._warn("target indices",
+                       f"target names GPU(s) {beyond}, but this node has {len(gpus)} GPU(s)")
+
+    # restart --------------------------------------------------------------------------------
+
+    def _resolve(self, fetched: Fetched) -> bool:
+        """Settle what to do with GPUs a previous agent left changed; True once settled."""
+        if not self.recovering:
+            return True
+        if fetched is Fetched.ABSENT:
+            log.info("no target for node %s: restoring %d GPU(s) a previous agent changed",
+                     self.node, len(self.managed.gpus))
+            self.restore()
+        elif fetched is Fetched.VALID and self.target and not self.target.stale(self.clock()):
+            log.info("fresh target for node %s: adopting %d GPU(s) a previous agent changed",
+                     self.node, len(self.managed.gpus))
+        else:
+            return False
+        self.recovering = False
+        return True
+
+    def recover(self, wait_s: float, sleep: Callable[[float], object] = time.sleep) -> None:
+        """At start: restore every GPU if the record is unreadable; then read the target for up to
+        `wait_s` to decide between adopting and restoring the recorded GPUs, and hold them at
+        their recorded limits if it cannot be read (the loop keeps trying)."""
+        if self.managed.unreadable:
+            self.restore_all()
+        self.recovering = bool(self.managed.gpus)
+        deadline = time.monotonic() + wait_s
+        while not self._resolve(self._refresh_target()):
+            if time.monotonic() >= deadline:
+                log.warning("cannot tell whether the operator still wants the limits on %d GPU(s)"
+                            " a previous agent changed: holding their last limits, retrying",
+                            len(self.managed.gpus))
+                self.hold_recorded()
+                return
+            sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+
+    def hold_recorded(self) -> None:
+        """Put recorded GPUs back at their last recorded limit (which met the budget), in case
+        the driver reset them (a driver reload returns every GPU to its default)."""
+        try:
+            gpus = self.backend.gpus()
+        except PowerError as err:
+            self._error("backend", err)
+            return
+        for gpu in gpus:
+            last = self.managed.gpus.get(gpu.uuid) if gpu.uuid else None
+            if last is None:
+                continue
+            try:
+                r = self.backend.read(gpu.index)
+                want = clamp(last, r.min_mw, r.max_mw)
+                if r.limit_mw != want:
+                    self.backend.set_limit(gpu.index, want)
+                    log.info("GPU %d: back at its last limit %d mW", gpu.index, want)
+            except PowerError as err:
+                self._error(f"GPU {gpu.index}", err)
 
     # 2. decide ------------------------------------------------------------------------------
 
@@ -122,7 +212,7 @@ class Agent:
             assert gpu is not None  # the policy only changes GPUs it could read
             try:
                 # Write-ahead: a GPU that cannot be recorded is not changed.
-                self.managed.add(gpu.uuid, gpu.default_mw)
+                self.managed.record(gpu.uuid, milliwatts)
                 self.backend.set_limit(index, milliwatts)
             except (PowerError, OSError) as err:
                 self._error(where, err)
@@ -132,10 +222,13 @@ class Agent:
             try:
                 readings[index] = after = self.backend.read(index)  # the driver may round
                 self._known_mw[index] = after.limit_mw
+                self.managed.record(gpu.uuid, after.limit_mw)
                 self._ok(where)
             except PowerError as err:
                 readings[index] = replace(gpu, limit_mw=milliwatts)
                 self._error(where, err)
+            except OSError as err:  # the GPU is set; the record keeps the value asked for
+                self._error("state file", err)
         return failed
 
     def step(self) -> NodeStatus:
@@ -145,12 +238,13 @@ class Agent:
             self._error("backend", err)
             self.status = replace(self.status, holding=True, reason=f"hold: {err}", gpus=())
             return self.status
+        self._resolve(self._refresh_target())
+        self._check_indices(gpus)
         readings = self._read_all(gpus)
-        self._refresh_target()
         views, now = self._views(readings), self.clock()
         decision = decide(views, self.target, now, self.step_mw)
-        if decision.reason.startswith("infeasible"):
-            log.warning("%s", decision.reason)
+        if decision.infeasible:
+            self._warn("budget", decision.reason)
 
         stuck = self._apply(decision.lower, readings)
         if stuck:
@@ -164,10 +258,10 @@ class Agent:
             self._apply(decision.lower, readings)
         if self.target is not None and decision.raise_:
             limits = {v.index: self._limit(v, readings) for v in views}
-            budget_mw = self.target.budget_w * 1000
+            budget_mw = self.target.budget_w * WATT
             self._apply(admit_raises(limits, decision.raise_, budget_mw), readings)
 
-        self.status = self._render(gpus, readings, decision.goals, decision.reason)
+        self.status = self._render(gpus, readings, decision)
         return self.status
 
     def _limit(self, view: DeviceView, readings: dict[int, GpuReading | None]) -> int:
@@ -175,64 +269,81 @@ class Agent:
         return reading.limit_mw if reading is not None else view.limit_mw
 
     def _render(
-        self,
-        gpus: list[GpuId],
-        readings: dict[int, GpuReading | None],
-        goals: dict[int, int],
-        reason: str,
+        self, gpus: list[GpuId], readings: dict[int, GpuReading | None], decision: Decision
     ) -> NodeStatus:
-        t = self.target
+        t, goals = self.target, decision.goals
         rows = tuple(
             GpuStatus(
                 index=g.index,
-                uuid=g.uuid,
-                power_mw=r.power_mw if (r := readings[g.index]) else None,
+                uuid=r.uuid if (r := readings[g.index]) else (g.uuid or ""),
+                power_mw=r.power_mw if r else None,
                 limit_mw=r.limit_mw if r else None,
                 target_mw=goals.get(g.index),
                 boosted=bool(t and goals and t.boosted(g.index)),
+                enforced_mw=r.enforced_mw if r else None,
+                sm_clock_mhz=r.sm_clock_mhz if r else None,
+                power_capped=r.power_capped if r and r.clock_event_reasons is not None else None,
             )
             for g in gpus
         )
         return replace(
             self.status,
             rack=t.rack if t else self.status.rack,
-            budget_mw=t.budget_w * 1000 if t else self.status.budget_mw,
-            holding=not goals,
-            reason=reason,
+            budget_mw=t.budget_w * WATT if t else self.status.budget_mw,
+            rack_budget_mw=t.rack_budget_w * WATT if t else self.status.rack_budget_mw,
+            holding=decision.holding,
+            reason=decision.reason,
             gpus=rows,
         )
 
     # restore -------------------------------------------------------------------------------
 
-    def restore(self) -> list[str]:
-        """Put every GPU this agent (or a predecessor) changed back to its default limit.
-
-        Returns the UUIDs that could not be restored; they stay recorded for the next attempt.
-        """
-        try:
-            where = {g.uuid: g.index for g in self.backend.gpus()}
-        except PowerError as err:
-            self._error("restore", err)
-            return sorted(self.managed.defaults)
+    def restore(self, uuids: list[str] | None = None) -> list[str]:
+        """Put GPUs (by default every recorded one) back to the default limit each reports now,
+        all at once and within `restore_timeout_s`. Returns the UUIDs that could not be restored;
+        they stay recorded for the next attempt."""
+        uuids = sorted(self.managed.gpus) if uuids is None else uuids
+        calls = {u: functools.partial(self.backend.restore_default, u) for u in uuids}
         left = []
-        for uuid, default_mw in sorted(self.managed.defaults.items()):
-            try:
-                if uuid not in where:
-                    raise PowerError(f"GPU {uuid} is not on this node any more")
-                self.backend.set_limit(where[uuid], default_mw)
-            except PowerError as err:
-                self._error(f"restore {uuid}", err)
+        for uuid, result in call_all(calls, self.restore_timeout_s).items():
+            if isinstance(result, Exception):
+                self._error(f"restore {uuid}", result)
                 left.append(uuid)
                 continue
-            self.managed.discard(uuid)
-            log.info("restored GPU %s (index %d) to %d mW", uuid, where[uuid], default_mw)
+            log.info("restored GPU %s to its default %d mW", uuid, result)
+            try:
+                self.managed.discard(uuid)
+            except OSError as err:  # restored; the next agent restores it again, harmlessly
+                self._error("state file", err)
         return left
+
+    def restore_all(self) -> None:
+        """The record could not be read, so any GPU may have been changed: restore them all."""
+        try:
+            gpus = self.backend.gpus()
+        except PowerError as err:
+            self._error("backend", err)
+            return
+        unknown = [g.index for g in gpus if g.uuid is None]
+        if unknown:
+            log.error("GPU(s) %s cannot be identified and are not restored", unknown)
+        left = self.restore([g.uuid for g in gpus if g.uuid is not None])
+        try:
+            self.managed.forget_unreadable()
+            for uuid in left:
+                self.managed.record(uuid, None)
+        except OSError as err:
+            self._error("state file", err)
 
 
 # --- command line -------------------------------------------------------------------------
 
 
 def _parser() -> argparse.ArgumentParser:
+    from power_controller.perf_model import PAPER
+    from power_controller.sim_backend import SimGpuSpec
+
+    sim = SimGpuSpec()
     p = argparse.ArgumentParser(
         prog="tessera power-agent",
         description="Node power agent: applies the operator's GPUPowerTarget to this node's GPUs.",
@@ -246,18 +357,45 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics-addr", default="0.0.0.0")
     p.add_argument("--metrics-port", type=int, default=9402, help="0 disables the endpoint")
     p.add_argument("--api-timeout", type=float, default=3.0, help="seconds per API server call")
+    p.add_argument("--startup-wait", type=float, default=10.0,
+                   help="seconds to try reading the target at start before holding recorded GPUs")
+    p.add_argument("--restore-timeout", type=float, default=10.0,
+                   help="seconds for restoring all GPUs (in parallel); late ones stay recorded")
+    p.add_argument("--on-exit", choices=("restore", "hold"), default="restore",
+                   help="on SIGTERM: restore default limits, or leave them to the next agent "
+                        "(rolling updates)")
     p.add_argument("--kubeconfig", help="kubeconfig file (default: in-cluster service account)")
-    p.add_argument("--sim-state", type=Path, help="simulated GPUs' shared state file (sim backend)")
-    p.add_argument("--sim-gpus", type=int, default=8, help="simulated GPU count (sim backend)")
+    g = p.add_argument_group("simulated GPUs (--backend sim; an existing --sim-state file wins)")
+    g.add_argument("--sim-state", type=Path, help="state file shared with other processes")
+    g.add_argument("--sim-gpus", type=int, default=8, help="GPU count")
+    g.add_argument("--sim-min-watts", type=int, default=sim.min_w)
+    g.add_argument("--sim-max-watts", type=int, default=sim.max_w)
+    g.add_argument("--sim-default-watts", type=int, default=sim.default_w)
+    g.add_argument("--sim-reference-watts", type=int, default=sim.reference_w,
+                   help="power at which a GPU runs at speed 1.0 (the fleet base cap)")
+    g.add_argument("--sim-perf-a", type=float, default=PAPER.a,
+                   help="perf/W loss model: a(r-1) + b(r-1)^2 at power ratio r (perf_model)")
+    g.add_argument("--sim-perf-b", type=float, default=PAPER.b)
     p.add_argument("--log-level", default="INFO")
     return p
 
 
+def sim_backend(args: argparse.Namespace) -> PowerBackend:
+    """The simulated GPUs the command line describes; ValueError naming a bad setting."""
+    from power_controller.perf_model import PerfModel
+    from power_controller.sim_backend import SimBackend, SimGpuSpec
+
+    if args.sim_gpus < 1 or args.sim_reference_watts < 1:
+        raise ValueError("--sim-gpus and --sim-reference-watts must be positive")
+    spec = SimGpuSpec(min_w=args.sim_min_watts, max_w=args.sim_max_watts,
+                      default_w=args.sim_default_watts, reference_w=args.sim_reference_watts)
+    model = PerfModel(args.sim_perf_a, args.sim_perf_b)
+    return SimBackend(args.sim_gpus, args.node, spec, args.sim_state, model)
+
+
 def _backend(args: argparse.Namespace) -> PowerBackend:
     if args.backend == "sim":
-        from power_controller.sim_backend import SimBackend
-
-        return SimBackend(count=args.sim_gpus, node=args.node, state_path=args.sim_state)
+        return sim_backend(args)
     from power_controller.nvml_backend import NvmlBackend
 
     backend = NvmlBackend()
@@ -279,6 +417,16 @@ def _source(args: argparse.Namespace) -> TargetSource:
     return KubeTargetSource(client.ApiClient(configuration), args.node, args.api_timeout)
 
 
+class _Unconfigured:
+    """The source when the API client could not be configured: nothing can be read."""
+
+    def __init__(self, err: Exception) -> None:
+        self.err = err
+
+    def fetch(self) -> dict[str, Any] | None:
+        raise self.err
+
+
 def _serve_metrics(args: argparse.Namespace, agent: Agent) -> Callable[[], None]:
     if not args.metrics_port:
         return lambda: None
@@ -293,29 +441,62 @@ def _serve_metrics(args: argparse.Namespace, agent: Agent) -> Callable[[], None]
 
 
 def main(argv: list[str]) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(message)s")
     if not args.node:
-        _parser().error("--node (or NODE_NAME) is required")
+        parser.error("--node (or NODE_NAME) is required")
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
 
-    # 1. hardware and a restore of whatever a killed predecessor left changed
+    # 1. the node's record, exclusively: two agents would undo each other's changes
+    try:
+        managed = ManagedGpus.open(args.state_dir / f"{args.node}.json")
+    except StateLocked as err:
+        log.error("%s", err)
+        return 2
+    try:
+        return _run(args, parser, managed, stop)
+    finally:
+        managed.close()
+
+
+def _run(
+    args: argparse.Namespace,
+    parser: argparse.ArgumentParser,
+    managed: ManagedGpus,
+    stop: threading.Event,
+) -> int:
+    # 2. hardware
     try:
         backend = _backend(args)
     except BackendUnavailable as err:
         log.error("no GPU backend: %s", err)
         return 1
-    managed = ManagedGpus.load(args.state_dir / f"{args.node}.json")
-    agent = Agent(args.node, backend, _source(args), managed, step_mw=args.step_watts * 1000)
-    if managed.defaults:
-        log.info("restoring %d GPU(s) left changed by a previous agent", len(managed.defaults))
+    except ValueError as err:
+        parser.error(str(err))
+
+    # 3. what a previous agent left: settled before anything else that can fail on configuration
+    try:
+        source: TargetSource = _source(args)
+    except Exception as err:  # no kubeconfig, no in-cluster environment, a malformed file
+        source = _Unconfigured(err)
+    agent = Agent(args.node, backend, source, managed, step_mw=args.step_watts * WATT,
+                  restore_timeout_s=args.restore_timeout)
+    if isinstance(source, _Unconfigured):
+        log.error("cannot configure the API client: %s; restoring recorded GPUs and exiting",
+                  source.err)
+        if managed.unreadable:
+            agent.restore_all()
         agent.restore()
+        backend.close()
+        return 1
+    agent.recover(args.startup_wait, stop.wait)
     stop_metrics = _serve_metrics(args, agent)
     log.info("power agent on node %s (%s backend) running", args.node, args.backend)
 
-    # 2. control loop until SIGTERM
+    # 4. control loop until SIGTERM
     while not stop.is_set():
         try:
             agent.step()
@@ -323,9 +504,14 @@ def main(argv: list[str]) -> int:
             log.exception("control step failed; limits left as they are")
         stop.wait(args.interval)
 
-    # 3. shutdown: defaults back before the grace period ends; no API calls on this path
-    left = agent.restore()
+    # 5. shutdown: no API calls on this path, bounded device calls
     stop_metrics()
+    if args.on_exit == "hold":
+        log.info("--on-exit hold: leaving %d GPU(s) at their limits for the next agent",
+                 len(managed.gpus))
+        backend.close()
+        return 0
+    left = agent.restore()
     backend.close()
     if left:
         log.error("could not restore %d GPU(s): %s (recorded for the next start)", len(left), left)

@@ -1,7 +1,8 @@
 """Prometheus metrics of the power agent, rendered on each scrape from its latest status.
 
-Rack metrics are this node's share: `sum by (rack)` over the rack's nodes gives the rack's
-budget and use.
+Per rack: `tessera_rack_power_budget_watts{rack}` is the whole rack's budget as the operator set
+it (every node of the rack reports the same value: `max by (rack)`); the node metrics carry the
+rack label, so `sum by (rack) (tessera_node_power_limit_watts)` is the rack's use against it.
 """
 
 from __future__ import annotations
@@ -23,6 +24,9 @@ class GpuStatus:
     limit_mw: int | None
     target_mw: int | None
     boosted: bool
+    enforced_mw: int | None = None  # what the driver enforces (may sit below the limit)
+    sm_clock_mhz: int | None = None
+    power_capped: bool | None = None  # clocks held down by the power cap; None: not reported
 
 
 @dataclass(frozen=True)
@@ -31,15 +35,16 @@ class NodeStatus:
 
     node: str
     rack: str = ""
-    budget_mw: int | None = None
+    budget_mw: int | None = None  # this node's share
+    rack_budget_mw: int | None = None
     holding: bool = True
     reason: str = "starting"
     gpus: tuple[GpuStatus, ...] = ()
     errors: dict[str, int] = field(default_factory=dict)  # error kind -> count since start
 
 
-def _w(mw: int) -> float:
-    return mw / 1000
+def _w(mw: int | None) -> float | None:
+    return None if mw is None else mw / 1000
 
 
 def _one(name: str, help_: str, labels: dict[str, str], value: float) -> GaugeMetricFamily:
@@ -57,44 +62,46 @@ class AgentCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         s = self._status()
         gpu_labels = ["node", "gpu", "uuid"]
-        usage = GaugeMetricFamily(
-            "tessera_gpu_power_usage_watts", "GPU power draw", labels=gpu_labels
-        )
-        limit = GaugeMetricFamily(
-            "tessera_gpu_power_limit_watts", "GPU power management limit", labels=gpu_labels
-        )
-        target = GaugeMetricFamily(
-            "tessera_gpu_power_target_watts",
-            "Limit the agent is moving the GPU to (after device bounds and budget)",
-            labels=gpu_labels,
-        )
-        boosted = GaugeMetricFamily(
-            "tessera_gpu_power_boosted",
-            "1 if the GPU is targeted above the base cap",
-            labels=gpu_labels,
-        )
-        for g in s.gpus:
-            labels = [s.node, str(g.index), g.uuid]
-            boosted.add_metric(labels, float(g.boosted))
-            for family, value in ((usage, g.power_mw), (limit, g.limit_mw), (target, g.target_mw)):
-                if value is not None:
-                    family.add_metric(labels, _w(value))
-        yield from (usage, limit, target, boosted)
-
-        rack = {"rack": s.rack, "node": s.node}
-        if s.budget_mw is not None:
-            yield _one(
-                "tessera_rack_power_budget_watts",
-                "This node's share of its rack's power budget (sum by rack for the rack)",
-                rack,
-                _w(s.budget_mw),
+        families = [
+            (GaugeMetricFamily(name, help_, labels=gpu_labels), value)
+            for name, help_, value in (
+                ("tessera_gpu_power_usage_watts", "GPU power draw", lambda g: _w(g.power_mw)),
+                ("tessera_gpu_power_limit_watts", "GPU power management limit",
+                 lambda g: _w(g.limit_mw)),
+                ("tessera_gpu_power_enforced_limit_watts",
+                 "Power limit the driver enforces (the lowest of all limits in force)",
+                 lambda g: _w(g.enforced_mw)),
+                ("tessera_gpu_power_target_watts",
+                 "Limit the agent is moving the GPU to (after device bounds and budget)",
+                 lambda g: _w(g.target_mw)),
+                ("tessera_gpu_power_boosted", "1 if the GPU is targeted above the base cap",
+                 lambda g: float(g.boosted)),
+                ("tessera_gpu_sm_clock_mhz", "SM clock", lambda g: g.sm_clock_mhz),
+                ("tessera_gpu_power_capped", "1 while the power cap holds the clocks down",
+                 lambda g: None if g.power_capped is None else float(g.power_capped)),
             )
+        ]
+        for g in s.gpus:
+            for family, value in families:
+                if (v := value(g)) is not None:
+                    family.add_metric([s.node, str(g.index), g.uuid], v)
+        yield from (family for family, _ in families)
+
+        if s.rack_budget_mw is not None:
+            yield _one("tessera_rack_power_budget_watts",
+                       "The rack's power budget (the same from every node: max by rack)",
+                       {"rack": s.rack}, _w(s.rack_budget_mw))
+        node = {"rack": s.rack, "node": s.node}
+        if s.budget_mw is not None:
+            yield _one("tessera_node_power_budget_watts",
+                       "This node's share of its rack's budget (sum by rack <= the rack budget)",
+                       node, _w(s.budget_mw))
         for name, attr, help_ in (
-            ("tessera_rack_power_limit_watts", "limit_mw", "Sum of this node's GPU power limits"),
-            ("tessera_rack_power_usage_watts", "power_mw", "Sum of this node's GPU power draw"),
+            ("tessera_node_power_limit_watts", "limit_mw", "Sum of this node's GPU power limits"),
+            ("tessera_node_power_usage_watts", "power_mw", "Sum of this node's GPU power draw"),
         ):
             values = [getattr(g, attr) for g in s.gpus if getattr(g, attr) is not None]
-            yield _one(name, help_, rack, _w(sum(values)))
+            yield _one(name, help_, node, _w(sum(values)))
         yield _one(
             "tessera_power_agent_holding",
             "1 while the agent holds limits (no valid, fresh target)",

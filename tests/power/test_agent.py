@@ -1,18 +1,23 @@
-"""The agent's control step on simulated GPUs: boost, release, faults, outages and restores."""
+"""The agent on simulated GPUs (and NVML over fake devices): boost, release, faults, outages,
+restores and restarts."""
 
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from datetime import timedelta
 from pathlib import Path
 
 import pytest
+from fake_nvml import FakeGpu, FakeNvml
 from powertest import NOW, make_target
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from power_controller.agent import Agent
+from power_controller.agent import Agent, _parser, main, sim_backend
 from power_controller.metrics import AgentCollector
+from power_controller.nvml_backend import NvmlBackend
 from power_controller.sim_backend import SimBackend
 from power_controller.state import ManagedGpus
 from power_controller.targets import to_object
@@ -81,8 +86,8 @@ def test_a_gpu_refusing_its_cut_makes_the_others_cut_deeper(
     with caplog.at_level(logging.WARNING):
         _run(agent, clock, 3)
     assert "NoPermission" in caplog.text and agent.status.errors["NoPermission"] == 3
-    assert [round(mw / W) for mw in sim.limits_mw()] == [700, 467, 467, 467]
-    assert sum(sim.limits_mw()) <= 2100 * W
+    # 1400 W over three GPUs: 466 W each, whole watts, so no driver rounding can break the budget.
+    assert sim.limits_mw() == [700 * W, 466 * W, 466 * W, 466 * W]
     sim.inject(0, None, op="set")
     _run(agent, clock, 4)
     assert sim.limits_mw() == [500 * W, 550 * W, 550 * W, 500 * W]
@@ -108,12 +113,21 @@ def test_set_errors_leave_the_gpu_where_it_was(tmp_path: Path, fault: str) -> No
     assert sim.limits_mw() == [500 * W, 500 * W, 700 * W, 500 * W]
 
 
-def test_backend_unavailable_holds_and_reports(tmp_path: Path) -> None:
+def test_backend_unavailable_holds_and_reports(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     agent, sim, _, _ = _agent(tmp_path, budget_w=2000)
-    for i in range(4):
-        sim.inject(i, "unavailable")
-    status = agent.step()
-    assert sim.limits_mw() == [700 * W] * 4 and status.holding
+    sim.inject(0, "unavailable")  # the library itself: nothing can be listed
+    with caplog.at_level(logging.WARNING):
+        agent.step()
+        agent.step()
+    assert sim.limits_mw() == [700 * W] * 4 and agent.status.holding
+    assert agent.status.reason.startswith("hold: ") and agent.status.gpus == ()
+    assert caplog.text.count("backend: BackendUnavailable") == 1  # logged once, not every step
+    assert _metrics(agent)[("tessera_power_agent_errors_total", None)] == 2
+    sim.inject(0, None)
+    agent.step()
+    assert sim.limits_mw() == [500 * W] * 4
 
 
 def test_operator_outage_keeps_the_last_target_until_stale_then_holds(tmp_path: Path) -> None:
@@ -148,32 +162,55 @@ def test_restore_puts_defaults_back_even_from_a_new_agent(tmp_path: Path) -> Non
     assert sim.limits_mw() == [500 * W] * 4
     # A new agent (after a crash) only has the file on the host to go by.
     successor = Agent("node-a", sim, Source(), ManagedGpus.load(tmp_path / "state.json"))
+    lost = sim.gpus()[1].uuid
     sim.inject(1, "gpu_lost")
-    assert successor.restore() == [sim.gpus()[1].uuid]  # kept for the next attempt
+    assert successor.restore() == [lost]  # kept for the next attempt
     assert sim.limits_mw() == [700 * W, 500 * W, 700 * W, 700 * W]
     sim.inject(1, None)
     assert successor.restore() == []
     assert sim.limits_mw() == [700 * W] * 4
-    assert ManagedGpus.load(tmp_path / "state.json").defaults == {}
+    assert ManagedGpus.load(tmp_path / "state.json").gpus == {}
+
+
+def test_restore_goes_on_when_the_record_cannot_be_rewritten(tmp_path: Path) -> None:
+    agent, sim, _, _ = _agent(tmp_path, budget_w=2000, base_w=500)
+    agent.step()
+    record = tmp_path / "state.json"
+    record.unlink()
+    record.mkdir()  # the atomic rename onto it fails: every discard raises
+    assert agent.restore() == []
+    assert sim.limits_mw() == [700 * W] * 4
+    assert agent.status.errors.get("IsADirectoryError") == 4
+
+
+def _metrics(agent: Agent) -> dict[tuple[str, str | None], float]:
+    registry = CollectorRegistry()
+    registry.register(AgentCollector(lambda: agent.status))
+    return {(s.name, s.labels.get("gpu")): s.value
+            for f in text_string_to_metric_families(generate_latest(registry).decode())
+            for s in f.samples}
 
 
 def test_metrics_render_per_gpu_and_per_rack(tmp_path: Path) -> None:
-    agent, sim, _, _ = _agent(tmp_path, budget_w=2300, base_w=500, gpu_w={1: 520})
+    agent, sim, _, _ = _agent(tmp_path, budget_w=2300, base_w=500, gpu_w={1: 520},
+                              rack_budget_w=9200)
     sim.set_demand(0, 300)
     agent.step()
-    registry = CollectorRegistry()
-    registry.register(AgentCollector(lambda: agent.status))
-    samples = {(s.name, s.labels.get("gpu")): s.value
-               for f in text_string_to_metric_families(generate_latest(registry).decode())
-               for s in f.samples}
+    samples = _metrics(agent)
     assert samples[("tessera_gpu_power_limit_watts", "1")] == 520
+    assert samples[("tessera_gpu_power_enforced_limit_watts", "1")] == 520
     assert samples[("tessera_gpu_power_target_watts", "1")] == 520
     assert samples[("tessera_gpu_power_usage_watts", "0")] == 300
     assert samples[("tessera_gpu_power_boosted", "1")] == 1
     assert samples[("tessera_gpu_power_boosted", "0")] == 0
-    assert samples[("tessera_rack_power_budget_watts", None)] == 2300
-    assert samples[("tessera_rack_power_limit_watts", None)] == 2020
-    assert samples[("tessera_rack_power_usage_watts", None)] == 300 + 520 + 500 + 500
+    # GPU 0 draws less than its cap; the others are held down by theirs, GPU 1 less so.
+    assert samples[("tessera_gpu_power_capped", "0")] == 0
+    assert samples[("tessera_gpu_power_capped", "1")] == 1
+    assert samples[("tessera_gpu_sm_clock_mhz", "1")] > samples[("tessera_gpu_sm_clock_mhz", "2")]
+    assert samples[("tessera_rack_power_budget_watts", None)] == 9200
+    assert samples[("tessera_node_power_budget_watts", None)] == 2300
+    assert samples[("tessera_node_power_limit_watts", None)] == 2020
+    assert samples[("tessera_node_power_usage_watts", None)] == 300 + 520 + 500 + 500
     assert samples[("tessera_power_agent_holding", None)] == 0
 
 
@@ -182,3 +219,159 @@ def test_a_gpu_whose_change_cannot_be_recorded_is_not_changed(tmp_path: Path) ->
     (tmp_path / "state.json").mkdir()  # the host record cannot be written
     agent.step()
     assert sim.limits_mw() == [700 * W] * 4 and agent.status.errors["IsADirectoryError"] == 4
+
+
+def test_target_naming_gpus_the_node_does_not_have_is_logged(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    agent, sim, _, _ = _agent(tmp_path, budget_w=2000, base_w=500, gpu_w={6: 700, 9: 200})
+    with caplog.at_level(logging.WARNING):
+        agent.step()
+        agent.step()
+    assert caplog.text.count("target names GPU(s) [6, 9], but this node has 4 GPU(s)") == 1
+    assert sim.limits_mw() == [500 * W] * 4
+
+
+# --- a GPU lost on real hardware (NVML over fake devices) ----------------------------------
+
+
+def test_a_lost_gpu_does_not_stop_the_survivors_boost_or_their_restore(tmp_path: Path) -> None:
+    nvml = FakeNvml([FakeGpu(f"GPU-{i}", limit_mw=700 * W) for i in range(4)])
+    backend = NvmlBackend(nvml)
+    backend.open()
+    clock, source = Clock(), Source(to_object(make_target(budget_w=2000, base_w=500)))
+    agent = Agent("node-a", backend, source, ManagedGpus(tmp_path / "state.json"), 50 * W, clock)
+    agent.step()
+    nvml.lost.add(3)  # XID 79: GPU 3 fell off the bus, UUID and all
+    source.obj = to_object(make_target(budget_w=2300, base_w=500, renew_time=NOW,
+                                       gpu_w={0: 600, 1: 600, 2: 600, 3: 200}))
+    _run(agent, clock, 3)
+    assert [g.limit_mw for g in nvml.gpus] == [600 * W] * 3 + [500 * W]  # GPU 3 counted at 500
+    assert [g.uuid for g in agent.status.gpus] == ["GPU-0", "GPU-1", "GPU-2", "GPU-3"]
+
+    assert agent.restore() == ["GPU-3"]  # the SIGTERM path: the others are not held up by it
+    assert [g.limit_mw for g in nvml.gpus] == [700 * W] * 3 + [500 * W]
+    assert set(ManagedGpus.load(tmp_path / "state.json").gpus) == {"GPU-3"}
+
+
+def test_restore_reads_the_default_from_the_device_not_the_record(tmp_path: Path) -> None:
+    nvml = FakeNvml([FakeGpu("GPU-0", limit_mw=500 * W, default_mw=650 * W)])
+    backend = NvmlBackend(nvml)
+    backend.open()
+    (tmp_path / "state.json").write_text('{"format": 1, "defaults": {"GPU-0": 700000}}')
+    agent = Agent("node-a", backend, Source(), ManagedGpus.load(tmp_path / "state.json"))
+    assert agent.restore() == []
+    assert nvml.gpus[0].limit_mw == 650 * W
+
+
+def test_a_hanging_gpu_cannot_hold_up_the_restore_of_the_others(tmp_path: Path) -> None:
+    nvml = FakeNvml([FakeGpu(f"GPU-{i}") for i in range(3)])
+    release = nvml.hang["nvmlDeviceSetPowerManagementLimit", 1] = threading.Event()
+    backend = NvmlBackend(nvml)
+    backend.open()
+    managed = ManagedGpus(tmp_path / "state.json")
+    for i in range(3):
+        managed.record(f"GPU-{i}", 500 * W)
+    agent = Agent("node-a", backend, Source(), managed, restore_timeout_s=0.3)
+    started = time.monotonic()
+    try:
+        assert agent.restore() == ["GPU-1"]
+    finally:
+        release.set()
+    assert time.monotonic() - started < 1.5
+    assert [nvml.gpus[i].limit_mw for i in (0, 2)] == [700 * W, 700 * W]
+    assert agent.status.errors["TimeoutError"] == 1
+
+
+# --- restart: adopt, restore or hold what a previous agent left ----------------------------
+
+
+def _left_boosted(tmp_path: Path) -> tuple[SimBackend, Path]:
+    """A previous agent boosted GPU 0 to 600 W and died."""
+    agent, sim, _, clock = _agent(tmp_path, budget_w=2200, base_w=500, gpu_w={0: 600})
+    _run(agent, clock, 3)
+    assert sim.limits_mw() == [600 * W, 500 * W, 500 * W, 500 * W]
+    return sim, tmp_path / "state.json"
+
+
+def test_restart_with_a_fresh_target_adopts_the_gpus(tmp_path: Path) -> None:
+    sim, record = _left_boosted(tmp_path)
+    source, clock = Source(to_object(make_target(budget_w=2200, gpu_w={0: 650}))), Clock()
+    successor = Agent("node-a", sim, source, ManagedGpus.load(record), 50 * W, clock)
+    successor.recover(wait_s=0)
+    assert sim.limits_mw() == [600 * W, 500 * W, 500 * W, 500 * W]  # no detour to 700 W
+    successor.step()
+    assert sim.limits_mw()[0] == 650 * W and not successor.recovering
+
+
+def test_restart_without_a_target_restores_the_recorded_gpus(tmp_path: Path) -> None:
+    sim, record = _left_boosted(tmp_path)
+    successor = Agent("node-a", sim, Source(None), ManagedGpus.load(record))
+    successor.recover(wait_s=0)
+    assert sim.limits_mw() == [700 * W] * 4
+    assert ManagedGpus.load(record).gpus == {}
+
+
+def test_restart_during_an_outage_holds_the_last_limits_until_it_can_tell(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    sim, record = _left_boosted(tmp_path)
+    for i in range(4):
+        sim.set_limit(i, 700 * W)  # a driver reload in between put every GPU at its default
+    source = Source()
+    source.down = True
+    clock = Clock()
+    successor = Agent("node-a", sim, source, ManagedGpus.load(record), 50 * W, clock)
+    with caplog.at_level(logging.WARNING):
+        successor.recover(wait_s=0.2, sleep=lambda s: None)
+    assert "holding their last limits" in caplog.text
+    assert sim.limits_mw() == [600 * W, 500 * W, 500 * W, 500 * W]
+    _run(successor, clock, 2)
+    assert sim.limits_mw() == [600 * W, 500 * W, 500 * W, 500 * W] and successor.recovering
+    source.down, source.obj = False, None  # back, and the operator has released the node
+    successor.step()
+    assert sim.limits_mw() == [700 * W] * 4 and not successor.recovering
+
+
+def test_unreadable_record_restores_every_gpu(tmp_path: Path, caplog) -> None:
+    sim, record = _left_boosted(tmp_path)
+    record.write_text("{not json")
+    with caplog.at_level(logging.ERROR):
+        successor = Agent("node-a", sim, Source(None), ManagedGpus.load(record))
+        successor.recover(wait_s=0)
+    assert "restoring every GPU" in caplog.text
+    assert sim.limits_mw() == [700 * W] * 4
+    assert ManagedGpus.load(record).gpus == {} and not ManagedGpus.load(record).unreadable
+
+
+def test_record_entries_are_validated(tmp_path: Path) -> None:
+    record = tmp_path / "state.json"
+    record.write_text('{"format": 2, "gpus": {"GPU-a": 500000, "GPU-b": "lots", "junk": 1}}')
+    assert ManagedGpus.load(record).gpus == {"GPU-a": 500000, "GPU-b": None}
+    record.write_text('{"format": 99, "gpus": {}}')
+    assert ManagedGpus.load(record).unreadable
+
+
+def test_a_broken_api_configuration_still_restores_first(tmp_path: Path) -> None:
+    sim, _ = _left_boosted(tmp_path)
+    sim_state = tmp_path / "gpus.json"
+    shared = SimBackend(4, "node-a", state_path=sim_state)
+    for i, mw in enumerate(sim.limits_mw()):
+        shared.set_limit(i, mw)
+    (tmp_path / "node-a.json").write_text((tmp_path / "state.json").read_text())
+    code = main(["--node", "node-a", "--backend", "sim", "--sim-state", str(sim_state),
+                 "--state-dir", str(tmp_path), "--kubeconfig", str(tmp_path / "missing"),
+                 "--metrics-port", "0"])
+    assert code == 1
+    assert shared.limits_mw() == [700 * W] * 4
+
+
+def test_simulated_gpus_are_configured_from_the_command_line(tmp_path: Path) -> None:
+    args = _parser().parse_args(["--node", "n", "--backend", "sim", "--sim-gpus", "2",
+                                 "--sim-min-watts", "100", "--sim-max-watts", "400",
+                                 "--sim-default-watts", "350", "--sim-reference-watts", "300"])
+    r = sim_backend(args).read(1)
+    assert (r.min_mw, r.max_mw, r.default_mw, r.limit_mw) == (100 * W, 400 * W, 350 * W, 350 * W)
+    args.sim_default_watts = 500
+    with pytest.raises(ValueError, match="min <= default <= max"):
+        sim_backend(args)
