@@ -1,5 +1,8 @@
-"""Property: for any sequence of operator requests, faults and clock jumps, the agent keeps every
-limit inside its device's range and the node's limits within the budget whenever it can."""
+"""Property: for any GPUs (each with its own range and default), any sequence of operator requests,
+faults (listing, reads, sets, the whole library) and clock jumps, on a driver that rounds limits to
+whole watts, the agent keeps every limit inside its device's range, raises by at most one ramp
+step, brings an over-budget node under the budget in one step whenever that is reachable, and
+finally restores every GPU to its default."""
 
 from __future__ import annotations
 
@@ -12,14 +15,14 @@ from hypothesis import strategies as st
 from powertest import NOW, make_target
 
 from power_controller.agent import Agent
-from power_controller.sim_backend import FAULTS, SimBackend, SimGpuSpec
+from power_controller.sim_backend import FAULTS, OPERATIONS, SimBackend, SimGpuSpec
 from power_controller.state import ManagedGpus
 from power_controller.targets import to_object
 
 pytestmark = pytest.mark.power
 
-SPEC = SimGpuSpec(min_w=200, max_w=700, default_w=700)
 GPUS = 4
+AGENT_STEP_W = 50
 
 
 class Source:
@@ -27,6 +30,13 @@ class Source:
 
     def fetch(self):
         return self.obj
+
+
+@st.composite
+def specs(draw) -> SimGpuSpec:
+    lo = draw(st.integers(100, 300))
+    hi = draw(st.integers(lo + 50, 1000))
+    return SimGpuSpec(min_w=lo, max_w=hi, default_w=draw(st.integers(lo, hi)))
 
 
 requests = st.fixed_dictionaries({
@@ -39,19 +49,22 @@ events = st.one_of(
     st.tuples(st.just("request"), requests),
     st.tuples(st.just("fault"), st.tuples(st.integers(0, GPUS - 1),
                                           st.sampled_from([None, *sorted(FAULTS)]),
-                                          st.sampled_from(["read", "set", "any"]))),
+                                          st.sampled_from(OPERATIONS))),
     st.tuples(st.just("wait"), st.integers(0, 120)),
 )
 
 
 @settings(max_examples=150, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(st.lists(events, min_size=1, max_size=25))
-def test_budget_and_device_range_hold_for_any_sequence(tmp_path: Path, sequence) -> None:
-    sim, source = SimBackend(GPUS, "node-a", SPEC), Source()
+@given(st.lists(specs(), min_size=GPUS, max_size=GPUS), st.lists(events, min_size=1, max_size=25))
+def test_range_ramp_budget_and_restore_hold_for_any_sequence(
+    tmp_path: Path, gpu_specs: list[SimGpuSpec], sequence
+) -> None:
+    sim, source = SimBackend(node="node-a", spec=gpu_specs), Source()
     clock = {"now": NOW}
     agent = Agent("node-a", sim, source, ManagedGpus(tmp_path / f"{id(sequence)}.json"),
-                  50_000, lambda: clock["now"])
+                  AGENT_STEP_W * 1000, lambda: clock["now"])
+    agent.step()  # no target yet: nothing changes, but every GPU's limit is known from here on
     faults: dict[tuple[int, str], str] = {}
     for kind, arg in sequence:
         if kind == "request":
@@ -67,16 +80,28 @@ def test_budget_and_device_range_hold_for_any_sequence(tmp_path: Path, sequence)
         after = sim.limits_mw()
 
         assert sim.rejected() == [], "the agent asked for a limit outside the device's range"
-        assert all(SPEC.min_w * 1000 <= mw <= SPEC.max_w * 1000 for mw in after)
+        assert all(s.min_w * 1000 <= mw <= s.max_w * 1000 for s, mw in zip(gpu_specs, after,
+                                                                          strict=True))
         target = agent.target
         if target is None or target.stale(clock["now"]):
             assert after == before, "without a fresh target nothing may change"
             continue
+        step_w = target.ramp_step_w or AGENT_STEP_W
+        assert all(a - b <= step_w * 1000 for a, b in zip(after, before, strict=True)), "ramp"
         budget = target.budget_w * 1000
         assert sum(after) <= max(budget, sum(before)), "a step raised an over-budget node"
-        # GPUs the agent cannot set keep their limit; everything else can go to the minimum.
-        stuck = {i for (i, op), f in faults.items() if op in ("set", "any") or f == "unavailable"}
-        stuck |= {i for (i, op) in faults if op == "read"}
-        floor = sum(after[i] if i in stuck else SPEC.min_w * 1000 for i in range(GPUS))
+        if "unavailable" in faults.values():
+            assert after == before, "with the library gone nothing may change"
+            continue
+        # A GPU the agent cannot read or set keeps its limit; every other can go to its minimum
+        # at once: if that meets the budget, the budget is met after this one step.
+        stuck = {i for (i, op) in faults}
+        floor = sum(after[i] if i in stuck else s.min_w * 1000 for i, s in enumerate(gpu_specs))
         if floor <= budget:
-            assert sum(after) <= budget, "the budget was reachable but not met"
+            assert sum(after) <= budget, "the budget was reachable but not met in one step"
+
+    for index, op in faults:
+        sim.inject(index, None, op)
+    assert agent.restore() == []
+    assert sim.limits_mw() == [s.default_w * 1000 for s in gpu_specs]
+    assert agent.managed.gpus == {}

@@ -78,3 +78,18 @@ def test_admit_raises_shares_whatever_headroom_failed_cuts_left() -> None:
     assert admitted == {1: 540 * W, 2: 520 * W}
     assert admit_raises(now, {1: 600 * W}, 1700 * W) == {}
     assert admit_raises(now, {1: 600 * W}, 1800 * W) == {1: 600 * W}
+
+
+def test_goals_raises_and_admitted_shares_are_whole_watts() -> None:
+    # 1400 W over three GPUs is 466.67 W each: a driver rounding to the nearest watt would land
+    # at 1401 W, so the agent must ask for whole watts that fit.
+    t = make_target(budget_w=1400, base_w=700)
+    d = decide(_gpus(700, 700, 700), t, NOW, 50 * W)
+    assert d.goals == {0: 466 * W, 1: 466 * W, 2: 466 * W}
+    odd = [DeviceView(0, 200_500, 699_500, 500_250)]  # a part with fractional constraints
+    d = decide(odd, make_target(budget_w=4000, base_w=5000), NOW, 50 * W)
+    assert d.goals == {0: 699 * W} and d.raise_ == {0: 550 * W}
+    assert decide(odd, make_target(base_w=1), NOW, 50 * W).goals == {0: 201 * W}
+    admitted = admit_raises({0: 500 * W, 1: 500 * W, 2: 500 * W},
+                            {0: 600 * W, 1: 600 * W, 2: 600 * W}, 1600 * W)
+    assert admitted == {0: 533 * W, 1: 533 * W, 2: 533 * W}
