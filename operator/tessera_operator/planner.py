@@ -1,0 +1,358 @@
+"""Tessera's planner: from a job's spec, its nodes and their failed GPUs to the desired layout.
+
+Pure (no kopf, Kubernetes client or torch): the operator, the simulator and the tests run the
+same decisions. The steps of `plan`:
+1. Group the job's nodes into scale-up domains; cut each domain's GPUs into fixed TP-group slots
+   (a TP group never leaves its domain; slots stay put so that one failure moves nobody else).
+2. Decide each slot from its survivors (`decide_group`): full TP, a reduced TP at or above the
+   minimum (NTP modes), or unused.
+3. Pack usable groups into DP replicas, healthiest first, so partially failed groups share as few
+   replicas as possible; a replica runs at its slowest stage's TP degree.
+4. NTP-PW: each reduced replica's boost is the power at which its busiest rank (ntp.plan's real
+   split of whole heads, not the ideal N1/N2) keeps pace with a healthy one, within the boost cap.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable, Mapping, Set
+from dataclasses import asdict, dataclass, field
+from datetime import datetime
+from functools import lru_cache
+from typing import Any
+
+from ntp import plan as ntp_plan
+
+from power_controller.perf_model import PAPER, PerfModel
+from power_controller.planning import PowerPolicy, plan_rack
+from power_controller.targets import PowerTarget
+
+DEFAULT_DOMAIN_LABEL = "nvidia.com/gpu.clique"
+MODES: tuple[str, ...] = ("NTP", "NTP-PW", "DROP", "SPARE")
+RESHAPING_MODES = frozenset({"NTP", "NTP-PW"})
+
+GpuId = tuple[str, int]
+
+
+class SpecError(ValueError):
+    """A job spec the planner cannot use; `field` is the spec path to fix."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"spec.{field}: {message}")
+        self.field = field
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """The parts of an NTPTrainingJob spec that planning needs."""
+
+    shape: ntp_plan.ModelShape
+    tp: int
+    dp: int
+    pp: int = 1
+    gpus_per_node: int = 8
+    mode: str = "NTP"
+    min_tp: int = 0  # 0: half the healthy TP, as in the simulator
+    domain_label: str = DEFAULT_DOMAIN_LABEL
+    power: PowerPolicy | None = None
+
+    @property
+    def min_tp_or_default(self) -> int:
+        return self.min_tp or max(1, self.tp // 2)
+
+    @classmethod
+    def from_spec(cls, spec: Mapping[str, Any], ttl_s: int = 60) -> JobSpec:
+        """Read the API object's spec (defaults as in the CRD); SpecError names the bad field."""
+        model = spec.get("model") or {}
+        try:
+            shape = ntp_plan.ModelShape(
+                hidden=model["hidden"], n_heads=model["heads"], n_kv_heads=model["kvHeads"],
+                ffn=model["ffn"], vocab=model["vocab"], n_layers=model["layers"],
+                seq_len=model["seqLen"])
+        except KeyError as exc:
+            raise SpecError(f"model.{exc.args[0]}", "is required") from exc
+        except ntp_plan.PlanError as exc:
+            raise SpecError("model", str(exc)) from exc
+        failure = spec.get("failurePolicy") or {}
+        mode = failure.get("mode", "NTP")
+        if mode not in MODES:
+            raise SpecError("failurePolicy.mode", f"{mode!r} is not one of {', '.join(MODES)}")
+        try:
+            job = cls(
+                shape=shape, tp=int(spec["tensorParallelSize"]),
+                dp=int(spec["dataParallelReplicas"]), pp=int(spec.get("pipelineParallelSize", 1)),
+                gpus_per_node=int(spec.get("gpusPerNode", 8)), mode=mode,
+                min_tp=int(failure.get("minTensorParallelSize", 0)),
+                domain_label=spec.get("scaleUpDomainLabel", DEFAULT_DOMAIN_LABEL),
+                power=_power_policy(spec.get("powerPolicy"), ttl_s))
+        except KeyError as exc:
+            raise SpecError(str(exc.args[0]), "is required") from exc
+        if min(job.tp, job.dp, job.pp, job.gpus_per_node) < 1:
+            raise SpecError("tensorParallelSize", "TP, DP, PP and gpusPerNode must be positive")
+        if job.mode == "NTP-PW" and job.power is None:
+            raise SpecError("powerPolicy", "is required when failurePolicy.mode is NTP-PW")
+        return job
+
+
+def _power_policy(power: Mapping[str, Any] | None, ttl_s: int) -> PowerPolicy | None:
+    if power is None:
+        return None
+    try:
+        return PowerPolicy(
+            base_w=int(power["baseCapWatts"]), boost_cap_w=int(power["boostCapWatts"]),
+            rack_budget_w=power.get("rackBudgetWatts"), ttl_s=ttl_s,
+            ramp_step_w=(power.get("ramp") or {}).get("stepWatts"))
+    except KeyError as exc:
+        raise SpecError(f"powerPolicy.{exc.args[0]}", "is required") from exc
+    except ValueError as exc:
+        raise SpecError("powerPolicy", str(exc)) from exc
+
+
+# ----------------------------------------------------------------------------------------------
+# One TP group
+# ----------------------------------------------------------------------------------------------
+
+
+@lru_cache(maxsize=512)
+def _busiest_rank_flops(shape: ntp_plan.ModelShape, tp: int) -> float:
+    return max(ntp_plan.layer_flops(shape, s) for s in ntp_plan.plan_replica(shape, tp))
+
+
+def planned_slowdown(shape: ntp_plan.ModelShape, healthy_tp: int, tp: int) -> float:
+    """Step time of a replica at `tp` against one at `healthy_tp`, same batch and power: the
+    busiest rank's per-layer FLOPs under ntp.plan's layouts (uneven heads, GQA copies)."""
+    return _busiest_rank_flops(shape, tp) / _busiest_rank_flops(shape, healthy_tp)
+
+
+@dataclass(frozen=True)
+class GroupDecision:
+    """What a TP group with some survivors does."""
+
+    tp: int  # the TP degree it runs at; 0: not used
+    slowdown: float  # step time at base power against a healthy group (inf when unused)
+    power_ratio: float  # power of its survivors against the base cap
+    speed: float  # relative speed after the boost (1.0 = healthy; 0 when unused)
+
+
+UNUSED = GroupDecision(0, float("inf"), 1.0, 0.0)
+
+
+def decide_group(
+    shape: ntp_plan.ModelShape,
+    healthy_tp: int,
+    survivors: int,
+    *,
+    min_tp: int,
+    reshapes: bool = True,
+    cap_ratio: float = 1.0,
+    perf: PerfModel = PAPER,
+) -> GroupDecision:
+    """The decision for one group: uniform policies use only whole groups; NTP runs at the
+    survivors' degree down to `min_tp`, boosted by the shared rule up to `cap_ratio` x base."""
+    if survivors >= healthy_tp:
+        return GroupDecision(healthy_tp, 1.0, 1.0, 1.0)
+    if not reshapes or survivors < max(1, min_tp):
+        return UNUSED
+    try:
+        slowdown = planned_slowdown(shape, healthy_tp, survivors)
+    except ntp_plan.PlanError:
+        return UNUSED
+    ratio = perf.ratio_for_slowdown(slowdown, cap_ratio)
+    return GroupDecision(survivors, slowdown, ratio, min(1.0, perf.speedup(ratio) / slowdown))
+
+
+# ----------------------------------------------------------------------------------------------
+# The whole job
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Problem:
+    """Why the plan falls short of the spec; `reason` is a condition reason (CamelCase)."""
+
+    reason: str
+    message: str
+
+
+@dataclass(frozen=True)
+class Group:
+    """A TP-group slot of a scale-up domain and what it does."""
+
+    domain: str
+    slot: int
+    gpus: tuple[GpuId, ...]  # its healthy GPUs, in rank order
+    failed: tuple[GpuId, ...]
+    decision: GroupDecision
+
+
+@dataclass(frozen=True)
+class Replica:
+    """One DP replica: PP stages, each a group, all running at the replica's TP degree."""
+
+    index: int
+    tp: int
+    stages: tuple[Group, ...]
+    power_ratio: float = 1.0
+
+    def stage_gpus(self) -> tuple[tuple[GpuId, ...], ...]:
+        """The GPUs each stage's ranks run on; a stage's other survivors idle."""
+        return tuple(g.gpus[: self.tp] for g in self.stages)
+
+    def idle_gpus(self) -> tuple[GpuId, ...]:
+        return tuple(gpu for g in self.stages for gpu in g.gpus[self.tp :])
+
+    def nodes(self) -> tuple[str, ...]:
+        return tuple(sorted({n for g in self.stages for n, _ in g.gpus + g.failed}))
+
+    def failed_gpus(self) -> tuple[GpuId, ...]:
+        return tuple(sorted(gpu for g in self.stages for gpu in g.failed))
+
+
+def gpu_name(gpu: GpuId) -> str:
+    return f"{gpu[0]}/{gpu[1]}"
+
+
+@dataclass(frozen=True)
+class JobPlan:
+    """The desired layout of a job and the power its domains should run at."""
+
+    spec: JobSpec
+    racks: Mapping[str, tuple[str, ...]]  # scale-up domain -> its nodes
+    failed: frozenset[GpuId]
+    replicas: tuple[Replica, ...]
+    problems: tuple[Problem, ...] = field(default=())
+
+    @property
+    def tp_layout(self) -> str:
+        return ",".join(str(r.tp) for r in self.replicas)
+
+    @property
+    def degraded(self) -> bool:
+        return len(self.replicas) < self.spec.dp or any(r.tp < self.spec.tp for r in self.replicas)
+
+    def rack_ratios(self) -> dict[str, float]:
+        """Boost ratio per scale-up domain: the largest of the replicas it serves (1.0: none)."""
+        ratios = dict.fromkeys(self.racks, 1.0)
+        for replica in self.replicas:
+            for group in replica.stages:
+                ratios[group.domain] = max(ratios[group.domain], replica.power_ratio)
+        return ratios
+
+    def layout(self) -> dict[str, Any]:
+        """What trainer ranks need: the TP degree and GPUs of every replica's stages."""
+        return {
+            "mode": self.spec.mode,
+            "model": asdict(self.spec.shape),
+            "healthyTensorParallelSize": self.spec.tp,
+            "pipelineParallelSize": self.spec.pp,
+            "tpDegrees": [r.tp for r in self.replicas],
+            "replicas": [
+                {
+                    "index": r.index,
+                    "tensorParallelSize": r.tp,
+                    "stages": [
+                        {"domain": g.domain, "gpus": [gpu_name(x) for x in gpus]}
+                        for g, gpus in zip(r.stages, r.stage_gpus(), strict=True)
+                    ],
+                }
+                for r in self.replicas
+            ],
+        }
+
+    @property
+    def fingerprint(self) -> str:
+        """Changes exactly when the layout does (not with power or unused GPUs)."""
+        canonical = json.dumps(self.layout(), sort_keys=True, separators=(",", ":"))
+        return "sha256:" + hashlib.sha256(canonical.encode()).hexdigest()[:32]
+
+    def document(self, job: str, generation: int) -> dict[str, Any]:
+        """The layout document the operator publishes (ConfigMap `<job>-layout`)."""
+        return {"apiVersion": "tessera.dev/v1alpha1", "kind": "NTPLayout", "job": job,
+                "generation": generation, "fingerprint": self.fingerprint} | self.layout()
+
+    def power_targets(self, now: datetime) -> dict[str, PowerTarget]:
+        """GPUPowerTargets for every node of the job (empty without a power policy).
+
+        Failed GPUs and the idle survivors of a bottlenecked stage go to the minimum so that
+        their budget pays for the boost; NTP-PW boosts a domain's other GPUs by its ratio.
+        """
+        policy = self.spec.power
+        if policy is None:
+            return {}
+        idle = {gpu for r in self.replicas for gpu in r.idle_gpus()}
+        boost = self.spec.mode == "NTP-PW"
+        targets: dict[str, PowerTarget] = {}
+        for rack, ratio in self.rack_ratios().items():
+            nodes = dict.fromkeys(self.racks[rack], self.spec.gpus_per_node)
+            unused = {gpu for gpu in self.failed | idle if gpu[0] in nodes}
+            targets |= plan_rack(policy, rack, nodes, unused, ratio if boost else 1.0, now)
+        return targets
+
+
+def node_domains(nodes: Iterable[Mapping[str, Any]], label: str) -> dict[str, str]:
+    """Node name -> scale-up domain (its `label` value; a node without it is its own domain)."""
+    out = {}
+    for node in nodes:
+        meta = node["metadata"]
+        out[meta["name"]] = (meta.get("labels") or {}).get(label) or meta["name"]
+    return out
+
+
+def _slots(spec: JobSpec, racks: Mapping[str, tuple[str, ...]], failed: Set[GpuId],
+           problems: list[Problem]) -> list[Group]:
+    cap = spec.power.boost_cap_w / spec.power.base_w if spec.power else 1.0
+    groups = []
+    for rack, nodes in racks.items():
+        gpus = [(n, i) for n in nodes for i in range(spec.gpus_per_node)]
+        if len(gpus) < spec.tp:
+            problems.append(Problem("DomainTooSmall", (
+                f"scale-up domain {rack} has {len(gpus)} GPUs, fewer than tensorParallelSize "
+                f"{spec.tp}; a TP group must stay inside one domain (label {spec.domain_label})")))
+        for slot in range(len(gpus) // spec.tp):
+            members = gpus[slot * spec.tp : (slot + 1) * spec.tp]
+            alive = tuple(g for g in members if g not in failed)
+            decision = decide_group(
+                spec.shape, spec.tp, len(alive), min_tp=spec.min_tp_or_default,
+                reshapes=spec.mode in RESHAPING_MODES, cap_ratio=cap)
+            groups.append(Group(rack, slot, alive, tuple(g for g in members if g in failed),
+                                decision))
+    return groups
+
+
+def plan(spec: JobSpec, domains: Mapping[str, str], failed: Set[GpuId]) -> JobPlan:
+    """The desired layout for `spec` on nodes `domains` (node -> domain) with `failed` GPUs."""
+    problems: list[Problem] = []
+    # 1. Scale-up domains and their fixed group slots, in a canonical order.
+    racks = {d: tuple(sorted(n for n, dom in domains.items() if dom == d))
+             for d in sorted(set(domains.values()))}
+    groups = _slots(spec, racks, failed, problems)
+    # 2. DROP keeps to the job's own groups; the other modes may use spare groups.
+    if spec.mode == "DROP":
+        groups = groups[: spec.dp * spec.pp]
+    position = {g: i for i, g in enumerate(groups)}
+    # 3. Pack: healthiest groups first, so partially failed ones end up in the same replicas.
+    usable = sorted((g for g in groups if g.decision.tp), key=lambda g: (-g.decision.tp,
+                                                                       position[g]))
+    chunks = [usable[i : i + spec.pp] for i in range(0, len(usable) - spec.pp + 1, spec.pp)]
+    chunks = chunks[: spec.dp]
+    # 4. Number replicas by where their groups sit, so a failure does not renumber the others.
+    chunks.sort(key=lambda c: min(position[g] for g in c))
+    replicas = []
+    for index, chunk in enumerate(chunks):
+        slowest = min(chunk, key=lambda g: g.decision.tp)
+        stages = tuple(sorted(chunk, key=lambda g: position[g]))
+        replicas.append(Replica(index, slowest.decision.tp, stages, slowest.decision.power_ratio))
+    if len(replicas) < spec.dp and groups:
+        reason = "ReplicasDropped" if any(g.failed for g in groups) else "InsufficientGPUs"
+        problems.append(Problem(reason, (
+            f"{len(replicas)} of {spec.dp} replicas can run: {len(usable)} usable TP groups "
+            f"of {len(groups)} (pipelineParallelSize {spec.pp}, minimum TP "
+            f"{spec.min_tp_or_default}, mode {spec.mode})")))
+    return JobPlan(spec, racks, frozenset(failed) & _all_gpus(spec, racks), tuple(replicas),
+                   tuple(problems))
+
+
+def _all_gpus(spec: JobSpec, racks: Mapping[str, tuple[str, ...]]) -> frozenset[GpuId]:
+    return frozenset((n, i) for nodes in racks.values() for n in nodes
+                     for i in range(spec.gpus_per_node))
