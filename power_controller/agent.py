@@ -163,7 +163,8 @@ class Agent:
                             len(self.managed.gpus))
                 self.hold_recorded()
                 return
-            sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+            if sleep(min(1.0, max(0.0, deadline - time.monotonic()))):
+                return  # asked to stop (`threading.Event.wait` answers True): shutdown decides
 
     def hold_recorded(self) -> None:
         """Put recorded GPUs back at their last recorded limit (which met the budget), in case
