@@ -1,0 +1,92 @@
+"""The health signal from node annotations (bad input ignored and reported, never raised) and the
+status rebuilt from a plan (phase, conditions, transition times kept while nothing changes)."""
+
+from __future__ import annotations
+
+import pytest
+from ntp.plan import ModelShape
+from tessera_operator import conditions, health, planner
+
+from power_controller.planning import PowerPolicy
+
+pytestmark = pytest.mark.operator
+
+
+def _node(name: str, cordoned: str | None = None) -> dict:
+    annotations = {} if cordoned is None else {health.CORDON_ANNOTATION: cordoned}
+    return {"metadata": {"name": name, "annotations": annotations}}
+
+
+@pytest.mark.parametrize(("value", "indices", "problems"), [
+    ("3", {3}, 0),
+    (" 1, 5 ,", {1, 5}, 0),
+    ("", set(), 0),
+    ("3,3", {3}, 0),
+    ("two,1", {1}, 1),
+    ("-1,8,7", {7}, 2),  # a negative index and one past the node's 8 GPUs
+    ("1-3", set(), 1),
+])
+def test_parse_indices(value: str, indices: set[int], problems: int) -> None:
+    got, bad = health.parse_indices(value, 8)
+    assert got == indices and len(bad) == problems
+
+
+def test_cordons_from_nodes_and_merge() -> None:
+    signal = health.from_cordons([_node("a", "3"), _node("b"), _node("c", "x")], 8)
+    assert signal.failed == {("a", 3)}
+    assert signal.problems == (f"node c: {health.CORDON_ANNOTATION}: 'x' is not a GPU index, "
+                               "ignored",)
+    other = health.Health(frozenset({("b", 0)}), ("dcgm: stale",))
+    merged = signal.merge(other)
+    assert merged.failed == {("a", 3), ("b", 0)} and len(merged.problems) == 2
+    assert health.format_indices([5, 1, 5]) == "1,5"
+
+
+SPEC = planner.JobSpec(
+    shape=ModelShape(hidden=4096, n_heads=32, n_kv_heads=8, ffn=14336, vocab=128256),
+    tp=8, dp=2, min_tp=6, mode="NTP-PW",
+    power=PowerPolicy(base_w=600, boost_cap_w=700))
+
+
+def _render(plan, previous=None, now="2026-01-01T00:00:00Z", problems=()):
+    problems = plan.problems if plan is not None and not problems else problems
+    return conditions.render(plan, problems, previous or {}, now=now, generation=4,
+                             layout_generation=2)
+
+
+def _by_type(status: dict) -> dict[str, dict]:
+    return {c["type"]: c for c in status["conditions"]}
+
+
+def test_status_of_a_degraded_job() -> None:
+    status = _render(planner.plan(SPEC, {"a": "a", "b": "b"}, {("a", 3)}))
+    assert (status["phase"], status["tpLayout"], status["observedGeneration"]) == (
+        "Degraded", "7,8", 4)
+    assert status["replicas"][0] == {"index": 0, "tensorParallelSize": 7, "nodes": ["a"],
+                                     "failedGPUs": ["a/3"], "powerBoosted": True}
+    c = _by_type(status)
+    assert (c["Ready"]["status"], c["Ready"]["reason"]) == ("True", "RunningDegraded")
+    assert (c["Degraded"]["status"], c["Degraded"]["reason"]) == (
+        "True", "ReducedTensorParallelism")
+    assert c["PowerBoosted"]["status"] == "True"
+
+
+def test_status_without_a_plan() -> None:
+    status = _render(None, problems=(planner.Problem("InvalidSpec", "spec.model: bad"),))
+    assert status["phase"] == "Pending" and status["replicas"] == []
+    assert _by_type(status)["Ready"]["reason"] == "InvalidSpec"
+
+
+def test_transition_times_change_only_with_the_status() -> None:
+    nodes = {"a": "a", "b": "b"}
+    healthy = _render(planner.plan(SPEC, nodes, set()))
+    assert healthy["phase"] == "Running"
+    again = _render(planner.plan(SPEC, nodes, set()), healthy, now="2026-01-01T00:05:00Z")
+    assert again == healthy and conditions.changed(healthy, again) == []
+    hit = _render(planner.plan(SPEC, nodes, {("b", 0)}), healthy, now="2026-01-01T00:09:00Z")
+    times = {c["type"]: c["lastTransitionTime"] for c in hit["conditions"]}
+    # Ready stays True (its reason changes), Degraded and PowerBoosted flip.
+    assert times == {"Ready": "2026-01-01T00:00:00Z", "Degraded": "2026-01-01T00:09:00Z",
+                     "PowerBoosted": "2026-01-01T00:09:00Z"}
+    assert {c["type"] for c in conditions.changed(healthy, hit)} == {
+        "Ready", "Degraded", "PowerBoosted"}
