@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from power_controller.perf_model import PAPER, PerfModel
-from tessera_operator.simulator import planning
+from tessera_operator import planner
 from tessera_operator.simulator.config import SimConfig
 
 POLICY_NAMES: tuple[str, ...] = ("ckpt-restart", "dp-drop", "spares", "ntp", "ntp-pw", "tessera")
@@ -115,12 +115,13 @@ def build_policies(cfg: SimConfig, perf: PerfModel = PAPER) -> tuple[Policy, ...
     uniform = (survivors == tp).astype(float)
     baseline = np.ones(tp + 1)
     ideal = np.array([tp / s if s >= min_tp else np.inf for s in range(tp + 1)])
-    shape = cfg.model.shape
-    planned = np.array(
-        [planning.slowdown(shape, tp, s) if s >= min_tp else np.inf for s in range(tp + 1)]
-    )
     pw_speed, pw_power = _boosted(ideal, p.power_headroom, perf)
-    ts_speed, ts_power = _boosted(planned, p.power_headroom, perf)
+    # Tessera's groups decide exactly as the operator's planner does.
+    tessera = [
+        planner.decide_group(cfg.model.shape, tp, s, min_tp=min_tp,
+                             cap_ratio=1.0 + p.power_headroom, perf=perf)
+        for s in range(tp + 1)
+    ]
     live = {"failure_stall_s": p.reconfigure_seconds, "repair_stall_s": p.reconfigure_seconds}
     ntp_live = {**live, "reshapes": True}
     restart = 60 * (p.restart_minutes + p.checkpoint_interval_minutes / 2)
@@ -164,8 +165,8 @@ def build_policies(cfg: SimConfig, perf: PerfModel = PAPER) -> tuple[Policy, ...
         Policy(
             "tessera",
             "NTP-PW on the planner's per-rank work; hit groups packed into few replicas",
-            np.where(usable, ts_speed, 0.0),
-            ts_power,
+            np.array([d.speed for d in tessera]),
+            np.array([d.power_ratio for d in tessera]),
             packed=True,
             **ntp_live,
         ),
