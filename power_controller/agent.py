@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from power_controller.bounded import call_all
-from power_controller.devices import BackendUnavailable, GpuId, GpuReading, PowerBackend, PowerError
+from power_controller.devices import GpuId, GpuReading, NotFound, PowerBackend, PowerError
 from power_controller.metrics import GpuStatus, NodeStatus
 from power_controller.policy import WATT, Decision, DeviceView, admit_raises, clamp, decide
 from power_controller.state import ManagedGpus, StateLocked
@@ -307,11 +307,16 @@ class Agent:
         calls = {u: functools.partial(self.backend.restore_default, u) for u in uuids}
         left = []
         for uuid, result in call_all(calls, self.restore_timeout_s).items():
-            if isinstance(result, Exception):
+            if isinstance(result, NotFound):
+                # Replaced or gone for good: nothing to restore now, and a GPU that comes back
+                # after a reset or reboot comes back at the driver's default.
+                log.warning("GPU %s is not on this node any more; forgetting it", uuid)
+            elif isinstance(result, Exception):
                 self._error(f"restore {uuid}", result)
                 left.append(uuid)
                 continue
-            log.info("restored GPU %s to its default %d mW", uuid, result)
+            else:
+                log.info("restored GPU %s to its default %d mW", uuid, result)
             try:
                 self.managed.discard(uuid)
             except OSError as err:  # restored; the next agent restores it again, harmlessly
@@ -472,7 +477,7 @@ def _run(
     # 2. hardware
     try:
         backend = _backend(args)
-    except BackendUnavailable as err:
+    except PowerError as err:  # no library, no driver, or not even the GPU count answers
         log.error("no GPU backend: %s", err)
         return 1
     except ValueError as err:

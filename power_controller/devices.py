@@ -33,6 +33,10 @@ class GpuLost(PowerError):
     """The GPU fell off the bus or stopped answering; its state is unknown."""
 
 
+class NotFound(PowerError):
+    """No GPU with that identity on this node (replaced, or gone from the bus for good)."""
+
+
 class InvalidArgument(PowerError):
     """The driver rejected the value (e.g. a limit outside the GPU's constraints)."""
 

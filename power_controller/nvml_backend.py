@@ -19,6 +19,7 @@ from power_controller.devices import (
     GpuReading,
     InvalidArgument,
     NoPermission,
+    NotFound,
     NotSupported,
     PowerError,
 )
@@ -32,6 +33,7 @@ _ERRORS: tuple[tuple[str, type[PowerError]], ...] = (
     ("NVMLError_NotSupported", NotSupported),
     ("NVMLError_GpuIsLost", GpuLost),
     ("NVMLError_InvalidArgument", InvalidArgument),
+    ("NVMLError_NotFound", NotFound),
     ("NVMLError_LibraryNotFound", BackendUnavailable),
     ("NVMLError_DriverNotLoaded", BackendUnavailable),
     ("NVMLError_Uninitialized", BackendUnavailable),

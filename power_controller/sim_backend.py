@@ -25,6 +25,7 @@ from power_controller.devices import (
     GpuReading,
     InvalidArgument,
     NoPermission,
+    NotFound,
     NotSupported,
     PowerError,
 )
@@ -177,7 +178,7 @@ class SimBackend:
         with self._state(write=True) as st:
             index = next((i for i, g in enumerate(st["gpus"]) if g["uuid"] == uuid), None)
             if index is None:
-                raise InvalidArgument(f"no GPU with UUID {uuid} on this node")
+                raise NotFound(f"no GPU with UUID {uuid} on this node")
             gpu = self._gpu(st, index, "set")
             gpu["limit_mw"] = SimGpuSpec(**gpu["spec"]).default_w * 1000
             return gpu["limit_mw"]

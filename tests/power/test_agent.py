@@ -258,10 +258,12 @@ def test_restore_reads_the_default_from_the_device_not_the_record(tmp_path: Path
     nvml = FakeNvml([FakeGpu("GPU-0", limit_mw=500 * W, default_mw=650 * W)])
     backend = NvmlBackend(nvml)
     backend.open()
-    (tmp_path / "state.json").write_text('{"format": 1, "defaults": {"GPU-0": 700000}}')
-    agent = Agent("node-a", backend, Source(), ManagedGpus.load(tmp_path / "state.json"))
-    assert agent.restore() == []
+    record = tmp_path / "state.json"
+    record.write_text('{"format": 1, "defaults": {"GPU-0": 700000, "GPU-replaced": 700000}}')
+    agent = Agent("node-a", backend, Source(), ManagedGpus.load(record))
+    assert agent.restore() == []  # a GPU no longer on the node has nothing left to restore
     assert nvml.gpus[0].limit_mw == 650 * W
+    assert ManagedGpus.load(record).gpus == {}
 
 
 def test_a_hanging_gpu_cannot_hold_up_the_restore_of_the_others(tmp_path: Path) -> None:

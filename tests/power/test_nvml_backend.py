@@ -13,6 +13,7 @@ from power_controller.devices import (
     GpuLost,
     InvalidArgument,
     NoPermission,
+    NotFound,
     NotSupported,
     PowerError,
 )
@@ -131,7 +132,7 @@ def test_restore_default_finds_the_gpu_by_uuid_and_sets_its_default() -> None:
     nvml.lost.add(0)
     with pytest.raises(GpuLost):
         backend.restore_default("GPU-aaa")
-    with pytest.raises(PowerError, match="Not Found"):
+    with pytest.raises(NotFound):
         backend.restore_default("GPU-gone")
 
 
