@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ from tessera_operator import cordon, uncordon
 
 from power_controller import channel
 from power_controller.perf_model import PAPER
+from power_controller.targets import PowerTarget, parse_object
 
 pytestmark = pytest.mark.operator
 
@@ -150,3 +152,19 @@ def test_spec_problems_become_conditions(running_operator: RunningOperator) -> N
 def test_operator_never_hit_a_permission_error(running_operator: RunningOperator) -> None:
     log = Path(running_operator.log).read_text()
     assert "Forbidden" not in log and "403" not in log, log[-3000:]
+
+
+def test_power_targets_are_renewed_before_they_go_stale(running_operator: RunningOperator) -> None:
+    op, job = running_operator, "renewal"
+    node, _ = op.create_nodes(job, 2)
+    op.create_job(_example(job))
+
+    def target() -> PowerTarget | None:
+        obj = channel.fetch(op.admin, node)
+        return parse_object(obj, node) if obj else None  # as the node's agent validates it
+
+    first = op.wait(target, bool, "a power target")
+    # Nothing changes: only the operator's timer re-publishes it (every 20 s, TTL 60 s).
+    renewed = op.wait(target, lambda t: t.renew_time != first.renew_time, "renewal", timeout=35)
+    assert 0 < (renewed.renew_time - first.renew_time).total_seconds() < first.ttl_s
+    assert replace(renewed, renew_time=first.renew_time) == first
