@@ -41,8 +41,11 @@ def _condition(status: dict[str, Any], kind: str) -> dict[str, Any]:
 
 
 def _watts(op: RunningOperator, node: str) -> dict[int, int]:
-    """Every GPU's target watts on `node`, as the agent would read them."""
-    spec = channel.fetch(op.admin, node)["spec"]
+    """Every GPU's target watts on `node`, as the agent would read them ({}: no target)."""
+    obj = channel.fetch(op.admin, node)
+    if obj is None:
+        return {}
+    spec = obj["spec"]
     listed = {g["index"]: g["watts"] for g in spec["gpus"]}
     return {i: listed.get(i, spec["baseWatts"]) for i in range(8)}
 
@@ -94,7 +97,7 @@ def test_cordon_degrades_boosts_and_uncordon_restores(
     # Power: even the ideal 8/7 slowdown needs more than this boost cap allows, so the paper's
     # power -> speed model puts every survivor at the cap; the cordoned GPU pays at the minimum.
     assert PAPER.speedup(cap / base) < 8 / 7
-    watts = op.wait(lambda: _watts(op, node_a), lambda w: w[3] == 200, "node A boosted")
+    watts = op.wait(lambda: _watts(op, node_a), lambda w: w.get(3) == 200, "node A boosted")
     assert {w for i, w in watts.items() if i != 3} == {cap}
     assert sum(watts.values()) <= budget
     assert set(_watts(op, node_b).values()) == {base}
@@ -168,3 +171,21 @@ def test_power_targets_are_renewed_before_they_go_stale(running_operator: Runnin
     renewed = op.wait(target, lambda t: t.renew_time != first.renew_time, "renewal", timeout=35)
     assert 0 < (renewed.renew_time - first.renew_time).total_seconds() < first.ttl_s
     assert replace(renewed, renew_time=first.renew_time) == first
+
+
+def test_deleting_a_job_returns_its_gpus_to_base(running_operator: RunningOperator) -> None:
+    op, job = running_operator, "deleted"
+    node, _ = op.create_nodes(job, 2)
+    client.CoreV1Api(op.admin).patch_node(
+        node, {"metadata": {"annotations": {"tessera.dev/cordoned-gpus": "0"}}})
+    op.create_job(_example(job))
+    op.wait(lambda: _watts(op, node), lambda w: w.get(1, 0) > 600, "boosted")
+    client.CustomObjectsApi(op.admin).delete_namespaced_custom_object(
+        "tessera.dev", "v1alpha1", op.namespace, "ntptrainingjobs", job)
+    op.wait(lambda: _watts(op, node), lambda w: set(w.values()) == {600}, "base caps")
+    # The operator's finalizer is gone with its work done: the job is really deleted.
+    names = op.wait(lambda: {j["metadata"]["name"] for j in client.CustomObjectsApi(
+        op.admin).list_namespaced_custom_object("tessera.dev", "v1alpha1", op.namespace,
+                                                "ntptrainingjobs")["items"]},
+        lambda n: job not in n, "job gone")
+    assert job not in names
