@@ -70,9 +70,11 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix="tessera.dev")
     memo.setdefault("api", api_client())
     memo.setdefault("clock", lambda: datetime.now(UTC))
+    memo.setdefault("namespaces", None)  # the namespaces watched; None: all
     memo.locks = defaultdict(threading.Lock)
-    memo.locks_guard = threading.Lock()
-    memo.nodes = {}  # node name -> (job key, labels and cordon) last seen
+    memo.locks_guard = threading.Lock()  # guards locks, pending and nodes
+    memo.pending = set()  # jobs with a node-triggered reconcile that has not started yet
+    memo.nodes = {}  # node name -> (job key, labels, cordon) last seen
 
 
 @kopf.on.cleanup()
@@ -99,6 +101,8 @@ def on_job_deleted(
 ) -> None:
     """The trainer is gone: its GPUs go back to the base cap (the agent then holds there)."""
     _retrying(lambda: release_power(memo, namespace, name, dict(spec), logger))
+    with memo.locks_guard:
+        memo.locks.pop((namespace, name), None)
 
 
 @kopf.on.event("", "v1", "nodes")
@@ -106,7 +110,11 @@ def on_node(
     type: str, body: kopf.Body, memo: kopf.Memo, logger: logging.Logger, **_: Any
 ) -> None:
     """Reconcile the jobs a node serves (before and after) when its labels or cordons change;
-    other node updates (status, heartbeats) are ignored."""
+    other node updates (status, heartbeats) are ignored.
+
+    Node events come in storms (every node of a job at startup, a rack losing power): a change
+    that arrives while a reconcile of its job is still waiting to start is covered by that one.
+    """
     labels = dict(body.metadata.labels or {})
     seen = None if type == "DELETED" else (
         _job_of(labels), labels, (body.metadata.annotations or {}).get(health.CORDON_ANNOTATION))
@@ -117,6 +125,10 @@ def on_node(
     if seen == before:
         return
     for key in {v[0] for v in (before, seen) if v is not None and v[0] is not None}:
+        with memo.locks_guard:
+            if key in memo.pending or not _watched(memo, key):
+                continue
+            memo.pending.add(key)
         try:
             reconcile(memo, *key, logger)
         except (ApiException, HTTPError) as exc:
@@ -128,6 +140,10 @@ def _job_of(labels: dict[str, str]) -> JobKey | None:
     if JOB_LABEL in labels and JOB_NAMESPACE_LABEL in labels:
         return labels[JOB_NAMESPACE_LABEL], labels[JOB_LABEL]
     return None
+
+
+def _watched(memo: kopf.Memo, key: JobKey) -> bool:
+    return memo.namespaces is None or key[0] in memo.namespaces
 
 
 def _retrying(action: Callable[[], None]) -> None:
@@ -229,6 +245,8 @@ def reconcile(memo: kopf.Memo, namespace: str, name: str, logger: logging.Logger
     """Bring the job's layout, power targets and status in line with the observed world."""
     api, now = memo.api, memo.clock()
     with _lock(memo, (namespace, name)):
+        with memo.locks_guard:
+            memo.pending.discard((namespace, name))  # from here on, every change is observed
         # 1. Observe the job (gone: nothing to do) and plan for its nodes as they are.
         job = _get_job(api, namespace, name)
         if job is None or job["metadata"].get("deletionTimestamp"):

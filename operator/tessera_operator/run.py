@@ -41,7 +41,8 @@ def main(argv: list[str]) -> int:
     kopf.configure(verbose=args.verbose, log_format=kopf.LogFormat.PLAIN)
     # kopf stops cleanly on SIGTERM/SIGINT: handlers finish, watches close, then it returns.
     kopf.run(standalone=True, clusterwide=not args.namespace, namespaces=args.namespace or (),
-             liveness_endpoint=args.liveness)
+             liveness_endpoint=args.liveness,
+             memo=kopf.Memo(namespaces=frozenset(args.namespace) if args.namespace else None))
     return 0
 
 

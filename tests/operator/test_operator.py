@@ -189,3 +189,18 @@ def test_deleting_a_job_returns_its_gpus_to_base(running_operator: RunningOperat
                                                 "ntptrainingjobs")["items"]},
         lambda n: job not in n, "job gone")
     assert job not in names
+
+
+def test_jobs_outside_the_watched_namespace_are_left_alone(
+    running_operator: RunningOperator, namespace: str
+) -> None:
+    op = running_operator
+    elsewhere = RunningOperator(op.proc, op.log, namespace, op.admin, op.admin_kubeconfig)
+    elsewhere.create_job(_example("elsewhere"))
+    elsewhere.create_nodes("elsewhere", 2)
+    # A job in the watched namespace, created after, is served: the node events were handled.
+    op.create_nodes("here", 2)
+    op.create_job(_example("here"))
+    op.wait(lambda: _phase_layout(op, "here"), lambda s: s == ("Running", "8,8"), "here Running")
+    assert "status" not in elsewhere.job("elsewhere")
+    assert not client.CoreV1Api(op.admin).list_namespaced_config_map(namespace).items
