@@ -13,6 +13,9 @@ from typing import Any
 
 from tessera_operator.planner import JobPlan, Problem, gpu_name
 
+# Far below the CRD's 32768: a status must stay small whatever the number of replicas.
+MESSAGE_MAX = 2048
+
 
 @dataclass(frozen=True)
 class Condition:
@@ -20,6 +23,11 @@ class Condition:
     status: bool
     reason: str
     message: str
+
+
+def _clip(message: str) -> str:
+    tail = " ... (clipped)"
+    return message if len(message) <= MESSAGE_MAX else message[: MESSAGE_MAX - len(tail)] + tail
 
 
 def _ready(plan: JobPlan | None, problems: Sequence[Problem], notes: Sequence[str]) -> Condition:
@@ -105,7 +113,7 @@ def render(
         old = before.get(c.type) or {}
         since = old.get("lastTransitionTime") if old.get("status") == status else None
         rendered.append({"type": c.type, "status": status, "reason": c.reason,
-                         "message": c.message, "observedGeneration": generation,
+                         "message": _clip(c.message), "observedGeneration": generation,
                          "lastTransitionTime": since or now})
     return {
         "observedGeneration": generation,

@@ -76,6 +76,8 @@ def run(argv: list[str], *, cordon: bool) -> int:
     args = p.parse_args(argv)
     if args.gpu < 0:
         p.error(f"GPU index must be >= 0, got {args.gpu}")
+    if args.kubeconfig is not None and not args.kubeconfig.is_file():
+        p.error(f"no kubeconfig at {args.kubeconfig}")
     try:
         with config.new_client_from_config(
             config_file=str(args.kubeconfig) if args.kubeconfig else None

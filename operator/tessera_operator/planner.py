@@ -20,6 +20,7 @@ from collections.abc import Iterable, Mapping, Set
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from functools import lru_cache
+from itertools import groupby
 from typing import Any
 
 from ntp import plan as ntp_plan
@@ -31,6 +32,7 @@ from power_controller.targets import PowerTarget
 DEFAULT_DOMAIN_LABEL = "nvidia.com/gpu.clique"
 MODES: tuple[str, ...] = ("NTP", "NTP-PW", "DROP", "SPARE")
 RESHAPING_MODES = frozenset({"NTP", "NTP-PW"})
+TP_LAYOUT_MAX = 4096  # status.tpLayout's maxLength in the CRD
 
 GpuId = tuple[str, int]
 
@@ -225,7 +227,13 @@ class JobPlan:
 
     @property
     def tp_layout(self) -> str:
-        return ",".join(str(r.tp) for r in self.replicas)
+        """TP degree per replica, "8,7,8"; past the status field's 4096 characters (thousands
+        of replicas) runs of equal degrees are written "8x1200,7,8x100"."""
+        full = ",".join(str(r.tp) for r in self.replicas)
+        if len(full) <= TP_LAYOUT_MAX:
+            return full
+        runs = [(tp, len(list(same))) for tp, same in groupby(r.tp for r in self.replicas)]
+        return ",".join(str(tp) if n == 1 else f"{tp}x{n}" for tp, n in runs)
 
     @property
     def degraded(self) -> bool:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from pathlib import Path
 
 
@@ -29,7 +30,7 @@ def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     if args.kubeconfig is not None:
         if not args.kubeconfig.is_file():
-            print(f"tessera operator: no kubeconfig at {args.kubeconfig}")
+            print(f"tessera operator: no kubeconfig at {args.kubeconfig}", file=sys.stderr)
             return 2
         # kopf's login and the handlers' client both read it from here.
         os.environ["KUBECONFIG"] = str(args.kubeconfig.resolve())
@@ -47,6 +48,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    import sys
-
     sys.exit(main(sys.argv[1:]))

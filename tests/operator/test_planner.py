@@ -3,6 +3,7 @@ boost against ntp.plan's real per-rank work, power targets within the rack budge
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 from datetime import UTC, datetime
 
@@ -149,3 +150,27 @@ def test_node_domains() -> None:
     nodes = [{"metadata": {"name": "n0", "labels": {"nvidia.com/gpu.clique": "c1"}}},
              {"metadata": {"name": "n1"}}]
     assert planner.node_domains(nodes, "nvidia.com/gpu.clique") == {"n0": "c1", "n1": "n1"}
+
+
+def test_the_papers_job_fits_its_api_objects() -> None:
+    """32,768 GPUs (NVL32 domains of 8 four-GPU nodes, TP32 PP8 DP128) with 100 failed GPUs:
+    the layout document fits a ConfigMap (1 MiB), tpLayout the CRD's 4096 characters."""
+    shape = ModelShape(hidden=20480, n_heads=128, n_kv_heads=128, ffn=81920, vocab=128256)
+    spec = JobSpec(shape=shape, tp=32, dp=128, pp=8, gpus_per_node=4, min_tp=16)
+    nodes = {f"gpu-node-{i:05d}": f"nvl32-{i // 8:04d}" for i in range(8192)}
+    # One failed GPU in each of 100 domains (every tenth).
+    failed = {(f"gpu-node-{80 * i + i % 8:05d}", i % 4) for i in range(100)}
+    result = plan(spec, nodes, failed)
+    assert len(result.replicas) == 128
+    # Packed, the 100 hit groups slow ceil(100 / 8) = 13 replicas instead of up to 100.
+    assert sorted(r.tp for r in result.replicas)[:14] == [31] * 13 + [32]
+    document = json.dumps(result.document("ns/job", 1), separators=(",", ":"))
+    assert len(document.encode()) < 1024 * 1024 * 0.8
+    assert len(result.tp_layout) <= 4096
+
+
+def test_tp_layout_runs_when_replicas_are_many() -> None:
+    nodes = _own_domains(*(f"n{i:04d}" for i in range(3000)))
+    result = plan(_spec(dp=3000), nodes, {("n1000", 0)})
+    assert result.tp_layout == "8x1000,7,8x1999"
+    assert plan(_spec(), _own_domains("a", "b"), set()).tp_layout == "8,8"
