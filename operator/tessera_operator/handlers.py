@@ -244,10 +244,10 @@ def _write_layout(api: client.ApiClient, job: dict[str, Any], plan: planner.JobP
 
 def reconcile(memo: kopf.Memo, namespace: str, name: str, logger: logging.Logger) -> None:
     """Bring the job's layout, power targets and status in line with the observed world."""
-    api, now = memo.api, memo.clock()
     with _lock(memo, (namespace, name)):
         with memo.locks_guard:
             memo.pending.discard((namespace, name))  # from here on, every change is observed
+        api, now = memo.api, memo.clock()
         # 1. Observe the job (gone: nothing to do) and plan for its nodes as they are.
         job = _get_job(api, namespace, name)
         if job is None or job["metadata"].get("deletionTimestamp"):

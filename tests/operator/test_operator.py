@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 import yaml
-from conftest import ROOT, RunningOperator
 from kubernetes import client
+from opharness import ROOT, RunningOperator
 from tessera_operator import cordon, uncordon
 
 from power_controller import channel
