@@ -23,6 +23,14 @@ def pick_device(requested: str) -> str:
     return f"cuda:{local_rank % gpus}"
 
 
+def is_communication_failure(exc: BaseException) -> bool:
+    """A lost or hung peer, as opposed to a bug: only these wait for a new layout generation.
+
+    NCCL failures are DistError subclasses; gloo raises plain RuntimeErrors from its transport.
+    """
+    return isinstance(exc, dist.DistError) or "gloo" in str(exc)
+
+
 def collective_timeout() -> timedelta:
     return timedelta(seconds=float(os.environ.get("TESSERA_COLLECTIVE_TIMEOUT_S", "300")))
 

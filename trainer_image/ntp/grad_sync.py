@@ -27,7 +27,7 @@ from ntp.sharding import (
     ParamSpec,
     element_index,
     local_positions,
-    pack,
+    pack_into,
     spec_of,
     unit_size,
     unpack,
@@ -201,12 +201,19 @@ class GradSync:
 
     def _exchange(self, bucket: _Bucket) -> None:
         """Stage 0: send weighted gradient slices to the partition owners."""
-        chunks = [
-            pack(r.param.grad, r.spec, r.send_index[d])
-            for d in range(self.sync.tp)
-            for r in bucket.routes
-        ]
-        outgoing = torch.cat(chunks) * self.weight if chunks else self._empty
+        outgoing = self._empty.new_empty(sum(bucket.send_splits))
+        offset = 0
+        for d in range(self.sync.tp):
+            for r in bucket.routes:
+                size = r.send_units[d] * r.unit_elements
+                pack_into(
+                    outgoing[offset : offset + size],
+                    r.param.grad,
+                    r.spec,
+                    r.send_index[d],
+                    self.weight,
+                )
+                offset += size
         bucket.inbox = self._all_to_all(bucket, outgoing, bucket.recv_splits, bucket.send_splits)
         if bucket.replicated:
             flat = torch.cat([p.grad.reshape(-1) for p in bucket.replicated])

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ntp.kernels import gather_rows
 from ntp.plan import ModelShape, RankShard
 
 
@@ -82,9 +83,19 @@ def shard_tensor(
     return full.index_select(spec.dim, index).clone()
 
 
+def pack_into(
+    out: torch.Tensor, t: torch.Tensor, spec: ParamSpec, index: torch.Tensor, scale: float = 1.0
+) -> None:
+    """Write the slices at `index` (along the split dim) into flat `out`, unit-major, scaled."""
+    moved = t.movedim(spec.dim, 0).flatten(1)  # a strided view for the 2-D weights
+    gather_rows(moved, index, out.view(len(index), moved.shape[1]), scale)
+
+
 def pack(t: torch.Tensor, spec: ParamSpec, index: torch.Tensor) -> torch.Tensor:
     """Flatten the slices at `index` (along the split dim) unit-major."""
-    return t.index_select(spec.dim, index).movedim(spec.dim, 0).reshape(-1)
+    out = t.new_empty(len(index) * (t.numel() // max(t.shape[spec.dim], 1)))
+    pack_into(out, t, spec, index)
+    return out
 
 
 def unpack(

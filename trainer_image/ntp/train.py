@@ -28,6 +28,7 @@ from ntp.data import split_inputs, synthetic_batch
 from ntp.distributed import (
     collective_timeout,
     init_distributed,
+    is_communication_failure,
     leave_process_groups,
     pick_device,
 )
@@ -395,6 +396,8 @@ def main(argv: list[str] | None = None) -> int:
             )
             losses.append(trainer.train_step(dump))
         except RuntimeError as exc:
+            if not is_communication_failure(exc):
+                raise
             # Handled below, outside the except block: its traceback would keep the failed
             # step's graph, and with it the old process groups, alive.
             error = repr(exc)
