@@ -257,8 +257,13 @@ def reconcile(memo: kopf.Memo, namespace: str, name: str, logger: logging.Logger
         # 2. Act: the layout document, then the power targets (renewed on every pass).
         layout_generation = int(previous.get("layoutGeneration", 0))
         if plan is not None:
-            layout_generation = _write_layout(api, job, plan)
-            channel.publish_all(api, plan.power_targets(now), timeout_s=API_TIMEOUT_S)
+            try:
+                targets = plan.power_targets(now)
+            except planner.SpecError as exc:
+                plan, problems = None, (*problems, planner.Problem("InvalidSpec", str(exc)))
+            else:
+                layout_generation = _write_layout(api, job, plan)
+                channel.publish_all(api, targets, timeout_s=API_TIMEOUT_S)
         # 3. Status rebuilt from the observation; written only when it differs.
         status = conditions.render(
             plan, problems, previous, now=format_time(now),
@@ -290,5 +295,10 @@ def release_power(
         return
     nodes = _job_nodes(memo.api, namespace, name)
     healthy = planner.plan(job_spec, planner.node_domains(nodes, job_spec.domain_label), set())
-    channel.publish_all(memo.api, healthy.power_targets(memo.clock()), timeout_s=API_TIMEOUT_S)
+    try:
+        targets = healthy.power_targets(memo.clock())
+    except planner.SpecError as exc:
+        logger.warning(f"no power targets to release: {exc}")
+        return
+    channel.publish_all(memo.api, targets, timeout_s=API_TIMEOUT_S)
     logger.info(f"released power on {len(nodes)} nodes")

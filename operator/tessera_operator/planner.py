@@ -282,6 +282,9 @@ class JobPlan:
     def power_targets(self, now: datetime) -> dict[str, PowerTarget]:
         """GPUPowerTargets for every node of the job (empty without a power policy).
 
+        SpecError when the power policy cannot be met on the racks observed (the schema cannot
+        know the rack sizes).
+
         Failed GPUs and the idle survivors of a bottlenecked stage go to the minimum so that
         their budget pays for the boost; NTP-PW boosts a domain's other GPUs by its ratio.
         """
@@ -294,7 +297,10 @@ class JobPlan:
         for rack, ratio in self.rack_ratios().items():
             nodes = dict.fromkeys(self.racks[rack], self.spec.gpus_per_node)
             unused = {gpu for gpu in self.failed | idle if gpu[0] in nodes}
-            targets |= plan_rack(policy, rack, nodes, unused, ratio if boost else 1.0, now)
+            try:
+                targets |= plan_rack(policy, rack, nodes, unused, ratio if boost else 1.0, now)
+            except ValueError as exc:  # e.g. a rack budget below its GPUs' minimum limits
+                raise SpecError("powerPolicy.rackBudgetWatts", str(exc)) from exc
         return targets
 
 

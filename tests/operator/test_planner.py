@@ -119,6 +119,15 @@ def test_power_targets_boost_survivors_within_the_budget() -> None:
     assert plan(_spec(power=None), _own_domains("a"), set()).power_targets(NOW) == {}
 
 
+def test_a_rack_budget_below_the_gpus_minimum_is_a_spec_error() -> None:
+    # 8 GPUs cannot go below 8 x 200 W: only the observed rack size shows it, so it is the
+    # planner (not the schema) that must name the field.
+    small = _spec(mode="NTP-PW", power=PowerPolicy(base_w=600, boost_cap_w=700,
+                                                    rack_budget_w=1000))
+    with pytest.raises(SpecError, match="rackBudgetWatts"):
+        plan(small, _own_domains("a", "b"), {("a", 3)}).power_targets(NOW)
+
+
 EXAMPLE_SPEC = {
     "model": {"hidden": 4096, "heads": 32, "kvHeads": 8, "ffn": 14336, "vocab": 128256,
               "layers": 32, "seqLen": 8192},
