@@ -138,6 +138,7 @@ LAYOUTS = {
         ("--max-grad-norm", "0.5"),
     ),
     "tp3+tp2 gqa 12q/4kv": (lambda: plan_job(SHAPE, [3, 2], global_batch=10), ()),
+    "uniform tp2+tp2, no exchange": (lambda: plan_job(SHAPE, [2, 2], global_batch=8), ()),
     "non-contiguous tp3+tp2 ntp-pw, sync after backward": (
         lambda: layout_from_shards(
             SHAPE, [interleaved(3), interleaved(2, offset=1)], global_batch=10, mode="ntp-pw"

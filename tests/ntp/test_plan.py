@@ -148,6 +148,20 @@ def test_batch_split_plain_ntp_is_proportional_and_ntp_pw_equal():
     assert sorted(r.local_batch for r in job.replicas) == [7, 7, 8]
 
 
+def test_only_mixed_layouts_exchange():
+    assert plan_job(SHAPE_70B, [8, 8], 16).replicas[0].sync.is_local()
+    job = plan_job(SHAPE_70B, [8, 7], 16)
+    assert not job.replicas[0].sync.is_local()
+    # The smallest replica defines the partitions: only KV copies split across its ranks move
+    # (to be summed at the partition's owner).
+    reduced = job.replicas[1].sync
+    assert not reduced.is_local()
+    for j in range(7):
+        for p, piece in enumerate(reduced.sends(j)):
+            if p != j:
+                assert not (piece.q_heads or piece.mlp_cols or piece.vocab_rows)
+
+
 def test_alignment_reduces_exchanged_bytes():
     shape = SHAPE_70B
     job = plan_job(shape, [8, 7], global_batch=16)

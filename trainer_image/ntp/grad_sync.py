@@ -84,6 +84,8 @@ class GradSync:
         self.shard = replica.shards[groups.rank]
         self.sync = replica.sync
         self.is_owner = groups.rank < layout.sync_degree
+        # Every rank owning exactly its own units (uniform TP) leaves nothing to exchange.
+        self.local_exchange = self.sync.is_local()
         self.weight = layout.sample_weight(groups.replica)
         # Replicated gradients are identical across a TP group: rank 0 alone contributes them.
         self.replicated_weight = self.weight if groups.rank == 0 else 0.0
@@ -190,7 +192,7 @@ class GradSync:
         self, bucket: _Bucket, data: torch.Tensor, out_splits: list[int], in_splits: list[int]
     ) -> torch.Tensor:
         out = data.new_empty(sum(out_splits))
-        if self.sync.tp == 1:
+        if self.local_exchange:
             out.copy_(data)
             bucket.work = None
         else:

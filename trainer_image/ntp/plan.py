@@ -314,6 +314,15 @@ class ReplicaSync:
             return tuple(EMPTY for _ in range(self.tp))
         return tuple(self.pieces[src][rank] for src in range(self.tp))
 
+    def is_local(self) -> bool:
+        """True when every rank's units all belong to its own partition (nothing moves)."""
+        return all(
+            piece.is_empty()
+            for j, row in enumerate(self.pieces)
+            for p, piece in enumerate(row)
+            if p != j
+        )
+
     def exchanged_elements(self, shape: ModelShape, rank: int) -> int:
         """Gradient elements `rank` sends to other ranks per step (each way)."""
         return sum(
