@@ -10,12 +10,11 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
-import yaml
 from kubernetes import client
-from kubernetes.dynamic import DynamicClient
-from tessera_operator.controlplane import probes, processes
+from tessera_operator import paths, simnodes
+from tessera_operator.controlplane import manifests, probes, processes
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = paths.repo_root()
 SYSTEM_NS, OPERATOR_SA = "tessera-system", "tessera-operator"
 MANIFESTS = (
     "manifests/power-controller/rbac.yaml",
@@ -30,14 +29,7 @@ T = TypeVar("T")
 
 
 def apply_manifests(admin: client.ApiClient, paths: tuple[str, ...]) -> None:
-    api = DynamicClient(admin)
-    for path in paths:
-        for doc in yaml.safe_load_all((ROOT / path).read_text()):
-            kind = api.resources.get(api_version=doc["apiVersion"], kind=doc["kind"])
-            kind.server_side_apply(
-                body=doc, name=doc["metadata"]["name"],
-                namespace=doc["metadata"].get("namespace"), field_manager="tessera-tests",
-                force_conflicts=True)
+    manifests.apply(admin, [ROOT / path for path in paths])
 
 
 @dataclass
@@ -77,12 +69,5 @@ class RunningOperator:
     def create_nodes(self, job: str, count: int) -> list[str]:
         """GPU nodes serving `job` (names sort in creation order)."""
         tag = uuid.uuid4().hex[:6]
-        names = [f"gpu-{tag}-{i}" for i in range(count)]
-        for name in names:
-            client.CoreV1Api(self.admin).create_node({"metadata": {
-                "name": name,
-                "labels": {"tessera.dev/job": job, "tessera.dev/job-namespace": self.namespace,
-                           "nvidia.com/gpu.present": "true"}}})
-        return names
-
-
+        return simnodes.register(self.admin, [f"gpu-{tag}-{i}" for i in range(count)], job,
+                                 self.namespace)

@@ -22,10 +22,9 @@ import pytest
 import yaml
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
-from kubernetes.dynamic import DynamicClient
 from prometheus_client.parser import text_string_to_metric_families
 from tcp_proxy import Proxy
-from tessera_operator.controlplane import crds
+from tessera_operator.controlplane import crds, manifests
 
 from power_controller import channel
 from power_controller.agent import _parser
@@ -48,14 +47,8 @@ def power_api(control_plane) -> Iterator[Callable[[str, str], client.ApiClient]]
     yields a factory of clients acting as a service account."""
     with control_plane.api_client() as admin:
         crds.apply(admin, [yaml.safe_load((ROOT / "crds/gpupowertarget.yaml").read_text())])
-        api = DynamicClient(admin)
-        for name in ("rbac.yaml", "admission.yaml", "daemonset.yaml"):
-            for doc in yaml.safe_load_all((ROOT / "manifests/power-controller" / name).read_text()):
-                kind = api.resources.get(api_version=doc["apiVersion"], kind=doc["kind"])
-                kind.server_side_apply(
-                    body=doc, name=doc["metadata"]["name"],
-                    namespace=doc["metadata"].get("namespace"), field_manager="tessera-tests",
-                    force_conflicts=True)
+        manifests.apply(admin, [ROOT / "manifests/power-controller" / name
+                                for name in ("rbac.yaml", "admission.yaml", "daemonset.yaml")])
     clients: list[client.ApiClient] = []
 
     def as_account(namespace: str, name: str) -> client.ApiClient:
