@@ -13,10 +13,19 @@ def wait_for_generation(directory: Path, generation: int, timeout_s: float) -> d
     path = directory / f"gen{generation}.json"
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if path.exists():
-            return json.loads(path.read_text())
+        document = _read(path)
+        if document is not None:
+            return document
         time.sleep(0.05)
     return None
+
+
+def _read(path: Path) -> dict | None:
+    """The document at `path`, or None while it is absent or still being written."""
+    try:
+        return json.loads(path.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
 
 
 def planned_switch(directory: Path, generation: int, step: int) -> dict | None:
@@ -24,11 +33,8 @@ def planned_switch(directory: Path, generation: int, step: int) -> dict | None:
 
     Failure documents carry no `at_step`: ranks only read them after a collective failed.
     """
-    path = directory / f"gen{generation}.json"
-    if not path.exists():
-        return None
-    document = json.loads(path.read_text())
-    return document if document.get("at_step") == step else None
+    document = _read(directory / f"gen{generation}.json")
+    return document if document is not None and document.get("at_step") == step else None
 
 
 def injected_fault(generation: int, rank: int, step: int) -> bool:

@@ -150,11 +150,9 @@ class Trainer:
         it at the same time and hand this rank its units and their optimizer state.
         """
         trainer = cls.__new__(cls)
-        trainer.config, trainer.device, trainer.times = (
-            config,
-            torch.device(config.device),
-            StepTimes(),
-        )
+        trainer.config = config
+        trainer.device = torch.device(config.device)
+        trainer.times = StepTimes()
         trainer.step = -1  # learnt from the survivors
         dense = build_model(model_args(config.flavor, layout), seed=config.seed)
         empty = RankShard()
