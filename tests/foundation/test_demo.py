@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -24,6 +25,13 @@ def test_demo_applies_the_example_and_refuses_a_bad_job(tmp_path: Path) -> None:
         assert "ntptrainingjob.tessera.dev/llama-8b-small created" in out
         assert "llama-8b-small" in out.split("kubectl get ntpjob", 1)[1]
         assert "boostCapWatts" in out and "must be" in out
+        # the failure flow: degraded at TP 7 with boosted survivors, then back at TP 8
+        cordoned = out.split("tessera cordon-gpu gpu-node-0 3", 1)[1]
+        assert "Degraded" in cordoned and "7,8" in cordoned
+        boosted = cordoned.split("GPU 3 of gpu-node-0 cordoned", 1)[1].split("uncordon", 1)[0]
+        node0 = next(line for line in boosted.splitlines() if "gpu-node-0" in line)
+        watts = [int(w) for w in re.findall(r"(\d+) W", node0)]
+        assert watts[3] == 200 and min(watts[:3] + watts[4:]) > 600, node0
         # the control plane outlives the demo, as the README says, until `tessera down`
         kubeconfig = tmp_path / "controlplane" / "kubeconfig"
         got = subprocess.run(["kubectl", f"--kubeconfig={kubeconfig}", "get", "ntpjob",
