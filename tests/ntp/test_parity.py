@@ -107,7 +107,10 @@ def run_layout(
     resumed = init is not None or "--resume" in extra
     if not resumed:
         args.append("--dump-grads")
-    launch_local(layout, args, timeout_s=240, **launch)
+    # Short timeouts so that a hang fails the test within a couple of minutes.
+    env = {"TESSERA_COLLECTIVE_TIMEOUT_S": "60", "TESSERA_RENDEZVOUS_TIMEOUT_S": "60"}
+    env |= launch.pop("env", {})
+    launch_local(layout, args, timeout_s=150, env=env, **launch)
     return {
         "losses": json.loads((tmp / "rank0.json").read_text())["losses"],
         "grads": [torch.load(tmp / f"grads-replica{r}.pt") for r in range(len(layout.replicas))]

@@ -31,11 +31,12 @@ def gather_tensor(
     shards: Sequence[RankShard],
     rank: int,
     group: ProcessGroup,
-) -> torch.Tensor:
-    """The dense tensor of a parameter-shaped local tensor (all ranks of the TP group call)."""
+) -> torch.Tensor | None:
+    """The dense tensor (on the CPU) of a parameter-shaped local tensor, at rank 0 of the TP
+    group; None on the other ranks. Every rank of the group calls it."""
     spec = spec_of(name)
     if spec is None:
-        return local.detach().clone()
+        return local.detach().cpu().clone() if rank == 0 else None
     held = shards[rank].units(spec.kind)
     mine = counted_units(shards, rank, spec.kind)
     full_shape = list(local.shape)
@@ -46,8 +47,8 @@ def gather_tensor(
     )
     dense.index_copy_(spec.dim, element_index(shape, spec.kind, mine).to(local.device), values)
     if dist.get_world_size(group) > 1:
-        dist.all_reduce(dense, group=group)
-    return dense
+        dist.reduce(dense, dst=dist.get_global_rank(group, 0), group=group)
+    return dense.cpu() if rank == 0 else None
 
 
 def _named_state(
@@ -68,15 +69,17 @@ def gather_checkpoint(
     shards: Sequence[RankShard],
     rank: int,
     group: ProcessGroup,
-) -> DenseState:
-    """Dense weights and AdamW state of a sharded model (collective over its TP group)."""
+) -> DenseState | None:
+    """Dense weights and AdamW state of a sharded model, at rank 0 of its TP group (None
+    elsewhere; every rank of the group calls it)."""
 
-    def gather(named: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def gather(named: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor | None]:
         return {n: gather_tensor(n, t, shape, shards, rank, group) for n, t in named.items()}
 
     params, moments, step = _named_state(model, optimizer)
+    weights = gather(params)  # collective on every rank, so before deciding what to return
     optim = None if moments is None else {m: gather(moments[m]) for m in MOMENTS} | {"step": step}
-    return {"model": gather(params), "optimizer": optim}
+    return {"model": weights, "optimizer": optim} if rank == 0 else None
 
 
 def dense_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> DenseState:

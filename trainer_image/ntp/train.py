@@ -263,8 +263,8 @@ class Trainer:
         dist.all_reduce(total, group=self.groups.world)
         return float(total)
 
-    def dense_grads(self) -> dict[str, torch.Tensor]:
-        """Gathered gradients of this replica (collective over its TP group)."""
+    def dense_grads(self) -> dict[str, torch.Tensor | None]:
+        """This replica's gathered gradients at its TP rank 0 (collective over the TP group)."""
         return {
             name: gather_tensor(
                 name,
@@ -277,7 +277,11 @@ class Trainer:
             for name, p in self.model.named_parameters()
         }
 
-    def state_dict(self) -> DenseState:
+    def state_dict(self) -> DenseState | None:
+        """The dense checkpoint at global rank 0, gathered by replica 0 alone (every replica
+        holds the same state); None on every other rank."""
+        if self.groups.replica != 0:
+            return None
         return gather_checkpoint(
             self.model,
             self.optimizer,
