@@ -204,23 +204,29 @@ def test_checkpoint_moves_between_layouts(tmp_path):
     assert state_err(b["ckpt"], want["states"][6]) <= STATE_TOL
 
 
-def test_live_reconfiguration_after_a_gpu_loss(tmp_path):
-    # Two TP4 replicas; global rank 6 (replica 1) dies at the start of step 3. The survivors
-    # re-form groups as TP4 + TP3 (generation 1), fetch the lost units and their AdamW state
-    # from the DP peer, redo step 3 and go on: the loss curve is the dense one throughout.
-    before = plan_job(SHAPE, [4, 4], global_batch=16)
-    after = plan_job(SHAPE, [4, 3], global_batch=16)
-    (tmp_path / "gen1.json").write_text(
-        json.dumps(after.to_dict() | {"generation": 1, "origin": [0, 1, 2, 3, 4, 5, 7]})
+LOSS_AT_STEP_3 = {"generation": 1, "origin": [0, 1, 2, 3, 4, 5, 7]}  # old rank 6 is gone
+
+
+def run_losing_rank_6(tmp: Path, steps: int, joiners: list | None = None) -> dict:
+    """TP4 + TP4 where global rank 6 dies at the start of step 3; TP4 + TP3 takes over."""
+    (tmp / "gen1.json").write_text(
+        json.dumps(plan_job(SHAPE, [4, 3], global_batch=16).to_dict() | LOSS_AT_STEP_3)
     )
-    got = run_layout(
-        before,
-        tmp_path,
-        steps=6,
-        extra=("--layout-dir", str(tmp_path), "--reconfigure-timeout", "60"),
+    return run_layout(
+        plan_job(SHAPE, [4, 4], global_batch=16),
+        tmp,
+        steps=steps,
+        extra=("--layout-dir", str(tmp), "--reconfigure-timeout", "60"),
         env={"TESSERA_FAULT_AT": "6:3", "TESSERA_COLLECTIVE_TIMEOUT_S": "8"},
         may_fail={6},
+        joiners=joiners or [],
     )
+
+
+def test_live_reconfiguration_after_a_gpu_loss(tmp_path):
+    # The survivors re-form groups as TP4 + TP3 (generation 1), fetch the lost units and their
+    # AdamW state from the DP peer, redo step 3 and go on: the loss curve is the dense one.
+    got = run_losing_rank_6(tmp_path, steps=6)
     assert json.loads((tmp_path / "rank6.json").read_text())["generation"] == 1  # new rank 6
     assert not (tmp_path / "rank7.json").exists()
     want = dense_run(16, 6)
@@ -229,31 +235,18 @@ def test_live_reconfiguration_after_a_gpu_loss(tmp_path):
 
 
 def test_a_returning_gpu_joins_without_a_restart(tmp_path):
-    # TP4 + TP4; rank 6 dies at step 3 (generation 1: TP4 + TP3 redoes step 3); the GPU comes
-    # back and a fresh process joins at step 5 (generation 2: TP4 + TP4 again), receiving its
-    # units and AdamW state from the others. The whole run equals the dense one.
-    gen0 = plan_job(SHAPE, [4, 4], global_batch=16)
-    gen1 = plan_job(SHAPE, [4, 3], global_batch=16)
-    gen2 = json.loads(json.dumps(gen0.to_dict()))
-    (tmp_path / "gen1.json").write_text(
-        json.dumps(gen1.to_dict() | {"generation": 1, "origin": [0, 1, 2, 3, 4, 5, 7]})
-    )
+    # After the loss (generation 1: TP4 + TP3 redoes step 3) the GPU comes back and a fresh
+    # process joins at step 5 (generation 2: TP4 + TP4 again), receiving its units and AdamW
+    # state from the others. The whole run equals the dense one.
+    healed = plan_job(SHAPE, [4, 4], global_batch=16).to_dict()
     (tmp_path / "gen2.json").write_text(
-        json.dumps(gen2 | {"generation": 2, "at_step": 5, "origin": [0, 1, 2, 3, 4, 5, 6, None]})
+        json.dumps(healed | {"generation": 2, "at_step": 5, "origin": [0, 1, 2, 3, 4, 5, 6, None]})
     )
     joiner = (
         ["--layout", str(tmp_path / "gen2.json"), "--join", "--steps", "2"],
         {"RANK": "7", "WORLD_SIZE": "8"},
     )
-    got = run_layout(
-        gen0,
-        tmp_path,
-        steps=7,
-        extra=("--layout-dir", str(tmp_path), "--reconfigure-timeout", "60"),
-        env={"TESSERA_FAULT_AT": "6:3", "TESSERA_COLLECTIVE_TIMEOUT_S": "8"},
-        may_fail={6},
-        joiners=[joiner],
-    )
+    got = run_losing_rank_6(tmp_path, steps=7, joiners=[joiner])
     want = dense_run(16, 7)
     assert got["losses"] == pytest.approx(want["losses"], abs=1e-4)
     joined = json.loads((tmp_path / "rank7.json").read_text())
