@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import pytest
 from kubernetes import client
+
 from tessera_operator.controlplane import crds, launcher
 from tessera_operator.controlplane.prometheus import Prometheus
 

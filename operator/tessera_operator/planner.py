@@ -24,7 +24,6 @@ from itertools import groupby
 from typing import Any
 
 from ntp import plan as ntp_plan
-
 from power_controller.perf_model import PAPER, PerfModel
 from power_controller.planning import PowerPolicy, plan_rack
 from power_controller.targets import PowerTarget

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 import pytest
+
 from tessera_operator.controlplane import build
 
 pytestmark = pytest.mark.foundation

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
 from tessera_operator.controlplane import crds, launcher, processes
 
 pytestmark = pytest.mark.foundation

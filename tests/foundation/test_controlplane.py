@@ -9,6 +9,7 @@ import sys
 
 import pytest
 from kubernetes import client
+
 from tessera_operator.controlplane import probes, processes
 
 pytestmark = pytest.mark.foundation

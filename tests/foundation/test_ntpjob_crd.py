@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import yaml
 from kubernetes import client
+
 from tessera_operator import paths
 
 pytestmark = pytest.mark.foundation

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from tessera_operator import paths
 
 pytestmark = pytest.mark.foundation

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import torch
+
 from ntp.model import FLAVORS, build_model
 
 

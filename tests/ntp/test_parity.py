@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from ntp.data import split_inputs, synthetic_batch
 from ntp.launch import launch_local
 from ntp.model import FLAVORS, build_model, cross_entropy_loss

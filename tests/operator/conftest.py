@@ -13,6 +13,7 @@ import pytest
 import yaml
 from kubernetes import client
 from opharness import MANIFESTS, OPERATOR_SA, SYSTEM_NS, RunningOperator, apply_manifests
+
 from tessera_operator.controlplane import launcher, processes
 
 

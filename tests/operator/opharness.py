@@ -11,6 +11,7 @@ from typing import Any, TypeVar
 
 import pytest
 from kubernetes import client
+
 from tessera_operator import paths, simnodes
 from tessera_operator.controlplane import manifests, probes, processes
 

@@ -4,10 +4,10 @@ status rebuilt from a plan (phase, conditions, transition times kept while nothi
 from __future__ import annotations
 
 import pytest
-from ntp.plan import ModelShape
-from tessera_operator import conditions, health, planner
 
+from ntp.plan import ModelShape
 from power_controller.planning import PowerPolicy
+from tessera_operator import conditions, health, planner
 
 pytestmark = pytest.mark.operator
 

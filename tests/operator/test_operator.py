@@ -14,11 +14,11 @@ import pytest
 import yaml
 from kubernetes import client
 from opharness import ROOT, RunningOperator
-from tessera_operator import cordon, uncordon
 
 from power_controller import channel
 from power_controller.perf_model import PAPER
 from power_controller.targets import PowerTarget, parse_object
+from tessera_operator import cordon, uncordon
 
 pytestmark = pytest.mark.operator
 

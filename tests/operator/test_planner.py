@@ -8,12 +8,12 @@ from dataclasses import replace
 from datetime import UTC, datetime
 
 import pytest
-from ntp.plan import ModelShape, layer_flops, plan_replica
-from tessera_operator import planner
-from tessera_operator.planner import JobSpec, SpecError, plan
 
+from ntp.plan import ModelShape, layer_flops, plan_replica
 from power_controller.perf_model import PAPER
 from power_controller.planning import PowerPolicy
+from tessera_operator import planner
+from tessera_operator.planner import JobSpec, SpecError, plan
 
 pytestmark = pytest.mark.operator
 

@@ -24,7 +24,6 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 from prometheus_client.parser import text_string_to_metric_families
 from tcp_proxy import Proxy
-from tessera_operator.controlplane import crds, manifests
 
 from power_controller import channel
 from power_controller.agent import _parser
@@ -32,6 +31,7 @@ from power_controller.planning import PowerPolicy, plan_rack, ratio_for_tp
 from power_controller.sim_backend import SimBackend
 from power_controller.state import ManagedGpus
 from power_controller.targets import to_object
+from tessera_operator.controlplane import crds, manifests
 
 pytestmark = pytest.mark.power
 

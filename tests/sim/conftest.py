@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import pytest
+
 from tessera_operator.simulator.config import SimConfig
 from tessera_operator.simulator.engine import snapshot
 from tessera_operator.simulator.failures import Topology

@@ -8,6 +8,7 @@ import re
 from pathlib import Path
 
 import pytest
+
 from tessera_operator.cli import main as tessera
 from tessera_operator.simulator.config import (
     ConfigError,

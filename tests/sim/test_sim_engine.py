@@ -6,14 +6,14 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+
+from power_controller.perf_model import PAPER
 from tessera_operator.simulator import report
 from tessera_operator.simulator.analysis import StudySettings, loss_curve, run_study
 from tessera_operator.simulator.config import FailureConfig, PolicyConfig, SimConfig
 from tessera_operator.simulator.engine import SECONDS_PER_DAY, run_trace
 from tessera_operator.simulator.failures import FailureTrace, Topology, sample_trace
 from tessera_operator.simulator.policies import POLICY_NAMES, build_policies
-
-from power_controller.perf_model import PAPER
 
 pytestmark = pytest.mark.sim
 

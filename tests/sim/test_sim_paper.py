@@ -11,13 +11,13 @@ import math
 
 import numpy as np
 import pytest
+
+from power_controller.perf_model import PAPER
 from tessera_operator.simulator.analysis import availability_curve, run_traces, trace_stats
 from tessera_operator.simulator.config import FailureConfig, SimConfig
 from tessera_operator.simulator.engine import snapshot
 from tessera_operator.simulator.failures import Topology
 from tessera_operator.simulator.policies import POLICY_NAMES, build_policies
-
-from power_controller.perf_model import PAPER
 
 pytestmark = pytest.mark.sim
 

@@ -10,13 +10,13 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from ntp.plan import ModelShape, PlanError
 from rich import box
 from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from ntp.plan import ModelShape, PlanError
 from tessera_operator.simulator import report
 from tessera_operator.simulator.analysis import (
     DEFAULT_FRACTIONS,
