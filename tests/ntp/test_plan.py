@@ -13,6 +13,7 @@ from ntp.plan import (
     ModelShape,
     PlanError,
     RankShard,
+    bucket_groups,
     imbalance,
     layout_from_shards,
     plan_job,
@@ -209,6 +210,24 @@ def test_non_contiguous_custom_layout_and_round_trip():
             "exactly once",
         ),
         (lambda: JobLayout.from_dict({"shape": {}}), "malformed|ModelShape"),
+        (
+            # Rank 1 has heads and columns but no vocabulary row.
+            lambda: layout_from_shards(
+                ModelShape(96, 12, 4, 64, 50),
+                [
+                    [
+                        RankShard.build(ModelShape(96, 12, 4, 64, 50), range(6), range(32), []),
+                        RankShard.build(
+                            ModelShape(96, 12, 4, 64, 50), range(6, 12), range(32, 64), range(50)
+                        ),
+                    ]
+                ],
+                4,
+                "ntp",
+            ),
+            "rank 0 holds no vocab_rows",
+        ),
+        (lambda: bucket_groups([10, 20], 0), "bucket size"),
     ],
 )
 def test_bad_input_is_rejected_clearly(make, message):
@@ -276,3 +295,9 @@ def test_reshard_moves_feed_a_process_that_joins_with_nothing():
         )
     with pytest.raises(PlanError, match="survivors"):
         reshard_moves(reduced, healed, [None] * 8)
+
+
+def test_buckets_fill_to_the_cap_in_backward_order():
+    assert bucket_groups([5, 5, 5, 5, 5], 10) == [[0, 1], [2, 3], [4]]
+    assert bucket_groups([30, 1, 1, 40], 10) == [[0], [1, 2, 3]]
+    assert bucket_groups([3, 3], 100) == [[0, 1]]

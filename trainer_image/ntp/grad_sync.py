@@ -14,7 +14,6 @@ collectives on each group is the same on all its ranks because it only depends o
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import torch
@@ -22,12 +21,14 @@ import torch.distributed as dist
 from torch import nn
 
 from ntp.groups import JobGroups
-from ntp.plan import JobLayout, RankShard
+from ntp.plan import JobLayout, ModelShape, RankShard, bucket_groups
 from ntp.sharding import (
     ParamSpec,
-    element_index,
+    dense_shape,
+    local_index,
     local_positions,
     pack_into,
+    slice_elements,
     spec_of,
     unit_size,
     unpack,
@@ -65,6 +66,26 @@ class _Bucket:
     replicated_flat: torch.Tensor | None = None
 
 
+Named = list[tuple[str, nn.Parameter]]
+
+
+def bucket_parameters(named: Named, shape: ModelShape, cap: int) -> list[Named]:
+    """A shard's parameters in gradient buckets, in the order backward produces them.
+
+    Groups (the LM head with the final norm, each layer, the embedding) are merged by their
+    dense sizes, so the buckets are the same on every rank whatever its shard.
+    """
+    by_layer: dict[str, Named] = {}
+    for name, p in named:
+        key = ".".join(name.split(".")[:2]) if name.startswith("layers.") else name
+        by_layer.setdefault(key, []).append((name, p))
+    head = by_layer.pop("output.weight") + by_layer.pop("norm.weight")
+    embedding = by_layer.pop("tok_embeddings.weight")
+    groups = [head, *reversed(list(by_layer.values())), embedding]
+    sizes = [sum(dense_shape(shape, n, p.shape).numel() for n, p in g) for g in groups]
+    return [[item for i in bucket for item in groups[i]] for bucket in bucket_groups(sizes, cap)]
+
+
 class GradSync:
     """Synchronizes one rank's gradients with every replica of a mixed-TP job."""
 
@@ -89,8 +110,10 @@ class GradSync:
         self.weight = layout.sample_weight(groups.replica)
         # Replicated gradients are identical across a TP group: rank 0 alone contributes them.
         self.replicated_weight = self.weight if groups.rank == 0 else 0.0
+        named = list(model.named_parameters())
         self._buckets = [
-            self._build_bucket(names) for names in self._bucket_names(model, bucket_elements)
+            self._build_bucket(bucket)
+            for bucket in bucket_parameters(named, self.shape, bucket_elements)
         ]
         self._inflight: list[_Bucket] = []
         self._empty = torch.zeros(0, device=next(model.parameters()).device)
@@ -99,24 +122,6 @@ class GradSync:
                 p.register_post_accumulate_grad_hook(lambda _p, b=bucket: self._on_grad(b))
 
     # -- setup ----------------------------------------------------------------------------------
-
-    def _bucket_names(self, model: nn.Module, cap: int) -> list[list[tuple[str, nn.Parameter]]]:
-        """Parameter groups in the order backward produces them, merged up to `cap` elements."""
-        named = list(model.named_parameters())
-        by_layer: dict[str, list[tuple[str, nn.Parameter]]] = {}
-        for name, p in named:
-            key = ".".join(name.split(".")[:2]) if name.startswith("layers.") else name
-            by_layer.setdefault(key, []).append((name, p))
-        head = by_layer.pop("output.weight") + by_layer.pop("norm.weight")
-        embedding = by_layer.pop("tok_embeddings.weight")
-        groups = [head, *reversed(list(by_layer.values())), embedding]
-        buckets: list[list[tuple[str, nn.Parameter]]] = []
-        for group in groups:
-            size = sum(p.numel() for _, p in buckets[-1]) if buckets else cap
-            if size >= cap:
-                buckets.append([])
-            buckets[-1].extend(group)
-        return buckets
 
     def _route(self, p: nn.Parameter, spec: ParamSpec) -> _Route:
         kind, tp = spec.kind, self.sync.tp
@@ -131,12 +136,9 @@ class GradSync:
             param=p,
             spec=spec,
             # From the other dimensions, so a rank holding no unit of this kind works too.
-            unit_elements=unit_size(self.shape, kind)
-            * math.prod(n for i, n in enumerate(p.shape) if i != spec.dim),
+            unit_elements=unit_size(self.shape, kind) * slice_elements(p, spec.dim),
             send_index=[
-                element_index(self.shape, kind, local_positions(held, sends[d].units(kind))).to(
-                    p.device
-                )
+                local_index(self.shape, kind, held, sends[d].units(kind), p.device)
                 for d in range(tp)
             ],
             send_units=[len(sends[d].units(kind)) for d in range(tp)],

@@ -163,8 +163,12 @@ def validate_replica(shape: ModelShape, shards: Sequence[RankShard]) -> None:
                 f"(missing {missing[:8]}, {len(seen) - len(set(seen))} duplicated)"
             )
     for rank, shard in enumerate(shards):
-        if not shard.q_heads:
-            raise PlanError(f"rank {rank} holds no query head; every rank needs at least one")
+        for kind in ASSIGNED_KINDS:
+            if not shard.units(kind):
+                raise PlanError(
+                    f"rank {rank} holds no {kind}; every rank needs at least one unit of each "
+                    f"kind ({', '.join(ASSIGNED_KINDS)})"
+                )
         expected = RankShard.build(shape, shard.q_heads, shard.mlp_cols, shard.vocab_rows)
         if shard != expected:
             raise PlanError(f"rank {rank}: kv_heads must be exactly those of its query heads")
@@ -257,7 +261,10 @@ def _plan_replica(
         len(q[i]) * shape.unit_flops("q_heads") + len(kv[i]) * shape.unit_flops("kv_heads")
         for i in range(tp)
     ]
-    mlp_counts = _fill_counts(attention, shape.ffn, shape.unit_flops("mlp_cols"))
+    #    Every rank keeps at least one column (attention-heavy shapes would otherwise leave none).
+    col = shape.unit_flops("mlp_cols")
+    extra_cols = _fill_counts([a + col for a in attention], shape.ffn - tp, col)
+    mlp_counts = [1 + c for c in extra_cols]
     mlp = _assign(mlp_counts, parts("mlp_cols"))
     # 3. Vocabulary rows: the LM head is its own barrier-separated stage, so it is split evenly
     #    on its own rather than traded against layer compute.
@@ -546,6 +553,26 @@ def plan_job(
         tp: base if tp == p else plan_replica(shape, tp, align_to=base) for tp in set(tp_degrees)
     }
     return layout_from_shards(shape, [by_degree[tp] for tp in tp_degrees], global_batch, mode)
+
+
+def bucket_groups(sizes: Sequence[int], cap: int) -> list[list[int]]:
+    """Consecutive parameter groups merged into gradient buckets of about `cap` elements.
+
+    `sizes` are the groups' DENSE element counts in backward order, so every rank of every
+    layout cuts the same buckets (the collectives of a bucket must match across ranks). A bucket
+    takes groups until it holds at least `cap` elements; the last one may be smaller.
+    """
+    if not isinstance(cap, int) or cap < 1:
+        raise PlanError(f"bucket size must be a positive integer, got {cap!r}")
+    buckets: list[list[int]] = []
+    filled = cap
+    for i, size in enumerate(sizes):
+        if filled >= cap:
+            buckets.append([])
+            filled = 0
+        buckets[-1].append(i)
+        filled += size
+    return buckets
 
 
 # ----------------------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ row-parallel weight (split on dim 1) lines up between ranks whose local layouts 
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -61,6 +62,32 @@ def local_positions(held: Sequence[int], units: Sequence[int]) -> list[int]:
     """Positions of `units` inside the sorted unit list `held`."""
     where = {u: i for i, u in enumerate(held)}
     return [where[u] for u in units]
+
+
+def local_index(
+    shape: ModelShape,
+    kind: str,
+    held: Sequence[int],
+    units: Sequence[int],
+    device: torch.device | str = "cpu",
+) -> torch.Tensor:
+    """Indices along a local tensor's split dimension (holding `held`) of the slices of `units`."""
+    return element_index(shape, kind, local_positions(held, units)).to(device)
+
+
+def slice_elements(t: torch.Tensor, dim: int) -> int:
+    """Elements per index along `dim`: the size of one row/column of the split dimension."""
+    return math.prod(n for i, n in enumerate(t.shape) if i != dim)
+
+
+def dense_shape(shape: ModelShape, name: str, local: torch.Size) -> torch.Size:
+    """The dense (whole-model) shape of a parameter whose local slice has shape `local`."""
+    spec = spec_of(name)
+    if spec is None:
+        return torch.Size(local)
+    full = list(local)
+    full[spec.dim] = shape.unit_count(spec.kind) * unit_size(shape, spec.kind)
+    return torch.Size(full)
 
 
 def counted_units(shards: Sequence[RankShard], rank: int, kind: str) -> list[int]:
