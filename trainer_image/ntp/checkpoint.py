@@ -13,11 +13,11 @@ from torch.distributed import ProcessGroup
 from ntp.plan import ModelShape, RankShard
 from ntp.sharding import (
     counted_units,
+    dense_shape,
     element_index,
-    local_positions,
+    local_index,
     shard_tensor,
     spec_of,
-    unit_size,
 )
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -39,11 +39,9 @@ def gather_tensor(
         return local.detach().cpu().clone() if rank == 0 else None
     held = shards[rank].units(spec.kind)
     mine = counted_units(shards, rank, spec.kind)
-    full_shape = list(local.shape)
-    full_shape[spec.dim] = shape.unit_count(spec.kind) * unit_size(shape, spec.kind)
-    dense = local.new_zeros(full_shape)
+    dense = local.new_zeros(dense_shape(shape, name, local.shape))
     values = local.detach().index_select(
-        spec.dim, element_index(shape, spec.kind, local_positions(held, mine)).to(local.device)
+        spec.dim, local_index(shape, spec.kind, held, mine, local.device)
     )
     dense.index_copy_(spec.dim, element_index(shape, spec.kind, mine).to(local.device), values)
     if dist.get_world_size(group) > 1:
@@ -82,24 +80,12 @@ def gather_checkpoint(
     return {"model": weights, "optimizer": optim} if rank == 0 else None
 
 
-def dense_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> DenseState:
-    """The same format from an unsharded model."""
-
-    def clone(named: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return {n: t.detach().clone() for n, t in named.items()}
-
-    params, moments, step = _named_state(model, optimizer)
-    optim = None if moments is None else {m: clone(moments[m]) for m in MOMENTS} | {"step": step}
-    return {"model": clone(params), "optimizer": optim}
-
-
-def _slice(
-    name: str, full: torch.Tensor, shape: ModelShape, shard: RankShard | None
-) -> torch.Tensor:
-    spec = spec_of(name)
-    if shard is None or spec is None:
-        return full.detach().clone()
-    return shard_tensor(full, shape, spec, shard)
+def _check_shape(name: str, what: str, got: torch.Tensor, want: torch.Size) -> None:
+    if got.shape != want:
+        raise ValueError(
+            f"checkpoint {what} {name!r} has shape {tuple(got.shape)}, this model needs "
+            f"{tuple(want)}: the checkpoint is from a model of another shape"
+        )
 
 
 def load_checkpoint(
@@ -107,23 +93,35 @@ def load_checkpoint(
     optimizer: torch.optim.Optimizer | None,
     state: DenseState,
     shape: ModelShape,
-    shard: RankShard | None,
+    shard: RankShard,
 ) -> None:
-    """Load a dense checkpoint into a model of any layout (`shard=None`: an unsharded model)."""
+    """Load a dense checkpoint into a model of any layout; its optimizer state too when
+    `optimizer` is given and the checkpoint has it. Every tensor is checked against the model's
+    dense shape before anything is written."""
     params = dict(model.named_parameters())
     if set(params) != set(state["model"]):
         raise ValueError(
             f"checkpoint parameters differ from the model's: "
             f"{sorted(set(params) ^ set(state['model']))[:5]}"
         )
+    optim = None if optimizer is None else state.get("optimizer")
+    for name, p in params.items():
+        want = dense_shape(shape, name, p.shape)
+        _check_shape(name, "weight", state["model"][name], want)
+        for m in MOMENTS if optim is not None else ():
+            _check_shape(name, m, optim[m][name], want)
+
+    def cut(name: str, full: torch.Tensor) -> torch.Tensor:
+        spec = spec_of(name)
+        return full.detach().clone() if spec is None else shard_tensor(full, shape, spec, shard)
+
     with torch.no_grad():
         for name, p in params.items():
-            p.copy_(_slice(name, state["model"][name], shape, shard))  # copy_ moves devices
-    if optimizer is None or state.get("optimizer") is None:
+            p.copy_(cut(name, state["model"][name]))  # copy_ moves devices
+    if optimizer is None or optim is None:
         return
-    optim = state["optimizer"]
     for name, p in params.items():
         optimizer.state[p] = {
             "step": torch.tensor(float(optim["step"])),
-            **{m: _slice(name, optim[m][name], shape, shard).to(p.device) for m in MOMENTS},
+            **{m: cut(name, optim[m][name]).to(p.device) for m in MOMENTS},
         }

@@ -9,7 +9,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ntp.plan import ModelShape, RankShard
-from ntp.sharding import counted_units, element_index, local_positions, spec_of
+from ntp.sharding import counted_units, local_index, spec_of
 
 
 def clip_grad_norm_(
@@ -32,9 +32,10 @@ def clip_grad_norm_(
             counted = p.grad if rank == 0 else p.grad[:0]
         elif spec.kind == "kv_heads":
             held = shards[rank].units(spec.kind)
-            keep = local_positions(held, counted_units(shards, rank, spec.kind))
-            index = element_index(shape, spec.kind, keep).to(p.device)
-            counted = p.grad.index_select(spec.dim, index)
+            keep = counted_units(shards, rank, spec.kind)
+            counted = p.grad.index_select(
+                spec.dim, local_index(shape, spec.kind, held, keep, p.device)
+            )
         else:
             counted = p.grad
         squares.append(counted.float().pow(2).sum())

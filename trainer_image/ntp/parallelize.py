@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -27,24 +27,18 @@ def _set_parameter(model: nn.Module, name: str, value: torch.Tensor) -> None:
     setattr(model.get_submodule(owner_name), leaf, nn.Parameter(value))
 
 
-def apply_ntp(
-    model: Transformer,
-    shard: RankShard,
-    group: ProcessGroup,
-    state_dict: Mapping[str, torch.Tensor] | None = None,
-) -> LossFn:
+def apply_ntp(model: Transformer, shard: RankShard, group: ProcessGroup) -> LossFn:
     """Shard `model` in place to `shard` and return the matching loss function.
 
-    Weights are cut from `state_dict` (dense names and shapes) or from the model's own dense
-    weights, so every layout of the same dense weights starts from identical values.
+    Weights are cut from the model's own dense weights, so every layout of the same dense
+    weights starts from identical values.
     """
     shape = model.args.shape()
-    dense = state_dict if state_dict is not None else dict(model.named_parameters())
     # 1. Every parameter becomes this rank's slice of the dense tensor (replicated: a copy).
     with torch.no_grad():
-        for name, _ in list(model.named_parameters()):
+        for name, p in list(model.named_parameters()):
             spec = spec_of(name)
-            full = dense[name].detach()
+            full = p.detach()
             value = full.clone() if spec is None else shard_tensor(full, shape, spec, shard)
             _set_parameter(model, name, value)
     # 2. Local query heads read their KV head from this rank's copies.

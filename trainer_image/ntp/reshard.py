@@ -2,28 +2,16 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 
 from ntp.plan import ModelShape, RankShard
-from ntp.sharding import element_index, local_positions, pack, spec_of, unit_size, unpack
+from ntp.sharding import local_index, pack, slice_elements, spec_of, unit_size, unpack
 
 # name -> the parameter-shaped tensors that travel together (weight, then AdamW moments)
 LocalState = dict[str, list[torch.Tensor]]
-
-
-def _index(
-    shape: ModelShape, kind: str, held: Sequence[int], units: Sequence[int], device: torch.device
-) -> torch.Tensor:
-    return element_index(shape, kind, local_positions(held, units)).to(device)
-
-
-def _rest(t: torch.Tensor, dim: int) -> int:
-    """Elements per index along `dim`."""
-    return math.prod(n for i, n in enumerate(t.shape) if i != dim)
 
 
 def exchange_state(
@@ -53,7 +41,7 @@ def exchange_state(
             units = () if spec is None else moves[d][rank].units(spec.kind)
             if not units:
                 continue
-            index = _index(
+            index = local_index(
                 shape, spec.kind, old_shard.units(spec.kind), units, state[name][0].device
             )
             for t in state[name]:
@@ -71,7 +59,8 @@ def exchange_state(
         new_shape = list(state[name][0].shape)
         new_shape[spec.dim] = len(new_shard.units(spec.kind)) * unit_size(shape, spec.kind)
         out[name] = [t.new_empty(new_shape) for t in state[name]]
-        per_unit = _rest(out[name][0], spec.dim) * unit_size(shape, spec.kind) * len(out[name])
+        one = slice_elements(out[name][0], spec.dim) * unit_size(shape, spec.kind)
+        per_unit = one * len(out[name])
         for s in range(world):
             recv_splits[s] += len(moves[rank][s].units(spec.kind)) * per_unit
 
@@ -91,9 +80,9 @@ def exchange_state(
             units = () if spec is None else moves[rank][s].units(spec.kind)
             if not units:
                 continue
-            index = _index(shape, spec.kind, new_shard.units(spec.kind), units, device)
+            index = local_index(shape, spec.kind, new_shard.units(spec.kind), units, device)
             for t in out[name]:
-                size = index.numel() * _rest(t, spec.dim)
+                size = index.numel() * slice_elements(t, spec.dim)
                 unpack(incoming[offset : offset + size], t, spec, index)
                 offset += size
     return out
