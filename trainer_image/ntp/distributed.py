@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import os
+import re
 from datetime import timedelta
 
 import torch
@@ -23,12 +24,19 @@ def pick_device(requested: str) -> str:
     return f"cuda:{local_rank % gpus}"
 
 
-def is_communication_failure(exc: BaseException) -> bool:
-    """A lost or hung peer, as opposed to a bug: only these wait for a new layout generation.
+# How a lost or hung peer reads in gloo's transport errors, NCCL's watchdog and abort messages
+# and the store's: connections closed or reset, timeouts. Anything else (a size mismatch, a bad
+# argument) is a bug that waiting for a new layout would only hide.
+_PEER_LOSS = re.compile(
+    r"connection (closed|reset|refused)|broken pipe|timed out|timeout|"
+    r"remote process exited|communicator was aborted",
+    re.IGNORECASE,
+)
 
-    NCCL failures are DistError subclasses; gloo raises plain RuntimeErrors from its transport.
-    """
-    return isinstance(exc, dist.DistError) or "gloo" in str(exc)
+
+def is_communication_failure(exc: BaseException) -> bool:
+    """A lost or hung peer, as opposed to a bug: only these wait for a new layout generation."""
+    return isinstance(exc, dist.DistNetworkError) or bool(_PEER_LOSS.search(str(exc)))
 
 
 def collective_timeout() -> timedelta:
