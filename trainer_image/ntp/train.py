@@ -9,20 +9,14 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from ntp.checkpoint import (
-    MOMENTS,
-    DenseState,
-    gather_checkpoint,
-    gather_tensor,
-    load_checkpoint,
-)
+from ntp.checkpoint import MOMENTS, DenseState, gather_checkpoint, load_checkpoint
 from ntp.clip import clip_grad_norm_
 from ntp.data import split_inputs, synthetic_batch
 from ntp.distributed import (
@@ -78,12 +72,13 @@ class Trainer:
         self.device = torch.device(config.device)
         self.times = StepTimes()
         self.step = 0
-        self._build(layout, dense=None if init is None else init["model"])
-        if init is not None and init.get("optimizer") is not None:
+        self._build(layout)
+        if init is not None:
             load_checkpoint(self.model, self.optimizer, init, layout.shape, self.shard)
-            self.step = int(init["optimizer"]["step"])
+            if init.get("optimizer") is not None:
+                self.step = int(init["optimizer"]["step"])
 
-    def _build(self, layout: JobLayout, dense: Mapping[str, torch.Tensor] | None = None) -> None:
+    def _build(self, layout: JobLayout) -> None:
         """Groups, this rank's shard of the model, AdamW and the sync hooks for `layout`."""
         # 1. Groups and this rank's place in the layout.
         self.layout = layout
@@ -91,9 +86,9 @@ class Trainer:
         self.groups = build_groups(layout, timeout=collective_timeout())
         self.replica = layout.replicas[self.groups.replica]
         self.shard = self.replica.shards[self.groups.rank]
-        # 2. Dense weights (seeded or given) cut to this rank's shard.
+        # 2. Seeded dense weights cut to this rank's shard.
         self.model = build_model(self.args, seed=self.config.seed)
-        self.loss_fn = apply_ntp(self.model, self.shard, self.groups.tp, state_dict=dense)
+        self.loss_fn = apply_ntp(self.model, self.shard, self.groups.tp)
         self.model.to(self.device)
         # 3. AdamW is elementwise, so local shards with their own state do exactly the dense math.
         self.optimizer = torch.optim.AdamW(
@@ -263,20 +258,6 @@ class Trainer:
         dist.all_reduce(total, group=self.groups.world)
         return float(total)
 
-    def dense_grads(self) -> dict[str, torch.Tensor | None]:
-        """This replica's gathered gradients at its TP rank 0 (collective over the TP group)."""
-        return {
-            name: gather_tensor(
-                name,
-                p.grad,
-                self.layout.shape,
-                self.replica.shards,
-                self.groups.rank,
-                self.groups.tp,
-            )
-            for name, p in self.model.named_parameters()
-        }
-
     def state_dict(self) -> DenseState | None:
         """The dense checkpoint at global rank 0, gathered by replica 0 alone (every replica
         holds the same state); None on every other rank."""
@@ -290,6 +271,17 @@ class Trainer:
             self.groups.rank,
             self.groups.tp,
         )
+
+
+def agreed_switch(trainer: Trainer, directory: Path, generation: int) -> dict | None:
+    """The next generation's document if it switches at this step boundary, as rank 0 read it.
+
+    One reader decides for everyone (a broadcast on the job's world group): ranks reading the
+    file themselves could disagree when it is written while they pass the boundary.
+    """
+    box = [planned_switch(directory, generation, trainer.step) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0, group=trainer.groups.world)
+    return box[0]
 
 
 def log_step(trainer: Trainer, loss: float) -> None:
@@ -338,8 +330,16 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--resume", action="store_true", help="start from the --save checkpoint when it exists"
     )
     parser.add_argument("--out", type=Path, help="directory for per-rank metrics and grad dumps")
-    parser.add_argument("--dump-grads", action="store_true", help="dense grads after step 1")
-    return parser.parse_args(argv)
+    parser.add_argument(
+        "--dump",
+        action="store_true",
+        help="with --out: each rank's local gradients after the first step (grads-rank{G}.pt) "
+        "and its local weights and AdamW moments at the end (state-rank{G}.pt)",
+    )
+    opts = parser.parse_args(argv)
+    if opts.dump and opts.out is None:
+        parser.error("--dump needs --out")
+    return opts
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -381,9 +381,8 @@ def main(argv: list[str] | None = None) -> int:
         opts.out.mkdir(parents=True, exist_ok=True)
 
     def dump_grads(t: Trainer) -> None:
-        grads = t.dense_grads()
-        if t.groups.rank == 0 and opts.out is not None:
-            torch.save(grads, opts.out / f"grads-replica{t.groups.replica}.pt")
+        grads = {name: p.grad.detach().cpu() for name, p in t.model.named_parameters()}
+        torch.save(grads, opts.out / f"grads-rank{dist.get_rank()}.pt")
 
     first, target = trainer.step, trainer.step + opts.steps
     losses: list[float] = []
@@ -392,11 +391,10 @@ def main(argv: list[str] | None = None) -> int:
             os._exit(3)
         error = None
         try:
-            # Every rank of the job must take part in the dump: a joiner arrives later.
-            dump = (
-                dump_grads if trainer.step == first and opts.dump_grads and not opts.join else None
-            )
+            dump = dump_grads if trainer.step == first and opts.dump and not opts.join else None
             losses.append(trainer.train_step(dump))
+            # A planned change (a GPU back, a drain) may be due at this step boundary.
+            following = agreed_switch(trainer, layout_dir, generation + 1)
         except RuntimeError as exc:
             if not is_communication_failure(exc):
                 raise
@@ -409,8 +407,6 @@ def main(argv: list[str] | None = None) -> int:
             every = opts.save_every and trainer.step % opts.save_every == 0
             if opts.save is not None and (trainer.step == target or every):
                 save_checkpoint(trainer, opts.save)
-            # A planned change (a GPU back, a drain) may be due at this step boundary.
-            following = planned_switch(layout_dir, generation + 1, trainer.step)
             if following is None:
                 continue
         else:
@@ -442,6 +438,9 @@ def main(argv: list[str] | None = None) -> int:
             **vars(trainer.times),
         }
         (opts.out / f"rank{dist.get_rank()}.json").write_text(json.dumps(metrics))
+        if opts.dump:
+            state = {n: [t.cpu() for t in ts] for n, ts in trainer.local_state().items()}
+            torch.save(state, opts.out / f"state-rank{dist.get_rank()}.pt")
     dist.barrier()
     dist.destroy_process_group()
     return 0
