@@ -20,7 +20,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         launcher.check_state_dir(args.data_dir)
     except launcher.NotAStateDir as exc:
-        console.print(str(exc), style="red", markup=False, highlight=False)
+        console.print(str(exc), style="red", markup=False, highlight=False, soft_wrap=True)
         return 1
     plane = launcher.ControlPlane.load(args.data_dir)
     if plane is None:

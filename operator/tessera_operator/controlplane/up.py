@@ -21,7 +21,7 @@ def _announce(console: Console, plane: launcher.ControlPlane) -> None:
 
 
 def _fail(console: Console, message: str) -> int:
-    console.print(message, style="red", markup=False, highlight=False)
+    console.print(message, style="red", markup=False, highlight=False, soft_wrap=True)
     return 1
 
 
