@@ -29,8 +29,9 @@ system:
 	@command -v kubectl >/dev/null || { echo "kubectl is not on the PATH: install it first" >&2; exit 1; }
 	@command -v go >/dev/null || { echo "Go >= 1.26 is needed to build kube-apiserver and etcd (or set TESSERA_BIN_DIR)" >&2; exit 1; }
 
+# TESSERA_BIN_DIR: kube-apiserver and etcd built elsewhere, used as they are.
 controlplane: deps
-	$(BIN)/tessera build-controlplane
+	test -n "$$TESSERA_BIN_DIR" || $(BIN)/tessera build-controlplane
 
 lint: deps
 	$(BIN)/ruff check .
