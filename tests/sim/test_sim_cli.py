@@ -107,6 +107,12 @@ def test_simulate_prints_tables_by_default(tmp_path: Path, capsys) -> None:
         (["--gpus", "24576"], "17301504 = 11 per replica) (change --tokens-per-batch)"),
         (["--heads", "100"], "must be a multiple of n_heads (100) (change --hidden, --heads"),
         (["--spare-swap-seconds", "-1"], "(change --spare-swap-seconds)"),
+        (["--seed", "-5"], "seed must be >= 0, got -5 (change --seed)"),
+        # NaN passes a `< 0` check and inf a `> 0` one: both must still be refused.
+        (["--rate", "nan"], "rate_per_gpu_day must be >= 0 and finite, got nan (change --rate)"),
+        (["--days", "inf"], "days must be positive and finite, got inf (change --days)"),
+        (["--headroom", "inf"], "power_headroom must be >= 0 and finite, got inf (change --head"),
+        (["--gpus", "100"], "gpus 100 is not a multiple of tp x pp = 32 x 8 = 256 (change --gpus"),
     ],
 )
 def test_simulate_rejects_bad_input_with_exit_2_and_writes_nothing(
@@ -116,6 +122,38 @@ def test_simulate_rejects_bad_input_with_exit_2_and_writes_nothing(
     assert tessera(["simulate", *args, "--out", str(out)]) == 2
     assert message in capsys.readouterr().err
     assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    ("make_out", "message"),
+    [
+        (lambda tmp: tmp / "file", "exists and is not a directory"),
+        (lambda tmp: tmp / "file" / "sub", "cannot create --out"),
+    ],
+)
+def test_simulate_rejects_an_unusable_out_before_running(
+    tmp_path: Path, capsys, make_out, message: str
+) -> None:
+    (tmp_path / "file").write_text("keep me")
+    out = make_out(tmp_path)
+    # --traces 1000 would take minutes: the exit comes before the study starts.
+    assert tessera(["simulate", "--traces", "1000", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"--out {out}" in err and message in err and "Traceback" not in err
+    assert (tmp_path / "file").read_text() == "keep me"
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--days", "-1"], "days must be positive and finite, got -1.0 (change --days)"),
+        (["--seed", "-1"], "seed must be >= 0, got -1 (change --seed)"),
+    ],
+)
+def test_bench_sim_rejects_bad_input_with_exit_2(capsys, args: list[str], message: str) -> None:
+    assert tessera(["bench", "sim", *args]) == 2
+    captured = capsys.readouterr()
+    assert message in captured.err and "sim bench" not in captured.out
 
 
 def test_simulate_takes_the_model_shape_and_batch_from_flags(tmp_path: Path, capsys) -> None:

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tessera_operator.simulator.config import SimConfig
+from tessera_operator.simulator.cli import input_error
+from tessera_operator.simulator.config import ConfigError, SimConfig
 from tessera_operator.simulator.engine import run_trace
 from tessera_operator.simulator.failures import Topology, sample_trace
 from tessera_operator.simulator.policies import build_policies
@@ -53,7 +54,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=3, help="runs per figure; best is kept")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
-    cfg = SimConfig(days=args.days, seed=args.seed).validate()
+    try:
+        cfg = SimConfig(days=args.days, seed=args.seed).validate()
+    except ConfigError as exc:
+        return input_error("tessera bench sim", exc)
     baseline_cfg = SimConfig(days=1.0, seed=args.seed).validate()
 
     # 1. The first run plans every TP degree from scratch: that planner time is the cold one.

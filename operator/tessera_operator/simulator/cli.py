@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from dataclasses import fields
@@ -41,6 +42,7 @@ _FLAGS = {
     "pp": "--pp",
     "dp": "--dp",
     "days": "--days",
+    "seed": "--seed",
     "model": "--hidden, --heads, --kv-heads, --ffn, --vocab, --layers or --seq-len",
     "model.tokens_per_batch": "--tokens-per-batch",
     "failures.rate_per_gpu_day": "--rate",
@@ -169,6 +171,11 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
     except PlanError as exc:
         raise ConfigError("model", f"model shape: {exc}") from exc
     group = args.tp * args.pp
+    if args.dp is None and args.gpus is not None and group > 0 and args.gpus % group:
+        raise ConfigError(
+            "gpus",
+            f"gpus {args.gpus} is not a multiple of tp x pp = {args.tp} x {args.pp} = {group}",
+        )
     dp = args.dp if args.dp is not None else (args.gpus or SimConfig.gpus) // max(group, 1)
     gpus = args.gpus if args.gpus is not None else group * dp
     cfg = SimConfig(
@@ -272,6 +279,28 @@ def render_tables(study: Study, console: Console) -> None:
     console.print(table)
 
 
+def input_error(prog: str, exc: ValueError) -> int:
+    """Print one line naming the flag to change (for a ConfigError); the exit status to use."""
+    flag = _FLAGS.get(exc.field) if isinstance(exc, ConfigError) else None
+    hint = f" (change {flag})" if flag else ""
+    Console(stderr=True).print(
+        f"[red]{prog}: error:[/] {escape(str(exc))}{hint}", highlight=False, soft_wrap=True
+    )
+    return 2
+
+
+def prepare_out(out: Path) -> None:
+    """Create `out` now, so an unusable path fails before the study runs, not after."""
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} exists and is not a directory")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"cannot create --out {out}: {exc.strerror}") from exc
+    if not os.access(out, os.W_OK | os.X_OK):
+        raise ValueError(f"--out {out} is not writable")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
@@ -281,15 +310,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         settings = StudySettings(
             fractions=args.fractions, tps=args.tps, trials=args.trials, traces=args.traces
         ).validate(cfg.gpus)
+        prepare_out(args.out)
     except ValueError as exc:
-        flag = _FLAGS.get(exc.field) if isinstance(exc, ConfigError) else None
-        hint = f" (change {flag})" if flag else ""
-        err.print(
-            f"[red]tessera simulate: error:[/] {escape(str(exc))}{hint}",
-            highlight=False,
-            soft_wrap=True,
-        )
-        return 2
+        return input_error("tessera simulate", exc)
     columns = (
         TextColumn("{task.description}"),
         BarColumn(),

@@ -6,6 +6,7 @@ DP128, a 480B model, a 15-day trace) and the Llama 3 failure statistics (DESIGN.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -117,6 +118,9 @@ class SimConfig:
         The model shape validates itself on construction (`ntp.plan.ModelShape`).
         """
         _positive(self, "", ("gpus", "domain_size", "tp", "pp", "dp", "days"))
+        if self.seed < 0:
+            # numpy's SeedSequence takes only non-negative entropy
+            raise ConfigError("seed", f"seed must be >= 0, got {self.seed}")
         _positive(self.model, "model.", ("tokens_per_batch",))
         _positive(
             self.failures,
@@ -160,11 +164,7 @@ class SimConfig:
                 f"(e.g. {sequences * per_step} = {sequences} per replica)",
             )
         f = self.failures
-        if f.rate_per_gpu_day < 0:
-            raise ConfigError(
-                "failures.rate_per_gpu_day",
-                f"failures.rate_per_gpu_day must be >= 0, got {f.rate_per_gpu_day}",
-            )
+        _non_negative(f, "failures.", ("rate_per_gpu_day",))
         if not 0.0 <= f.hardware_share <= 1.0:
             raise ConfigError(
                 "failures.hardware_share",
@@ -177,31 +177,39 @@ class SimConfig:
                 f"got {f.repair_distribution!r}",
             )
         p = self.policy
-        if p.power_headroom < 0:
-            raise ConfigError(
-                "policy.power_headroom",
-                f"policy.power_headroom must be >= 0, got {p.power_headroom}",
-            )
+        _non_negative(p, "policy.", ("power_headroom",))
         if not 0 <= p.min_tp <= self.tp:
             raise ConfigError(
                 "policy.min_tp", f"policy.min_tp must be in [0, tp={self.tp}], got {p.min_tp}"
             )
-        for name in (
-            "spare_domains",
-            "restart_minutes",
-            "checkpoint_interval_minutes",
-            "reconfigure_seconds",
-            "spare_swap_seconds",
-        ):
-            if getattr(p, name) < 0:
-                raise ConfigError(
-                    f"policy.{name}", f"policy.{name} must be >= 0, got {getattr(p, name)}"
-                )
+        _non_negative(
+            p,
+            "policy.",
+            (
+                "spare_domains",
+                "restart_minutes",
+                "checkpoint_interval_minutes",
+                "reconfigure_seconds",
+                "spare_swap_seconds",
+            ),
+        )
         return self
 
 
+# NaN passes no comparison and inf passes every lower bound, so each bound also needs finiteness.
 def _positive(section: object, prefix: str, names: tuple[str, ...]) -> None:
     for name in names:
         value = getattr(section, name)
-        if not value > 0:
-            raise ConfigError(prefix + name, f"{prefix}{name} must be positive, got {value!r}")
+        if not (value > 0 and math.isfinite(value)):
+            raise ConfigError(
+                prefix + name, f"{prefix}{name} must be positive and finite, got {value!r}"
+            )
+
+
+def _non_negative(section: object, prefix: str, names: tuple[str, ...]) -> None:
+    for name in names:
+        value = getattr(section, name)
+        if not (value >= 0 and math.isfinite(value)):
+            raise ConfigError(
+                prefix + name, f"{prefix}{name} must be >= 0 and finite, got {value!r}"
+            )
