@@ -48,8 +48,14 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     name, rest = args[0], args[1:]
     if name == "bench":
+        usage = (f"usage: tessera bench {{{','.join(BENCHES)}}} [ARGS...]\n"
+                 "`tessera bench NAME --help` describes each benchmark.")
+        if rest and rest[0] in ("-h", "--help"):
+            print(usage)
+            return 0
         if not rest or rest[0] not in BENCHES:
-            print(f"usage: tessera bench {{{','.join(BENCHES)}}} [ARGS...]", file=sys.stderr)
+            unknown = f"tessera bench: unknown benchmark {rest[0]!r}\n" if rest else ""
+            print(unknown + usage, file=sys.stderr)
             return 2
         return _run(BENCHES[rest[0]], rest[1:])
     if name not in COMMANDS:

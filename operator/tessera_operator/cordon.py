@@ -83,8 +83,12 @@ def run(argv: list[str], *, cordon: bool) -> int:
             config_file=str(args.kubeconfig) if args.kubeconfig else None
         ) as api:
             before, after = edit(api, args.node, args.gpu, cordon=cordon)
-    except (CordonError, config.ConfigException) as exc:
+    except CordonError as exc:
         print(f"tessera {verb}-gpu: {exc}", file=sys.stderr)
+        return 1
+    except config.ConfigException as exc:
+        print(f"tessera {verb}-gpu: {exc} (pass --kubeconfig or set $KUBECONFIG)",
+              file=sys.stderr)
         return 1
     except ApiException as exc:
         print(f"tessera {verb}-gpu: API server answered {exc.status}: {exc.reason}",

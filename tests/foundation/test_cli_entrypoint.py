@@ -28,7 +28,8 @@ def tessera(*args: str, env: dict[str, str] | None = None) -> subprocess.Complet
 def test_help_lists_the_subcommands():
     shown = tessera("--help")
     assert shown.returncode == 0, shown.stderr
-    for command in ("up", "down", "demo", "simulate", "bench"):
+    for command in ("up", "down", "demo", "operator", "cordon-gpu", "uncordon-gpu",
+                    "power-agent", "simulate", "bench"):
         assert re.search(rf"^\s+{command}\s", shown.stdout, re.M), command
 
 
@@ -36,6 +37,14 @@ def test_unknown_subcommand_fails_with_usage():
     shown = tessera("frobnicate")
     assert shown.returncode == 2
     assert "unknown command 'frobnicate'" in shown.stderr
+
+
+def test_bench_names_its_benchmarks_and_refuses_unknown_ones():
+    shown = tessera("bench", "--help")
+    assert shown.returncode == 0 and "{ntp,sim}" in shown.stdout, shown.stderr
+    wrong = tessera("bench", "frobnicate")
+    assert wrong.returncode == 2
+    assert "unknown benchmark 'frobnicate'" in wrong.stderr
 
 
 @pytest.fixture
