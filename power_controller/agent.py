@@ -13,7 +13,9 @@ from __future__ import annotations
 import argparse
 import functools
 import logging
+import math
 import os
+import re
 import signal
 import threading
 import time
@@ -446,12 +448,30 @@ def _serve_metrics(args: argparse.Namespace, agent: Agent) -> Callable[[], None]
     return server.shutdown
 
 
+# A Kubernetes node name is a DNS-1123 subdomain; anything else (say `../x`) must not reach a path.
+_NODE_NAME = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+
+
+def _bad_setting(args: argparse.Namespace) -> str | None:
+    """Why the command line cannot run, naming the flag; None when it can."""
+    if len(args.node) > 253 or not _NODE_NAME.fullmatch(args.node):
+        return (f"--node {args.node!r} is not a Kubernetes node name (lowercase letters, digits, "
+                f"'-' and '.', at most 253 characters)")
+    if not (args.interval > 0 and math.isfinite(args.interval)):
+        return f"--interval must be a positive number of seconds, got {args.interval}"
+    return None
+
+
 def main(argv: list[str]) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(message)s")
     if not args.node:
         parser.error("--node (or NODE_NAME) is required")
+    bad = _bad_setting(args)
+    if bad:
+        log.error("%s", bad)
+        return 2
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
@@ -462,6 +482,9 @@ def main(argv: list[str]) -> int:
     except StateLocked as err:
         log.error("%s", err)
         return 2
+    except OSError as err:
+        log.error("cannot open the node's record in --state-dir %s: %s", args.state_dir, err)
+        return 1
     try:
         return _run(args, parser, managed, stop)
     finally:

@@ -377,3 +377,32 @@ def test_simulated_gpus_are_configured_from_the_command_line(tmp_path: Path) -> 
     args.sim_default_watts = 500
     with pytest.raises(ValueError, match="min <= default <= max"):
         sim_backend(args)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--node", "../evil"], "--node '../evil' is not a Kubernetes node name"),
+        (["--node", "Node_A"], "--node 'Node_A' is not a Kubernetes node name"),
+        (["--node", "n", "--interval", "0"], "--interval must be a positive number"),
+        (["--node", "n", "--interval", "nan"], "--interval must be a positive number"),
+    ],
+)
+def test_bad_flags_exit_before_touching_the_state_dir(
+    tmp_path: Path, caplog, args: list[str], message: str
+) -> None:
+    state_dir = tmp_path / "state" / "dir"
+    code = main([*args, "--backend", "sim", "--state-dir", str(state_dir), "--metrics-port", "0"])
+    assert code == 2
+    assert message in caplog.text
+    assert not (tmp_path / "state").exists() and not (tmp_path / "evil.json.lock").exists()
+
+
+def test_a_state_dir_that_cannot_hold_the_record_is_a_clear_error(tmp_path: Path, caplog) -> None:
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("keep me")
+    code = main(["--node", "node-a", "--backend", "sim", "--state-dir", str(not_a_dir),
+                 "--sim-state", str(tmp_path / "gpus.json"), "--metrics-port", "0"])
+    assert code == 1
+    assert f"cannot open the node's record in --state-dir {not_a_dir}" in caplog.text
+    assert not_a_dir.read_text() == "keep me"
