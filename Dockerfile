@@ -1,5 +1,6 @@
 # One image, three entry points: the operator, the node power agent and the NTP trainer.
-# Build: docker build -t tessera:0.1.0 .   (targets: operator, power-agent, trainer)
+# Build: docker build --target operator -t tessera:0.1.0 . (likewise --target power-agent -t
+# tessera-power-agent:0.1.0, --target trainer -t tessera-trainer:0.1.0)
 FROM python:3.11-slim AS base
 ENV PYTHONUNBUFFERED=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=1
 WORKDIR /opt/tessera
@@ -24,4 +25,5 @@ ENTRYPOINT ["tessera", "power-agent"]
 FROM base AS trainer
 ENV NVIDIA_DRIVER_CAPABILITIES=compute,utility NVIDIA_VISIBLE_DEVICES=all
 USER 65532
-ENTRYPOINT ["python", "-m", "ntp.train"]
+# the pod's node agent: one ntp.train rank per GPU of its node, following the job's generations
+ENTRYPOINT ["python", "-m", "ntp.agent"]

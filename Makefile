@@ -27,9 +27,9 @@ $(STAMP): pyproject.toml
 system:
 	command -v prometheus >/dev/null && command -v openssl >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus openssl; }
 	@command -v kubectl >/dev/null || { echo "kubectl is not on the PATH: install it first" >&2; exit 1; }
-	@command -v go >/dev/null || { echo "Go >= 1.26 is needed to build kube-apiserver and etcd (or set TESSERA_BIN_DIR)" >&2; exit 1; }
+	@command -v go >/dev/null || { echo "Go >= 1.26 is needed to build the control plane: kube-apiserver, kube-scheduler, kube-controller-manager and etcd (or set TESSERA_BIN_DIR)" >&2; exit 1; }
 
-# TESSERA_BIN_DIR: kube-apiserver and etcd built elsewhere, used as they are.
+# TESSERA_BIN_DIR: the control plane's binaries built elsewhere, used as they are.
 controlplane: deps
 	test -n "$$TESSERA_BIN_DIR" || $(BIN)/tessera build-controlplane
 

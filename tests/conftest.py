@@ -1,4 +1,6 @@
-"""Shared fixtures: one real control plane per session, fresh namespaces, Prometheus servers."""
+"""Shared fixtures: one real control plane per session (etcd, kube-apiserver, kube-scheduler,
+kube-controller-manager), the local cluster's simulated GPU nodes and Prometheus on it, fresh
+namespaces, Prometheus servers for static targets."""
 
 from __future__ import annotations
 
@@ -9,21 +11,22 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 import pytest
 from kubernetes import client
 
-from tessera_operator.controlplane import crds, launcher
+from tessera_operator.controlplane import cluster, crds, launcher, probes
 from tessera_operator.controlplane.prometheus import Prometheus
+
+# The session's local cluster: as `tessera up` makes it by default.
+CLUSTER_NODES = cluster.DEFAULT_NODES
+CLUSTER_GPUS = cluster.DEFAULT_GPUS
 
 
 @pytest.fixture(scope="session")
 def control_plane() -> Iterator[launcher.ControlPlane]:
-    """etcd + kube-apiserver on loopback, stopped after the session (or killed with pytest).
-
-    No controller-manager runs: deleted namespaces never finish terminating, so tests do not
-    delete theirs; the whole store is thrown away at the end of the session.
-    """
+    """The control plane on loopback, stopped after the session (or killed with pytest); the
+    whole store is thrown away at the end of the session."""
     # building takes far longer than pytest-timeout allows a test: fail at once and say why
     bins = launcher.prebuilt()
     if bins is None:
-        pytest.fail("kube-apiserver and etcd are not built: run `make setup` (or "
+        pytest.fail("the control plane is not built: run `make setup` (or "
                     "`tessera build-controlplane`) first, or set TESSERA_BIN_DIR", pytrace=False)
     with launcher.ControlPlane.start(bin_dir=bins) as plane:
         yield plane
@@ -36,6 +39,19 @@ def tessera_crds(control_plane: launcher.ControlPlane) -> list[str]:
         return crds.apply(api, crds.load())
 
 
+@pytest.fixture(scope="session")
+def local_cluster(control_plane: launcher.ControlPlane,
+                  tessera_crds: list[str]) -> Iterator[cluster.Cluster]:
+    """Simulated GPU nodes (Ready, running pods), discovery and Prometheus on the session's
+    control plane: what `tessera up` starts."""
+    if shutil.which("prometheus") is None:
+        pytest.fail("the prometheus binary is not on PATH: run `make setup`", pytrace=False)
+    running = cluster.Cluster.start(control_plane,
+                                    cluster.node_specs(CLUSTER_NODES, CLUSTER_GPUS))
+    yield running
+    running.stop()
+
+
 @pytest.fixture
 def admin_api(control_plane: launcher.ControlPlane) -> Iterator[client.ApiClient]:
     with control_plane.api_client() as api:
@@ -44,9 +60,14 @@ def admin_api(control_plane: launcher.ControlPlane) -> Iterator[client.ApiClient
 
 @pytest.fixture
 def namespace(admin_api: client.ApiClient) -> str:
-    """A namespace of its own for each test."""
+    """A namespace of its own for each test, ready for pods: its `default` service account,
+    which the controller-manager creates, exists (pods are refused until it does)."""
     name = f"t-{uuid.uuid4().hex[:10]}"
-    client.CoreV1Api(admin_api).create_namespace({"metadata": {"name": name}})
+    core = client.CoreV1Api(admin_api)
+    core.create_namespace({"metadata": {"name": name}})
+    probes.poll_until(lambda: core.list_namespaced_service_account(
+        name, field_selector="metadata.name=default").items, timeout=30,
+        error=lambda _: TimeoutError(f"no default service account in {name} after 30 s"))
     return name
 
 

@@ -5,27 +5,37 @@ from __future__ import annotations
 import importlib
 import sys
 
-# name -> (module with `main(argv) -> int`, one-line help). Modules load lazily so that
+# name -> ("module" or "module:function", whose `main(argv) -> int` or function runs the command;
+# one-line help). Modules load lazily so that
 # `tessera --help` stays fast and a GPU-less machine never imports torch for a cluster command.
 COMMANDS: dict[str, tuple[str, str]] = {
     "build-controlplane": (
         "tessera_operator.controlplane.build",
-        "build kube-apiserver and etcd from the Go module registry (cached by version)",
+        "build the Kubernetes control plane from the Go module registry (cached by version)",
     ),
-    "up": ("tessera_operator.controlplane.up", "start the local control plane, install the CRDs"),
-    "down": ("tessera_operator.controlplane.down", "stop the local control plane"),
+    "up": ("tessera_operator.controlplane.up",
+           "start the local cluster: control plane, simulated GPU nodes, Prometheus"),
+    "down": ("tessera_operator.controlplane.down", "stop the local cluster, leaving no process"),
+    "sim-node": ("tessera_operator.simnode.node", "run one simulated GPU node (started by `up`)"),
+    "fail-gpu": ("tessera_operator.simnode.faults:fail_gpu",
+                 "make a simulated GPU fail as hardware does (XID, its process dies)"),
+    "restore-gpu": ("tessera_operator.simnode.faults:restore_gpu", "bring a failed GPU back"),
+    "fail-node": ("tessera_operator.simnode.faults:fail_node",
+                  "stop a simulated node: heartbeat and pods"),
     "demo": ("tessera_operator.demo", "run the local demo end to end"),
     "operator": ("tessera_operator.run", "run the Tessera operator (reconcile NTPTrainingJobs)"),
     "cordon-gpu": ("tessera_operator.cordon", "cordon one GPU of a node: Tessera plans around it"),
     "uncordon-gpu": ("tessera_operator.uncordon", "give a cordoned GPU back to the planner"),
     "power-agent": ("power_controller.agent", "run the node power agent (DaemonSet entry point)"),
+    "health-agent": ("power_controller.health_agent", "publish this node's GPU health from DCGM"),
     "simulate": ("tessera_operator.simulator.cli", "simulate a large job under GPU failures"),
-    "bench": ("", "benchmarks: `tessera bench ntp`, `tessera bench sim`"),
+    "bench": ("", "benchmarks: `tessera bench ntp|sim|operator`"),
 }
 
 BENCHES: dict[str, str] = {
     "ntp": "ntp.bench",
     "sim": "tessera_operator.simulator.bench",
+    "operator": "tessera_operator.opbench",
 }
 
 
@@ -37,8 +47,9 @@ def _usage() -> str:
     return "\n".join(lines)
 
 
-def _run(module: str, argv: list[str]) -> int:
-    return int(importlib.import_module(module).main(argv) or 0)
+def _run(target: str, argv: list[str]) -> int:
+    module, _, function = target.partition(":")
+    return int(getattr(importlib.import_module(module), function or "main")(argv) or 0)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,6 +6,7 @@ import json
 import socket
 import subprocess
 import sys
+import uuid
 
 import pytest
 from kubernetes import client
@@ -23,12 +24,52 @@ def test_kubectl_talks_to_the_server_as_admin(control_plane):
     assert "system:masters" in whoami.stdout
 
 
-def test_pods_can_be_created_in_a_fresh_namespace(admin_api, namespace):
+def test_the_scheduler_leaves_an_unplaceable_pod_pending_with_its_reason(admin_api, namespace):
+    core = client.CoreV1Api(admin_api)
     pod = {"metadata": {"name": "trainer-0"},
-           "spec": {"containers": [{"name": "trainer", "image": "busybox"}]}}
-    client.CoreV1Api(admin_api).create_namespaced_pod(namespace, pod)
-    stored = client.CoreV1Api(admin_api).read_namespaced_pod("trainer-0", namespace)
-    assert stored.status.phase == "Pending"  # no scheduler or kubelet plays the node here
+           "spec": {"nodeSelector": {"tessera.dev/no-such-node": "x"},
+                    "containers": [{"name": "trainer", "image": "busybox"}]}}
+    core.create_namespaced_pod(namespace, pod)
+
+    def unschedulable() -> list:
+        stored = core.read_namespaced_pod("trainer-0", namespace)
+        return [c for c in stored.status.conditions or []
+                if c.type == "PodScheduled" and c.reason == "Unschedulable"]
+
+    [condition] = probes.poll_until(unschedulable, timeout=30, error=lambda _: AssertionError(
+        "the scheduler never reported the pod unschedulable"))
+    assert "didn't match Pod's node affinity/selector" in condition.message or \
+        "no nodes available" in condition.message
+    # the ServiceAccount admission plugin gave it the namespace's default identity
+    assert core.read_namespaced_pod("trainer-0", namespace).spec.service_account_name == "default"
+
+
+def test_the_controller_manager_collects_garbage_and_finishes_namespace_deletion(admin_api):
+    core = client.CoreV1Api(admin_api)
+    name = f"t-gc-{uuid.uuid4().hex[:8]}"
+    core.create_namespace({"metadata": {"name": name}})
+    owner = core.create_namespaced_config_map(name, {"metadata": {"name": "owner"}})
+    core.create_namespaced_config_map(name, {"metadata": {
+        "name": "owned", "ownerReferences": [{"apiVersion": "v1", "kind": "ConfigMap",
+                                              "name": "owner", "uid": owner.metadata.uid}]}})
+    core.delete_namespaced_config_map("owner", name)
+    probes.poll_until(lambda: [c.metadata.name for c in core.list_namespaced_config_map(
+        name, field_selector="metadata.name=owned").items], lambda left: not left, timeout=30,
+        error=lambda _: AssertionError("the owned ConfigMap outlived its owner"))
+    core.delete_namespace(name)
+    probes.poll_until(lambda: [n.metadata.name for n in core.list_namespace(
+        field_selector=f"metadata.name={name}").items], lambda left: not left, timeout=60,
+        error=lambda _: AssertionError(f"namespace {name} never finished terminating"))
+
+
+def _allowed(call):
+    """call()'s result, or None while the API server still forbids it."""
+    try:
+        return call()
+    except client.ApiException as exc:
+        if exc.status != 403:
+            raise
+        return None
 
 
 def test_service_account_token_is_subject_to_rbac(control_plane, admin_api, namespace):
@@ -49,7 +90,10 @@ def test_service_account_token_is_subject_to_rbac(control_plane, admin_api, name
             "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
                         "name": "pod-reader"},
             "subjects": [{"kind": "ServiceAccount", "name": "worker", "namespace": namespace}]})
-        assert pods.list_namespaced_pod(namespace).items == []
+        # the authorizer sees new bindings through its informers, a moment after they are made
+        assert probes.poll_until(lambda: _allowed(lambda: pods.list_namespaced_pod(namespace)),
+                                 timeout=30, error=lambda _: AssertionError(
+                                     "the Role binding never took effect")).items == []
         # 3. and only what the Role grants
         with pytest.raises(client.ApiException) as err:
             pods.create_namespaced_pod(namespace, {"metadata": {"name": "x"}, "spec": {
@@ -57,9 +101,15 @@ def test_service_account_token_is_subject_to_rbac(control_plane, admin_api, name
         assert err.value.status == 403
 
 
-def test_private_keys_and_kubeconfig_are_readable_by_their_owner_only(control_plane):
-    secrets = [control_plane.kubeconfig, *control_plane.data_dir.glob("pki/*.key")]
-    assert len(secrets) == 5  # the kubeconfig, and the CA, serving, admin and token keys
+def test_private_keys_and_kubeconfigs_are_readable_by_their_owner_only(control_plane):
+    secrets = [*control_plane.data_dir.glob("*kubeconfig"),
+               *control_plane.data_dir.glob("pki/*.key")]
+    names = {path.name for path in secrets}
+    # the admin's and each component's kubeconfig; the CA, serving, admin, token and the
+    # apiserver's kubelet-client keys, and each component's
+    assert {"kubeconfig", "kube-scheduler.kubeconfig", "kube-controller-manager.kubeconfig",
+            "ca.key", "apiserver.key", "admin.key", "sa.key", "apiserver-kubelet-client.key",
+            "kube-scheduler.key", "kube-controller-manager.key"} <= names
     assert {oct(path.stat().st_mode & 0o777) for path in secrets} == {"0o600"}
 
 

@@ -1,8 +1,9 @@
-"""Build kube-apiserver and etcd from the Go module registry into a cache keyed by version.
+"""Build the control plane (kube-apiserver, kube-scheduler, kube-controller-manager, etcd) from
+the Go module registry into a cache keyed by version.
 
 The Kubernetes module's own go.mod points its staging modules (k8s.io/api, ...) at ./staging
 paths that do not exist outside its repository; we rewrite each of those replaces to the
-published v0.X.Y module so `go build k8s.io/kubernetes/cmd/kube-apiserver` works from the proxy.
+published v0.X.Y module so `go build k8s.io/kubernetes/cmd/...` works from the proxy.
 """
 
 from __future__ import annotations
@@ -24,6 +25,10 @@ KUBERNETES_VERSIONS = ("v1.37.2", "v1.36.3", "v1.35.4")
 # Kubernetes 1.37 requires etcd v3.7.0; module version selection would raise a lower pin anyway.
 ETCD_VERSION = "v3.7.0"
 
+# The Kubernetes binaries of one release, built together so they share one compile of the tree.
+KUBERNETES_COMMANDS = ("kube-apiserver", "kube-scheduler", "kube-controller-manager")
+BINARIES = (*KUBERNETES_COMMANDS, "etcd")
+
 _STAGING_REPLACE = re.compile(r"^\s*(k8s\.io/[\w.-]+)\s*=>\s*\./staging/src/\S+\s*$", re.M)
 
 
@@ -36,10 +41,10 @@ def bin_dir(k8s_version: str) -> Path:
 
 
 def find_cached() -> Path | None:
-    """The newest cached build that has both binaries, if any."""
+    """The newest cached build that has every binary, if any."""
     for version in KUBERNETES_VERSIONS:
         d = bin_dir(version)
-        if (d / "kube-apiserver").is_file() and (d / "etcd").is_file():
+        if all((d / name).is_file() for name in BINARIES):
             return d
     return None
 
@@ -65,8 +70,8 @@ def run_go(args: list[str], cwd: Path, env: dict[str, str], log, tail: int = 40)
             proc = subprocess.Popen(["go", *args], cwd=cwd, env=env, stdout=out,
                                     stderr=subprocess.PIPE, text=True, errors="replace")
         except FileNotFoundError:
-            raise GoMissing("Go >= 1.26 is required to build kube-apiserver; install it or set "
-                            "TESSERA_BIN_DIR to a directory holding kube-apiserver and etcd"
+            raise GoMissing("Go >= 1.26 is required to build the control plane; install it or set "
+                            "TESSERA_BIN_DIR to a directory holding its binaries"
                             ) from None
         last: deque[str] = deque(maxlen=tail)
         with proc:
@@ -117,12 +122,12 @@ def write_module(k8s_version: str, workdir: Path, log) -> None:
         "",
     ]
     (workdir / "go.mod").write_text("\n".join(lines))
-    # A blank import keeps both main packages in the module graph for `go mod tidy`.
+    # Blank imports keep every main package in the module graph for `go mod tidy`.
+    imports = [*(f"k8s.io/kubernetes/cmd/{c}" for c in KUBERNETES_COMMANDS),
+               "go.etcd.io/etcd/server/v3"]
     (workdir / "tools.go").write_text(
         "//go:build tools\n\npackage tools\n\nimport (\n"
-        '\t_ "k8s.io/kubernetes/cmd/kube-apiserver"\n'
-        '\t_ "go.etcd.io/etcd/server/v3"\n)\n'
-    )
+        + "".join(f'\t_ "{i}"\n' for i in imports) + ")\n")
 
 
 def _version_ldflags(k8s_version: str) -> str:
@@ -140,12 +145,13 @@ def build(k8s_version: str, log=print) -> Path:
         # 1. a throwaway module that pins the release and its staging modules
         write_module(k8s_version, work, log)
         _go(["mod", "tidy", "-e"], work, log)
-        # 2. build both binaries into a staging dir, then move into the cache atomically
+        # 2. build every binary into a staging dir, then move into the cache atomically;
+        #    one `go build` of several mains into a folder compiles the shared tree once
         stage = work / "bin"
         stage.mkdir()
         ldflags = f"-ldflags=-s -w {_version_ldflags(k8s_version)}"
-        _go(["build", "-trimpath", ldflags, "-o", str(stage / "kube-apiserver"),
-             "k8s.io/kubernetes/cmd/kube-apiserver"], work, log)
+        _go(["build", "-trimpath", ldflags, "-o", f"{stage}/",
+             *(f"k8s.io/kubernetes/cmd/{c}" for c in KUBERNETES_COMMANDS)], work, log)
         _go(["build", "-trimpath", "-ldflags=-s -w", "-o", str(stage / "etcd"),
              "go.etcd.io/etcd/server/v3"], work, log)
         # the cache dir appears whole or not at all, so a killed build never looks cached
@@ -158,7 +164,7 @@ def build(k8s_version: str, log=print) -> Path:
 
 
 def ensure(log=print) -> Path:
-    """Return the directory holding kube-apiserver and etcd, building them on first use.
+    """Return the directory holding the control-plane binaries, building them on first use.
 
     Concurrent callers (parallel test sessions, `tessera up`) serialize on a lock file, so only
     the first builds and the rest find its result in the cache.

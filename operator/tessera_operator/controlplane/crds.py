@@ -21,8 +21,10 @@ def crd_dir() -> Path:
 def load(directory: Path | None = None) -> list[dict[str, Any]]:
     """Every document in the *.yaml files of directory (default: the checkout's crds/)."""
     directory = directory or crd_dir()
+    # the folder also holds its kustomization: only the CRDs themselves are installed here
     docs = [doc for path in sorted(directory.glob("*.yaml"))
-            for doc in yaml.safe_load_all(path.read_text()) if doc]
+            for doc in yaml.safe_load_all(path.read_text())
+            if doc and doc.get("kind") == "CustomResourceDefinition"]
     if not docs:
         raise FileNotFoundError(f"no CustomResourceDefinitions in {directory}")
     return docs

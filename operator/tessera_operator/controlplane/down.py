@@ -1,4 +1,5 @@
-"""`tessera down`: stop the control plane that `tessera up` started and remove its state."""
+"""`tessera down`: stop the local cluster that `tessera up` started (Prometheus, discovery, the
+simulated nodes and their pods, the control plane) and remove its state."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from tessera_operator.controlplane import launcher
+from tessera_operator.controlplane import cluster, launcher
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -22,12 +23,12 @@ def main(argv: list[str] | None = None) -> int:
     except launcher.NotAStateDir as exc:
         console.print(str(exc), style="red", markup=False, highlight=False, soft_wrap=True)
         return 1
-    plane = launcher.ControlPlane.load(args.data_dir)
-    if plane is None:
+    running = cluster.Cluster.load(args.data_dir)
+    if running is None:
         console.print("no control plane running")
     else:
-        with console.status("stopping kube-apiserver and etcd"):
-            plane.stop()
-        console.print("[green]control plane stopped[/]")
+        with console.status("stopping Prometheus, the nodes and the control plane"):
+            running.stop(stop_plane=True)
+        console.print("[green]cluster stopped[/]")
     launcher.remove_state_dir(args.data_dir)
     return 0

@@ -1,11 +1,13 @@
-"""Start etcd and kube-apiserver on loopback and hand out kubeconfigs and clients for them.
+"""Start the control plane on loopback (etcd, kube-apiserver, kube-controller-manager,
+kube-scheduler) and hand out kubeconfigs and clients for it.
 
-Authentication: an admin client certificate (O=system:masters) and service-account tokens signed
-by a generated key (TokenRequest works). Authorization is Node,RBAC, so RBAC is enforced.
-There is no controller-manager, scheduler or kubelet: namespaces never finish terminating,
-ownerReferences are not garbage-collected and pods stay Pending unless something plays the node.
-The ServiceAccount admission plugin is off because no controller creates the `default` service
-account of new namespaces; without that, no pod could be created in a fresh namespace.
+Each component has its own identity, as on a real cluster: client certificates for the scheduler
+(system:kube-scheduler) and the controller-manager (system:kube-controller-manager), which runs
+its controllers under their own service accounts; the apiserver's bootstrap RBAC binds them.
+People use an admin client certificate (O=system:masters); workloads use service-account tokens
+signed by a generated key. Authorization is Node,RBAC with the NodeRestriction admission plugin,
+so a (simulated) node may only touch its own Node, Lease and pods. The apiserver reaches the
+nodes' kubelet endpoints (`kubectl logs`) with its own client certificate.
 """
 
 from __future__ import annotations
@@ -29,7 +31,13 @@ SERVICE_ACCOUNT_ISSUER = "https://kubernetes.default.svc"
 STATE_FILE = "controlplane.json"
 # written first thing into a data dir, so `up`/`down` know it is theirs even before STATE_FILE
 MARKER = ".tessera-controlplane"
-SERVERS = ("etcd", "kube-apiserver")
+SERVERS = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler")
+# Stopped in this order: the clients of the apiserver first, etcd last.
+STOP_ORDER = ("kube-scheduler", "kube-controller-manager", "kube-apiserver", "etcd")
+# How long the node lifecycle controller waits for a node's heartbeat before marking it NotReady.
+# Kubernetes' default is 50 s; a local cluster answers `tessera fail-node` within half that, still
+# two missed 10 s Lease renewals.
+NODE_MONITOR_GRACE = "20s"
 
 
 class NotAStateDir(ValueError):
@@ -97,7 +105,10 @@ def _apiserver_argv(binary: Path, keys: pki.Pki, etcd_port: int, port: int) -> l
         f"--service-account-key-file={keys.sa_pub}",
         f"--service-account-signing-key-file={keys.sa_key}",
         "--authorization-mode=Node,RBAC",
-        "--disable-admission-plugins=ServiceAccount",
+        "--enable-admission-plugins=NodeRestriction",
+        f"--kubelet-client-certificate={keys.kubelet_client_cert}",
+        f"--kubelet-client-key={keys.kubelet_client_key}",
+        "--kubelet-preferred-address-types=InternalIP",
         "--service-cluster-ip-range=10.96.0.0/16",
         # the `kubernetes` Service's endpoints may not point at loopback; no pod needs them
         "--endpoint-reconciler-type=none",
@@ -105,6 +116,37 @@ def _apiserver_argv(binary: Path, keys: pki.Pki, etcd_port: int, port: int) -> l
         "--enable-priority-and-fairness=false",  # one user; spares two cores some work
         "--profiling=false",
     ]
+
+
+def _component_argv(binary: Path, kubeconfig_path: Path, port: int) -> list[str]:
+    """Flags the scheduler and the controller-manager share: one kubeconfig for everything,
+    a health endpoint on loopback, and no leader election (one replica)."""
+    return [
+        str(binary), f"--kubeconfig={kubeconfig_path}",
+        f"--authentication-kubeconfig={kubeconfig_path}",
+        f"--authorization-kubeconfig={kubeconfig_path}",
+        "--bind-address=127.0.0.1", f"--secure-port={port}", "--leader-elect=false",
+        "--profiling=false",
+    ]
+
+
+def _controller_manager_argv(binary: Path, keys: pki.Pki, kubeconfig_path: Path,
+                             port: int) -> list[str]:
+    return [
+        *_component_argv(binary, kubeconfig_path, port),
+        # the token controller signs with the key the apiserver verifies, and publishes the CA
+        # as kube-root-ca.crt in every namespace
+        f"--service-account-private-key-file={keys.sa_key}", f"--root-ca-file={keys.ca_cert}",
+        "--use-service-account-credentials=true",
+        "--service-cluster-ip-range=10.96.0.0/16",
+        f"--node-monitor-grace-period={NODE_MONITOR_GRACE}", "--node-monitor-period=2s",
+    ]
+
+
+def _component_ready(port: int) -> bool:
+    # the components serve /healthz with a self-signed certificate to anonymous callers
+    return probes.responds(f"https://127.0.0.1:{port}/healthz",
+                           ssl._create_unverified_context())
 
 
 def _tls_context(keys: pki.Pki) -> ssl.SSLContext:
@@ -144,7 +186,7 @@ class ControlPlane:
             bins = bin_dir or binaries()
             keys = pki.generate(root / "pki")
             # a port taken by someone else between our pick and the server's bind: new ports
-            return processes.with_free_ports(3, lambda ports: cls._launch(
+            return processes.with_free_ports(5, lambda ports: cls._launch(
                 root, owns, bins, keys, ports, timeout, detached))
         except BaseException:
             if owns:
@@ -156,13 +198,15 @@ class ControlPlane:
         cls, root: Path, owns: bool, bins: Path, keys: pki.Pki, ports: list[int],
         timeout: float, detached: bool,
     ) -> ControlPlane:
-        etcd_port, peer_port, port = ports
+        etcd_port, peer_port, port, cm_port, scheduler_port = ports
         plane = cls(root, f"https://127.0.0.1:{port}", root / "kubeconfig", {}, owns)
         try:
-            # 1. the admin kubeconfig for this server address
+            # 1. kubeconfigs for this server address: the admin's and each component's
             admin = kubeconfig.certificate_user(keys.admin_cert, keys.admin_key)
             kubeconfig.write(plane.kubeconfig, kubeconfig.render(
                 plane.server, keys.ca_cert, admin, pki.ADMIN_USER))
+            components = {name: plane.identity_kubeconfig(name, f"system:{name}")
+                          for name in ("kube-controller-manager", "kube-scheduler")}
             # 2. etcd on a fresh store (a failed try's store names its old peer address),
             #    ready when its health endpoint answers
             shutil.rmtree(root / "etcd", ignore_errors=True)
@@ -182,6 +226,22 @@ class ControlPlane:
                 lambda: probes.responds(f"{plane.server}/readyz", tls)
                 and probes.responds(f"{plane.server}/api/v1/namespaces/default", tls),
                 what="kube-apiserver", proc=plane._procs[-1], log_path=api_log, timeout=timeout)
+            # 4. the controller-manager and the scheduler, started together, each ready when its
+            #    health endpoint answers
+            argvs = {
+                "kube-controller-manager": _controller_manager_argv(
+                    bins / "kube-controller-manager", keys, components["kube-controller-manager"],
+                    cm_port),
+                "kube-scheduler": _component_argv(
+                    bins / "kube-scheduler", components["kube-scheduler"], scheduler_port),
+            }
+            for name, argv in argvs.items():
+                plane._spawn(name, argv, root / f"{name}.log", detached)
+            for name, component_port in (("kube-controller-manager", cm_port),
+                                         ("kube-scheduler", scheduler_port)):
+                proc = next(p for p in plane._procs if p.pid == plane.pids[name])
+                processes.wait_until(lambda p=component_port: _component_ready(p), what=name,
+                                     proc=proc, log_path=root / f"{name}.log", timeout=timeout)
         except BaseException:
             plane._stop_processes()
             raise
@@ -193,8 +253,8 @@ class ControlPlane:
         self.pids[name] = proc.pid
 
     def _stop_processes(self) -> None:
-        """Stop the apiserver before etcd."""
-        for name in ("kube-apiserver", "etcd"):
+        """Stop the apiserver's clients, then the apiserver, then etcd."""
+        for name in STOP_ORDER:
             pid = self.pids.get(name)
             proc = next((p for p in self._procs if p.pid == pid), None)
             if proc is not None:
@@ -211,7 +271,7 @@ class ControlPlane:
             shutil.rmtree(self.data_dir, ignore_errors=True)
 
     def is_running(self) -> bool:
-        """Whether both recorded pids still run etcd and kube-apiserver (not reused since)."""
+        """Whether every recorded pid still runs its server (not reused since)."""
         return all(name in self.pids and processes.runs(self.pids[name], name)
                    for name in SERVERS)
 
@@ -247,6 +307,18 @@ class ControlPlane:
         from kubernetes import config
 
         return config.new_client_from_config(config_file=str(self.kubeconfig))
+
+    def identity_kubeconfig(self, name: str, user: str, groups: tuple[str, ...] = ()) -> Path:
+        """A kubeconfig file data_dir/NAME.kubeconfig with a client certificate for `user` in
+        `groups` (a component, a simulated node); the certificate is made on first use."""
+        keys = self.keys
+        cert, key = keys.ca_cert.parent / f"{name}.crt", keys.ca_cert.parent / f"{name}.key"
+        if not cert.exists():
+            cert, key = pki.client_certificate(keys, keys.ca_cert.parent, name, user, groups)
+        path = self.data_dir / f"{name}.kubeconfig"
+        kubeconfig.write(path, kubeconfig.render(
+            self.server, keys.ca_cert, kubeconfig.certificate_user(cert, key), user))
+        return path
 
     def token_kubeconfig(self, token: str, user_name: str) -> dict:
         return kubeconfig.render(self.server, self.keys.ca_cert, kubeconfig.token_user(token),

@@ -1,7 +1,9 @@
 """Keys and certificates for the local control plane, made with the openssl command line tool.
 
-One self-signed CA signs the apiserver's serving certificate and an admin client certificate in
-group system:masters; a separate key pair signs service-account tokens (TokenRequest).
+One self-signed CA signs the apiserver's serving certificate, an admin client certificate in
+group system:masters and one client certificate per other identity of the cluster (scheduler,
+controller-manager, each simulated node, the apiserver's own client to the kubelets); a separate
+key pair signs service-account tokens (TokenRequest).
 EC P-256 keys keep generation well under a second.
 """
 
@@ -26,12 +28,14 @@ class Pki:
     admin_key: Path
     sa_key: Path
     sa_pub: Path
+    kubelet_client_cert: Path
+    kubelet_client_key: Path
 
     @classmethod
     def at(cls, root: Path) -> Pki:
         return cls(*(root / name for name in (
             "ca.crt", "ca.key", "apiserver.crt", "apiserver.key", "admin.crt", "admin.key",
-            "sa.key", "sa.pub",
+            "sa.key", "sa.pub", "apiserver-kubelet-client.crt", "apiserver-kubelet-client.key",
         )))
 
 
@@ -86,4 +90,26 @@ def generate(root: Path) -> Pki:
     # 4. the service-account token signing pair
     _key(pki.sa_key)
     _openssl("pkey", "-in", pki.sa_key, "-pubout", "-out", pki.sa_pub)
+    # 5. the apiserver's client certificate towards the nodes' kubelet endpoints (logs)
+    _signed(pki, pki.kubelet_client_key, pki.kubelet_client_cert,
+            "/O=system:masters/CN=kube-apiserver-kubelet-client", "extendedKeyUsage=clientAuth")
     return pki
+
+
+def client_certificate(pki: Pki, root: Path, name: str, user: str,
+                       groups: tuple[str, ...] = ()) -> tuple[Path, Path]:
+    """A client certificate for `user` in `groups` (CN and O, as the apiserver reads them),
+    written as root/name.crt and root/name.key; returns (cert, key)."""
+    cert, key = root / f"{name}.crt", root / f"{name}.key"
+    subject = "".join(f"/O={g}" for g in groups) + f"/CN={user}"
+    _signed(pki, key, cert, subject, "extendedKeyUsage=clientAuth")
+    return cert, key
+
+
+def serving_certificate(pki: Pki, root: Path, name: str, ips: tuple[str, ...]) -> tuple[Path, Path]:
+    """A serving certificate for the given IP addresses (a simulated node's kubelet endpoint)."""
+    cert, key = root / f"{name}.crt", root / f"{name}.key"
+    alt = ",".join(f"IP:{ip}" for ip in ips)
+    _signed(pki, key, cert, f"/CN={name}", f"subjectAltName={alt}",
+            "extendedKeyUsage=serverAuth")
+    return cert, key

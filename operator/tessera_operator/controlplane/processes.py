@@ -59,7 +59,8 @@ def with_free_ports(count: int, launch: Callable[[list[int]], T], attempts: int 
     return launch(free_ports(count))
 
 
-def _die_with_parent(parent: int) -> Callable[[], None]:
+def parent_death_signal(parent: int) -> Callable[[], None]:
+    """A preexec_fn making the child die (SIGKILL) when the thread that forks it ends."""
     # libc is loaded here, before the fork: the child only makes one system call
     prctl = ctypes.CDLL(None, use_errno=True).prctl
 
@@ -77,7 +78,7 @@ def spawn(argv: list[str], log_path: Path, *, die_with_parent: bool) -> subproce
     With die_with_parent the kernel SIGKILLs it when the spawning thread ends, so a killed test
     run leaves no servers behind; without, it outlives us (`tessera up`).
     """
-    preexec = _die_with_parent(os.getpid()) if die_with_parent else None
+    preexec = parent_death_signal(os.getpid()) if die_with_parent else None
     with open(log_path, "ab") as log:
         return subprocess.Popen(
             argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
@@ -94,15 +95,16 @@ def log_tail(log_path: Path, lines: int = 30) -> str:
 
 
 def is_alive(proc: subprocess.Popen | int) -> bool:
+    """Whether the process runs. A zombie does not: a detached server's parent is gone, and it
+    stays a zombie until init reaps it, which may take seconds."""
     if isinstance(proc, subprocess.Popen):
         return proc.poll() is None
     try:
-        os.kill(proc, 0)
-    except ProcessLookupError:
+        stat = Path(f"/proc/{proc}/stat").read_text()
+    except OSError:
         return False
-    except PermissionError:
-        return True
-    return True
+    # the state follows the command name, which is in parentheses and may contain any character
+    return stat[stat.rindex(")") + 2:].split(" ", 1)[0] not in ("Z", "X")
 
 
 def runs(pid: int, program: str) -> bool:
@@ -115,6 +117,21 @@ def runs(pid: int, program: str) -> bool:
     except OSError:
         return False
     return Path(argv0.decode(errors="replace")).name == program
+
+
+def command_line(pid: int) -> str:
+    """Process pid's arguments joined by NUL ('' once it is gone)."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def runs_command(pid: int, word: str) -> bool:
+    """Whether process pid's command line (arguments joined by NUL) contains `word`: a pid
+    recorded earlier may have been reused by another program since."""
+    cmdline = command_line(pid)
+    return bool(cmdline) and word in cmdline + "\0"
 
 
 def wait_until(

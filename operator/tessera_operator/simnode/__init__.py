@@ -1,0 +1,1 @@
+"""Simulated GPU nodes: a kubelet-like process that runs a node's pods as local processes."""
