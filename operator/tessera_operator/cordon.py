@@ -14,7 +14,9 @@ from pathlib import Path
 
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
+from urllib3.exceptions import HTTPError
 
+from power_controller.targets import MAX_GPUS_PER_NODE
 from tessera_operator.health import CORDON_ANNOTATION, format_indices, parse_indices
 
 GPU_RESOURCE = "nvidia.com/gpu"
@@ -27,8 +29,10 @@ class CordonError(Exception):
 
 
 def _gpu_count(node: client.V1Node) -> int | None:
+    """The node's GPU capacity, or None when it reports none (or not as a plain count)."""
     capacity = (node.status.capacity if node.status else None) or {}
-    return int(capacity[GPU_RESOURCE]) if GPU_RESOURCE in capacity else None
+    value = str(capacity.get(GPU_RESOURCE, ""))
+    return int(value) if value.isascii() and value.isdigit() and len(value) < 4 else None
 
 
 def edit(api: client.ApiClient, node: str, gpu: int, *, cordon: bool) -> tuple[str, str]:
@@ -44,8 +48,13 @@ def edit(api: client.ApiClient, node: str, gpu: int, *, cordon: bool) -> tuple[s
         count = _gpu_count(current)
         if count is not None and gpu >= count:
             raise CordonError(f"node {node} has {count} GPUs (0-{count - 1}); no GPU {gpu}")
+        if gpu >= MAX_GPUS_PER_NODE:
+            # Without a capacity to check against, the agent's own bound keeps the annotation
+            # readable: what this command writes, it can always read back.
+            raise CordonError(f"node {node} reports no {GPU_RESOURCE} capacity and no node has "
+                              f"more than {MAX_GPUS_PER_NODE} GPUs; no GPU {gpu}")
         before = (current.metadata.annotations or {}).get(CORDON_ANNOTATION, "")
-        indices, problems = parse_indices(before, 1 << 16)
+        indices, problems = parse_indices(before, MAX_GPUS_PER_NODE)
         if problems:
             raise CordonError(
                 f"node {node}: {CORDON_ANNOTATION}={before!r} is malformed ({'; '.join(problems)});"
@@ -93,6 +102,9 @@ def run(argv: list[str], *, cordon: bool) -> int:
     except ApiException as exc:
         print(f"tessera {verb}-gpu: API server answered {exc.status}: {exc.reason}",
               file=sys.stderr)
+        return 1
+    except HTTPError as exc:
+        print(f"tessera {verb}-gpu: API server unreachable: {exc}", file=sys.stderr)
         return 1
     if before == after:
         state = "already cordoned" if cordon else "not cordoned"

@@ -1,40 +1,48 @@
 """kopf handlers: reconcile each NTPTrainingJob from what is observed, level-triggered.
 
-Every trigger (the job created, changed or resumed; the renewal timer; a change to one of its
-nodes' labels or GPU cordons) runs the same `reconcile(namespace, name)`, which never asks which
-event arrived: observe the job, its nodes and its layout ConfigMap -> plan (pure) -> write the
-layout document if its fingerprint changed, publish the power targets -> rebuild the status.
-Reconciles of one job are serialised by a lock, so the node watch and the job handlers can call
-it concurrently. A node serves a job when it carries both labels `tessera.dev/job=<name>` and
-`tessera.dev/job-namespace=<namespace>` (what a placement step writes).
+Every trigger (the job created, changed or resumed; one of its pods changing phase or address;
+a node agent's progress report; a change to one of its nodes' labels, GPUs or cordons; an agent
+reporting a cut in effect while a raise waits for it; the slow resync timer) runs the same
+`reconcile(namespace, name)`, which never asks which event arrived: observe the job, its pods,
+its nodes and its layout ConfigMap -> place it if it has no nodes yet and create what it runs
+(`workload`) -> plan (pure) -> publish the next generation document if the layout changed, sync
+the power targets (written only when they change) -> rebuild the status. Reconciles of one job
+are serialised by a lock, so the watches and the job handlers can call it concurrently. A job's
+nodes are those its trainer pods are placed on (`workload.placed_nodes`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import threading
 from collections import defaultdict
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
 import kopf
 from kubernetes import client, config
+from kubernetes import utils as kube_utils
 from kubernetes.client.exceptions import ApiException
 from urllib3.exceptions import HTTPError
 
+from ntp import progress
+from ntp.generations import Generation, GenerationError, Gpu, Rendezvous
 from power_controller import channel
-from power_controller.targets import format_time
-from tessera_operator import conditions, health, planner
+from power_controller.targets import PowerTarget, format_time
+from tessera_operator import conditions, health, planner, workload
+from tessera_operator.workload import JOB_LABEL
 
 GROUP, VERSION, PLURAL = "tessera.dev", "v1alpha1", "ntptrainingjobs"
-JOB_LABEL = "tessera.dev/job"
-JOB_NAMESPACE_LABEL = "tessera.dev/job-namespace"
-LAYOUT_KEY = "layout.json"
-# Targets live TARGET_TTL_S; the timer renews them three times within that.
-TARGET_TTL_S = 60
-RENEW_INTERVAL_S = 20.0
+LAYOUT_KEY = "generation.json"  # ntp.kube_source reads it there
+CONFIGMAP_MAX_BYTES = 1024 * 1024  # the API server's limit on a ConfigMap's data
+# Watches drive every change; the timer only re-observes what a watch or a failed reconcile may
+# have missed. Its cost is six reads per job per interval (five without a power policy),
+# whatever the number of nodes.
+RESYNC_INTERVAL_S = 300.0
 API_TIMEOUT_S = 10.0
 RETRY_DELAY_S = 5.0
 
@@ -62,6 +70,10 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     settings.watching.server_timeout = 120
     settings.watching.client_timeout = 150
     settings.watching.connect_timeout = 10
+    # Only the jobs' own pods and ConfigMaps stream to the operator (filtered by the API server,
+    # not here): a large cluster's other pods would otherwise each cost an event.
+    for plural in ("pods", "configmaps"):
+        settings.watching.label_selectors["", "v1", plural] = JOB_LABEL
     # Events come from our decisions; kopf's own log lines become events only when they warn.
     settings.posting.level = logging.WARNING
     # Keep kopf's bookkeeping in annotations under our own prefix, never in the pruned status.
@@ -73,8 +85,15 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     memo.setdefault("namespaces", None)  # the namespaces watched; None: all
     memo.locks = defaultdict(threading.Lock)
     memo.locks_guard = threading.Lock()  # guards locks, pending and nodes
-    memo.pending = set()  # jobs with a node-triggered reconcile that has not started yet
-    memo.nodes = {}  # node name -> (job key, labels, cordon) last seen
+    memo.placing = threading.Lock()  # one job's placement at a time
+    memo.pending = set()  # jobs with a watch-triggered reconcile that has not started yet
+    memo.nodes = {}  # node name -> what placement and health read of it, last seen
+    memo.node_jobs = defaultdict(set)  # node name -> keys of the jobs placed on it
+    memo.unplaced = set()  # jobs waiting for nodes: any node change may let them be placed
+    memo.pods = {}  # (namespace, pod) -> (phase, pod IP) last seen, for the jobs' pods
+    memo.gpu_health = {}  # node name -> (its GPUHealth as last seen, what triggers a re-plan)
+    memo.jobs = {}  # job UID -> job key, for the power targets that name their job by UID
+    memo.held = set()  # jobs with power raises waiting for cuts to be reported in effect
 
 
 @kopf.on.cleanup()
@@ -90,56 +109,143 @@ def close(memo: kopf.Memo, **_: Any) -> None:
 @kopf.on.resume(GROUP, VERSION, PLURAL)
 @kopf.on.create(GROUP, VERSION, PLURAL)
 @kopf.on.update(GROUP, VERSION, PLURAL)
-@kopf.timer(GROUP, VERSION, PLURAL, interval=RENEW_INTERVAL_S, initial_delay=RENEW_INTERVAL_S)
+@kopf.timer(GROUP, VERSION, PLURAL, interval=RESYNC_INTERVAL_S, initial_delay=RESYNC_INTERVAL_S)
 def on_job(namespace: str, name: str, memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
     _retrying(lambda: reconcile(memo, namespace, name, logger))
 
 
-@kopf.on.delete(GROUP, VERSION, PLURAL, optional=True)
+@kopf.on.delete(GROUP, VERSION, PLURAL)
 def on_job_deleted(
-    namespace: str, name: str, spec: kopf.Spec, memo: kopf.Memo, logger: logging.Logger, **_: Any
+    namespace: str, name: str, body: kopf.Body, memo: kopf.Memo, logger: logging.Logger,
+    **_: Any,
 ) -> None:
-    """The trainer is gone: its GPUs go back to the base cap (the agent then holds there)."""
-    _retrying(lambda: release_power(memo, namespace, name, dict(spec), logger))
+    """The trainer is gone: its power targets are deleted, and each agent settles its GPUs at
+    the base cap inside its last budget share. A finalizer holds the job until this ran, since
+    the garbage collector cannot delete cluster-scoped targets for a namespaced owner."""
+    # After any reconcile in flight: one that read the job before its deletion could otherwise
+    # write a target after this released them (reconciles that start later see the deletion).
+    with _lock(memo, (namespace, name)):
+        _retrying(lambda: _sync_power(memo.api, dict(body), {}))
+    logger.info(f"released the power targets of {namespace}/{name}")
     with memo.locks_guard:
         memo.locks.pop((namespace, name), None)
+        memo.jobs.pop(body.metadata.uid, None)
+        memo.held.discard((namespace, name))
+        memo.unplaced.discard((namespace, name))
+        for jobs in memo.node_jobs.values():
+            jobs.discard((namespace, name))
 
 
 @kopf.on.event("", "v1", "nodes")
-def on_node(
+async def on_node(
     type: str, body: kopf.Body, memo: kopf.Memo, logger: logging.Logger, **_: Any
 ) -> None:
-    """Reconcile the jobs a node serves (before and after) when its labels or cordons change;
-    other node updates (status, heartbeats) are ignored.
+    """Reconcile the jobs placed on a node when what they read of it changes (labels, GPU
+    capacity, cordons, schedulability), and the jobs waiting for nodes; other node updates
+    (heartbeats, conditions) are ignored.
 
-    Node events come in storms (every node of a job at startup, a rack losing power): a change
+    The comparison runs on the event loop, only a reconcile in a thread: a storm of irrelevant
+    node updates (a thousand nodes marked unreachable at once) then costs no thread hand-off
+    each, and a cordon behind it waits for little more than its own reconcile."""
+    name = body.metadata.name
+    seen = None if type == "DELETED" else _node_facts(body)
+    with memo.locks_guard:
+        before = memo.nodes.pop(name, None)
+        if seen is not None:
+            memo.nodes[name] = seen
+        if seen == before:
+            return
+        keys = set(memo.node_jobs.get(name, ())) | set(memo.unplaced)
+    for key in keys:
+        await asyncio.to_thread(_reconcile_once, memo, key, logger)
+
+
+def _node_facts(body: kopf.Body) -> tuple[Any, ...]:
+    allocatable = (body.get("status") or {}).get("allocatable") or {}
+    return (dict(body.metadata.labels or {}),
+            (body.metadata.annotations or {}).get(health.CORDON_ANNOTATION),
+            allocatable.get(workload.GPU_RESOURCE), bool(body.spec.get("unschedulable")),
+            health.node_lost(body))
+
+
+@kopf.on.event("", "v1", "pods", labels={JOB_LABEL: kopf.PRESENT})
+async def on_pod(
+    type: str, body: kopf.Body, memo: kopf.Memo, logger: logging.Logger, **_: Any
+) -> None:
+    """Reconcile a job when one of its pods gets an address (the rendezvous: generation 1
+    can be published), ends, or disappears."""
+    key = (body.metadata.namespace, (body.metadata.labels or {})[JOB_LABEL])
+    status = body.get("status") or {}
+    seen = None if type == "DELETED" else (status.get("phase"), status.get("podIP"))
+    pod_key = (body.metadata.namespace, body.metadata.name)
+    with memo.locks_guard:
+        before = memo.pods.pop(pod_key, None)
+        if seen is not None:
+            memo.pods[pod_key] = seen
+    if seen != before:
+        await asyncio.to_thread(_reconcile_once, memo, key, logger)
+
+
+@kopf.on.event("", "v1", "configmaps", labels={JOB_LABEL: kopf.PRESENT},
+               when=lambda name, **_: str(name).endswith("-progress"))
+async def on_progress(
+    body: kopf.Body, memo: kopf.Memo, logger: logging.Logger, **_: Any
+) -> None:
+    """A node agent reported: the job's phase, step and goodput follow."""
+    key = (body.metadata.namespace, (body.metadata.labels or {})[JOB_LABEL])
+    await asyncio.to_thread(_reconcile_once, memo, key, logger)
+
+
+@kopf.on.event(GROUP, VERSION, "gpuhealths")
+async def on_gpu_health(
+    type: str, body: kopf.Body, memo: kopf.Memo, logger: logging.Logger, **_: Any
+) -> None:
+    """Keep each node's GPU health as its agent last published it; reconcile the jobs on the
+    node when a GPU's state or XIDs change (not on the periodic refresh that only says the
+    object is current)."""
+    name = body.metadata.name
+    obj = None if type == "DELETED" else {"metadata": {"name": name},
+                                          "status": dict(body.get("status") or {})}
+    facts = None if obj is None else [(g.get("index"), g.get("state"), g.get("xids"))
+                                      for g in obj["status"].get("gpus") or []]
+    with memo.locks_guard:
+        before = memo.gpu_health.pop(name, (None, None))[1]
+        if obj is not None:
+            memo.gpu_health[name] = (obj, facts)
+        keys = set(memo.node_jobs.get(name, ())) if facts != before else set()
+    for key in keys:
+        await asyncio.to_thread(_reconcile_once, memo, key, logger)
+
+
+@kopf.on.event(GROUP, VERSION, "gpupowertargets")
+async def on_power_target(
+    type: str, body: kopf.Body, memo: kopf.Memo, logger: logging.Logger, **_: Any
+) -> None:
+    """Reconcile the job of a target whose raise waits for cuts, when an agent reports one in
+    effect; and a job whose target someone else deleted. Our own writes trigger nothing more."""
+    uid = (body.metadata.labels or {}).get(channel.JOB_UID_LABEL)
+    with memo.locks_guard:
+        key = memo.jobs.get(uid)
+        wanted = key is not None and (key in memo.held or type == "DELETED")
+    if wanted:
+        await asyncio.to_thread(_reconcile_once, memo, key, logger)
+
+
+def _reconcile_once(memo: kopf.Memo, key: JobKey, logger: logging.Logger) -> None:
+    """A watch-triggered reconcile, unless one for the job is already waiting to start.
+
+    Watch events come in storms (every node of a job at startup, a rack losing power): a change
     that arrives while a reconcile of its job is still waiting to start is covered by that one.
     """
-    labels = dict(body.metadata.labels or {})
-    seen = None if type == "DELETED" else (
-        _job_of(labels), labels, (body.metadata.annotations or {}).get(health.CORDON_ANNOTATION))
     with memo.locks_guard:
-        before = memo.nodes.pop(body.metadata.name, None)
-        if seen is not None:
-            memo.nodes[body.metadata.name] = seen
-    if seen == before:
-        return
-    for key in {v[0] for v in (before, seen) if v is not None and v[0] is not None}:
-        with memo.locks_guard:
-            if key in memo.pending or not _watched(memo, key):
-                continue
-            memo.pending.add(key)
-        try:
-            reconcile(memo, *key, logger)
-        except (ApiException, HTTPError) as exc:
-            # The job's timer runs the same reconcile within RENEW_INTERVAL_S.
-            logger.warning(f"reconcile of {key[0]}/{key[1]} after node change failed: {exc}")
-
-
-def _job_of(labels: dict[str, str]) -> JobKey | None:
-    if JOB_LABEL in labels and JOB_NAMESPACE_LABEL in labels:
-        return labels[JOB_NAMESPACE_LABEL], labels[JOB_LABEL]
-    return None
+        if key in memo.pending or not _watched(memo, key):
+            return
+        memo.pending.add(key)
+    try:
+        reconcile(memo, *key, logger)
+    except (ApiException, HTTPError) as exc:
+        # The job's resync timer runs the same reconcile within RESYNC_INTERVAL_S.
+        logger.warning(f"reconcile of {key[0]}/{key[1]} after a watch event failed: {exc}")
 
 
 def _watched(memo: kopf.Memo, key: JobKey) -> bool:
@@ -176,99 +282,347 @@ def _get_job(api: client.ApiClient, namespace: str, name: str) -> dict[str, Any]
         raise
 
 
-def _job_nodes(api: client.ApiClient, namespace: str, name: str) -> list[dict[str, Any]]:
-    selector = f"{JOB_LABEL}={name},{JOB_NAMESPACE_LABEL}={namespace}"
-    nodes = client.CoreV1Api(api).list_node(label_selector=selector,
-                                            _request_timeout=API_TIMEOUT_S)
-    return [api.sanitize_for_serialization(n) for n in nodes.items]
+@dataclass
+class World:
+    """What one reconcile observed of a job beyond the job itself."""
+
+    pods: list[dict[str, Any]]
+    nodes: list[dict[str, Any]]  # the nodes its trainer pods are placed on
+    placed: dict[int, str]  # trainer pod index -> node
+
+
+def _items(listing: Callable[..., Any], *args: Any, **kwargs: Any) -> list[dict[str, Any]]:
+    """A list call's items as the API sends them (plain dicts). The client's models cost
+    several times the JSON they come from, and a placement lists every node and pod."""
+    response = listing(*args, _preload_content=False, _request_timeout=API_TIMEOUT_S, **kwargs)
+    return list(json.loads(response.data)["items"])
+
+
+def _job_pods(api: client.ApiClient, job: dict[str, Any]) -> list[dict[str, Any]]:
+    meta = job["metadata"]
+    pods = _items(client.CoreV1Api(api).list_namespaced_pod, meta["namespace"],
+                  label_selector=f"{JOB_LABEL}={meta['name']}")
+    return [p for p in pods if workload.controlled_by(p, job)]
+
+
+def _nodes_named(api: client.ApiClient, memo: kopf.Memo, names: list[str]
+                 ) -> list[dict[str, Any]]:
+    """The nodes as the node watch last saw them (what planning reads of them); a node the
+    watch has not delivered yet (the operator just started) is read from the API."""
+    with memo.locks_guard:
+        seen = {n: memo.nodes.get(n) for n in names}
+    found = []
+    for name, facts in seen.items():
+        if facts is not None:
+            found.append(_node_view(name, facts))
+            continue
+        try:
+            node = client.CoreV1Api(api).read_node(name, _request_timeout=API_TIMEOUT_S)
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
+            continue  # gone: its GPUs are not the job's any more
+        found.append(api.sanitize_for_serialization(node))
+    return found
+
+
+def _node_view(name: str, facts: tuple[Any, ...]) -> dict[str, Any]:
+    labels, cordon, gpus, unschedulable, lost = facts
+    ready = {"type": "Ready", "status": "Unknown", "reason": health.NODE_LOST_REASON}
+    return {"metadata": {"name": name, "labels": labels,
+                         "annotations": {} if cordon is None else {
+                             health.CORDON_ANNOTATION: cordon}},
+            "spec": {"unschedulable": unschedulable},
+            "status": {"allocatable": {} if gpus is None else {workload.GPU_RESOURCE: gpus},
+                       "conditions": [ready] if lost else []}}
+
+
+def _place(api: client.ApiClient, placing: threading.Lock, job: dict[str, Any],
+           spec: planner.JobSpec, world: World) -> planner.Problem | None:
+    """Choose nodes for the trainer pods the job lacks and create everything it runs;
+    nothing when there are not enough nodes (the Problem says why)."""
+    count = int(job["spec"]["totalGPUs"]) // spec.gpus_per_node
+    missing = [i for i in range(count) if i not in world.placed]
+    if not missing:
+        return None
+    core = client.CoreV1Api(api)
+    selector = dict(job["spec"].get("nodeSelector") or {})
+    # One placement at a time: another job's, listing the pods before this one's exist, would
+    # choose the same free GPUs (and its pods would stay Pending).
+    with placing:
+        nodes = _items(core.list_node,
+                       label_selector=",".join(f"{k}={v}" for k, v in selector.items()))
+        pods = _items(core.list_pod_for_all_namespaces,
+                      field_selector="status.phase!=Succeeded,status.phase!=Failed")
+        views = [v for v in workload.node_views(nodes, pods, selector, spec.domain_label)
+                 if v.name not in world.placed.values()]
+        chosen = workload.place(spec, len(missing), views)
+        if isinstance(chosen, planner.Problem):
+            return chosen
+        for obj in [*workload.identity(job), workload.progress_configmap(job),
+                    workload.rendezvous_pod(job),
+                    *(workload.trainer_pod(job, i, n)
+                      for i, n in zip(missing, chosen, strict=True))]:
+            _create(api, obj)
+    world.placed |= dict(zip(missing, chosen, strict=True))
+    world.nodes = [n for n in nodes if n["metadata"]["name"] in world.placed.values()]
+    return None
+
+
+def _create(api: client.ApiClient, obj: dict[str, Any]) -> None:
+    """Create a child under its deterministic name; one that exists is left as it is (none of
+    them changes once made: a pod's spec is immutable, the others hold no state)."""
+    try:
+        # Under the placement lock: a stalled server must not hold every job's placement.
+        kube_utils.create_from_dict(api, obj, namespace=obj["metadata"]["namespace"],
+                                    _request_timeout=API_TIMEOUT_S)
+    except kube_utils.FailToCreateError as exc:
+        if any(e.status != 409 for e in exc.api_exceptions):
+            raise exc.api_exceptions[0] from None
+
+
+def _health(memo: kopf.Memo, job: dict[str, Any], spec: planner.JobSpec, world: World,
+            in_force: Generation | None) -> tuple[health.Health, health.Health]:
+    """The job's GPU health from its sources, merged (GPUs of unknown health held where the
+    generation `in_force` has them), and the part lost under their processes rather than
+    drained: the GPUs of nodes that stopped reporting, and those DCGM failed."""
+    policy = job["spec"].get("failurePolicy") or {}
+    sources = set(policy.get("healthSources", ("dcgm", "cordon")))
+    placed = sorted(set(world.placed.values()))
+    lost = health.from_lost_nodes(world.nodes, spec.gpus_per_node, placed=placed,
+                                  leaving=workload.leaving_nodes(world.pods, job))
+    signal = health.from_cordons(world.nodes, spec.gpus_per_node) if "cordon" in sources \
+        else health.Health()
+    signal = signal.merge(lost)
+    if "dcgm" not in sources:
+        return signal, lost
+    nodes = sorted({n["metadata"]["name"] for n in world.nodes})
+    with memo.locks_guard:
+        objects = [memo.gpu_health[n][0] for n in nodes if n in memo.gpu_health]
+    dcgm = health.from_gpu_health(objects, spec.gpus_per_node, policy.get("fatalXIDs"),
+                                  now=memo.clock().timestamp(), nodes=nodes)
+    kept = None if in_force is None else [(g.node, g.index) for g in in_force.gpus]
+    reporting = [o["metadata"]["name"] for o in objects]
+    return health.hold_unknown(signal.merge(dcgm), kept, reporting), lost.merge(dcgm)
 
 
 def _observe(
-    api: client.ApiClient, job: dict[str, Any]
-) -> tuple[planner.JobPlan | None, tuple[planner.Problem, ...], tuple[str, ...]]:
-    """The plan for the world as it is, or why there is none; plus ignored health input."""
-    meta = job["metadata"]
+    api: client.ApiClient, memo: kopf.Memo, job: dict[str, Any], world: World,
+    in_force: Generation | None,
+) -> tuple[planner.JobPlan | None, tuple[planner.Problem, ...], health.Health, health.Health]:
+    """The plan for the world as it is (`in_force`: the generation published), or why there is
+    none; plus the health it read (all sources, and the GPUs lost under their processes)."""
     try:
-        spec = planner.JobSpec.from_spec(job["spec"], ttl_s=TARGET_TTL_S)
+        spec = planner.JobSpec.from_spec(job["spec"])
     except planner.SpecError as exc:
-        return None, (planner.Problem("InvalidSpec", str(exc)),), ()
-    nodes = _job_nodes(api, meta["namespace"], meta["name"])
-    if not nodes:
-        return None, (planner.Problem("NoGPUNodes", (
-            f"no node is labelled {JOB_LABEL}={meta['name']} and "
-            f"{JOB_NAMESPACE_LABEL}={meta['namespace']}")),), ()
-    signal = health.from_cordons(nodes, spec.gpus_per_node)
-    plan = planner.plan(spec, planner.node_domains(nodes, spec.domain_label), signal.failed)
-    return plan, plan.problems, signal.problems
+        return None, (planner.Problem("InvalidSpec", str(exc)),), health.Health(), health.Health()
+    if spec.pp > 1:
+        return None, (planner.Problem("PipelineParallelNotSupported", (
+            f"pipelineParallelSize {spec.pp}: the trainer runs tensor and data parallelism "
+            "only; set it to 1")),), health.Health(), health.Health()
+    problem = _place(api, memo.placing, job, spec, world)
+    if problem is not None:
+        return None, (problem,), health.Health(), health.Health()
+    signal, lost = _health(memo, job, spec, world, in_force)
+    plan = planner.plan(spec, planner.node_domains(world.nodes, spec.domain_label), signal.failed)
+    return plan, plan.problems, signal, lost
 
 
-def _write_layout(api: client.ApiClient, job: dict[str, Any], plan: planner.JobPlan) -> int:
-    """Publish the layout document if its fingerprint changed; returns its generation."""
+class LayoutBlocked(Exception):
+    """The layout document cannot be published; `reason` is the condition reason."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+def _read_layout(api: client.ApiClient, job: dict[str, Any]
+                 ) -> tuple[client.V1ConfigMap | None, Generation | None]:
+    """The layout ConfigMap and the generation it holds (None: none yet, or unreadable).
+
+    LayoutBlocked when a ConfigMap of that name exists that this job does not control (someone
+    else's data is never overwritten nor adopted: an ownerReference would have the garbage
+    collector delete it with the job)."""
     meta = job["metadata"]
-    core, cm_name = client.CoreV1Api(api), f"{meta['name']}-layout"
+    name = workload.layout_name(meta["name"])
     try:
-        current = core.read_namespaced_config_map(cm_name, meta["namespace"],
-                                                  _request_timeout=API_TIMEOUT_S)
+        current = client.CoreV1Api(api).read_namespaced_config_map(
+            name, meta["namespace"], _request_timeout=API_TIMEOUT_S)
     except ApiException as exc:
         if exc.status != 404:
             raise
-        current = None
+        return None, None
+    if not workload.controlled_by(api.sanitize_for_serialization(current), job):
+        raise LayoutBlocked("LayoutNotOwned", (
+            f"ConfigMap {name} exists and is not controlled by this job; the layout is not "
+            f"published until it is removed or the job renamed"))
     try:
-        old = json.loads((current.data or {})[LAYOUT_KEY]) if current else {}
-    except (KeyError, ValueError):
-        old = {}  # someone broke it: replace it with a new generation
-    if old.get("fingerprint") == plan.fingerprint:
-        return int(old["generation"])
-    generation = max(int(old.get("generation", 0)),
-                     int((job.get("status") or {}).get("layoutGeneration", 0))) + 1
-    document = plan.document(f"{meta['namespace']}/{meta['name']}", generation)
-    body = {
-        "metadata": {
-            "name": cm_name,
-            "labels": {JOB_LABEL: meta["name"]},
-            "ownerReferences": [{"apiVersion": job["apiVersion"], "kind": job["kind"],
-                                 "name": meta["name"], "uid": meta["uid"], "controller": True}],
-        },
-        # Compact: 32,768 GPUs (the paper's job) take about 650 kB of the ConfigMap's 1 MiB.
-        "data": {LAYOUT_KEY: json.dumps(document, separators=(",", ":"))},
-    }
+        return current, Generation.from_dict(json.loads((current.data or {})[LAYOUT_KEY]))
+    except (KeyError, ValueError, GenerationError):
+        return current, None  # someone broke it: a new generation replaces it
+
+
+def _write_layout(api: client.ApiClient, job: dict[str, Any], current: client.V1ConfigMap | None,
+                  generation: Generation) -> None:
+    """Publish `generation` (LayoutTooLarge when it outgrows a ConfigMap)."""
+    meta = job["metadata"]
+    # Compact: 32,768 GPUs (the paper's job, short node names) take about 650 kB.
+    data = json.dumps(generation.to_dict(), separators=(",", ":"))
+    size = len(LAYOUT_KEY) + len(data.encode())
+    if size > CONFIGMAP_MAX_BYTES:
+        raise LayoutBlocked("LayoutTooLarge", (
+            f"the layout document takes {size} bytes, more than a ConfigMap holds "
+            f"({CONFIGMAP_MAX_BYTES}): fewer GPUs per job, or shorter node names"))
+    body = {"apiVersion": "v1", "kind": "ConfigMap",
+            "metadata": {"name": workload.layout_name(meta["name"]),
+                         "labels": {JOB_LABEL: meta["name"]},
+                         "ownerReferences": [workload.owner(job)]},
+            "data": {LAYOUT_KEY: data}}
+    core = client.CoreV1Api(api)
     if current is None:
-        core.create_namespaced_config_map(meta["namespace"], body, _request_timeout=API_TIMEOUT_S)
+        # Created, not applied: an apply would take over a ConfigMap someone made meanwhile
+        # (the create fails instead, and the retry finds it is not the job's).
+        core.create_namespaced_config_map(meta["namespace"], body,
+                                          field_manager=channel.FIELD_MANAGER,
+                                          _request_timeout=API_TIMEOUT_S)
     else:
         # resourceVersion: a concurrent writer makes this fail (409) and the retry re-observes.
         body["metadata"]["resourceVersion"] = current.metadata.resource_version
-        core.replace_namespaced_config_map(cm_name, meta["namespace"], body,
-                                           _request_timeout=API_TIMEOUT_S)
-    return generation
+        core.patch_namespaced_config_map(
+            body["metadata"]["name"], meta["namespace"], body,
+            field_manager=channel.FIELD_MANAGER, force=True,
+            _content_type="application/apply-patch+yaml", _request_timeout=API_TIMEOUT_S)
+
+
+def _rendezvous(job: dict[str, Any], pods: list[dict[str, Any]]) -> Rendezvous | None:
+    name = workload.rendezvous_name(job["metadata"]["name"])
+    for pod in pods:
+        if pod["metadata"]["name"] == name and (ip := (pod.get("status") or {}).get("podIP")):
+            return Rendezvous(ip, workload.RENDEZVOUS_PORT)
+    return None
+
+
+def _reports(api: client.ApiClient, job: dict[str, Any]) -> dict[str, str]:
+    """The node agents' progress reports as the ConfigMap holds them (node key -> JSON)."""
+    meta = job["metadata"]
+    try:
+        cm = client.CoreV1Api(api).read_namespaced_config_map(
+            progress.progress_configmap(meta["name"]), meta["namespace"],
+            _request_timeout=API_TIMEOUT_S)
+    except ApiException as exc:
+        if exc.status != 404:
+            raise
+        return {}
+    return dict(cm.data or {})
+
+
+def _publish(api: client.ApiClient, job: dict[str, Any], plan: planner.JobPlan,
+             world: World, step: int, lost: frozenset[tuple[str, int]],
+             layout: tuple[client.V1ConfigMap | None, Generation | None]) -> Generation | None:
+    """Publish the generation the plan asks for, once the rendezvous has an address (planned
+    changes at `step`, the last one reported; `lost`: GPUs whose processes died with them;
+    `layout`: the ConfigMap as read, and its generation); returns the generation in force."""
+    current, previous = layout
+    published = int((job.get("status") or {}).get("layoutGeneration", 0))
+    if previous is None and published:
+        raise LayoutBlocked("LayoutLost", (
+            f"ConfigMap {workload.layout_name(job['metadata']['name'])} no longer holds "
+            f"generation {published} (deleted or changed by someone else): the running trainers "
+            "cannot follow a layout derived from nothing. Restore it, or delete the job's "
+            "trainer pods and the ConfigMap's data to restart from generation 1"))
+    rendezvous = _rendezvous(job, world.pods)
+    if previous is None and rendezvous is None:
+        return None  # its pod has no address yet; the pod's watch brings the job back
+    batch = int(job["spec"].get("globalBatch", workload.DEFAULT_GLOBAL_BATCH))
+    following = workload.next_generation(plan, batch, rendezvous or previous.rendezvous,
+                                         previous, [Gpu(n, i) for n, i in lost], at_step=step)
+    if following is None:
+        return previous
+    _write_layout(api, job, current, following)
+    return following
 
 
 def reconcile(memo: kopf.Memo, namespace: str, name: str, logger: logging.Logger) -> None:
-    """Bring the job's layout, power targets and status in line with the observed world."""
+    """Bring the job's workload, layout, power targets and status in line with the world."""
     with _lock(memo, (namespace, name)):
         with memo.locks_guard:
             memo.pending.discard((namespace, name))  # from here on, every change is observed
         api, now = memo.api, memo.clock()
-        # 1. Observe the job (gone: nothing to do) and plan for its nodes as they are.
+        # 1. Observe the job (gone: nothing to do), its pods and nodes, and plan for them.
         job = _get_job(api, namespace, name)
-        if job is None or job["metadata"].get("deletionTimestamp"):
+        if job is None:
+            with memo.locks_guard:  # a late watch event of a deleted job: keep no lock for it
+                memo.locks.pop((namespace, name), None)
+            return
+        if job["metadata"].get("deletionTimestamp"):
             return
         previous = job.get("status") or {}
-        plan, problems, notes = _observe(api, job)
-        # 2. Act: the layout document, then the power targets (renewed on every pass).
+        pods = _job_pods(api, job)
+        placed = workload.placed_nodes(pods, job)
+        world = World(pods, _nodes_named(api, memo, sorted(set(placed.values()))), placed)
+        try:
+            layout: tuple[client.V1ConfigMap | None, Generation | None] | LayoutBlocked = \
+                _read_layout(api, job)
+        except LayoutBlocked as exc:
+            layout = exc
+        plan, problems, signal, lost = _observe(
+            api, memo, job, world, None if isinstance(layout, LayoutBlocked) else layout[1])
+        notes = signal.problems
+        key = (namespace, name)
+        with memo.locks_guard:
+            memo.jobs[job["metadata"]["uid"]] = key
+            for node in world.placed.values():
+                memo.node_jobs[node].add(key)
+            if world.placed:
+                memo.unplaced.discard(key)
+            else:
+                memo.unplaced.add(key)
+        # 2. Act: the generation document, then the power targets. Without a plan nothing asks
+        #    for power any more: the job's targets are released, never left boosted.
         layout_generation = int(previous.get("layoutGeneration", 0))
+        targets: dict[str, PowerTarget] = {}
+        data = _reports(api, job) if world.placed else {}
+        reports = progress.read_reports(data, sorted(set(world.placed.values())))
+        step = max((r.step for r in reports.values() if r is not None), default=0)
+        in_force: Generation | None = None
         if plan is not None:
             try:
-                targets = plan.power_targets(now)
+                # The loop's ratio and the parked nodes both need the targets as they are.
+                racks = _target_racks(api, job) if plan.spec.power is not None else {}
+                plan = planner.follow_compute(plan, reports, conditions.boosts(previous), racks)
+                targets = plan.power_targets(racks)
+                if isinstance(layout, LayoutBlocked):
+                    raise layout
+                in_force = _publish(api, job, plan, world, step, lost.failed, layout)
+                layout_generation = in_force.generation if in_force else layout_generation
             except planner.SpecError as exc:
-                plan, problems = None, (*problems, planner.Problem("InvalidSpec", str(exc)))
-            else:
-                layout_generation = _write_layout(api, job, plan)
-                channel.publish_all(api, targets, timeout_s=API_TIMEOUT_S)
+                plan, problems = None, (planner.Problem("InvalidSpec", str(exc)), *problems)
+                targets = {}
+            except LayoutBlocked as exc:
+                plan, problems = None, (planner.Problem(exc.reason, str(exc)), *problems)
+                targets = {}
+        with memo.locks_guard:  # an agent's report arriving during the sync is not lost
+            memo.held.add(key)
+        held: tuple[str, ...] = ()
+        try:
+            held = _sync_power(api, job, targets)
+        except ApiException as exc:
+            if exc.status not in (400, 422):
+                raise
+            # Refused as invalid: retrying cannot help, the status says why (and the resync
+            # timer tries again).
+            notes = (*notes, f"power targets refused: {_api_message(exc)}")
+        if not held:
+            with memo.locks_guard:
+                memo.held.discard(key)
         # 3. Status rebuilt from the observation; written only when it differs.
+        trained = None if in_force is None else progress.summarize(
+            reports, in_force.generation, sorted({g.node for g in in_force.gpus}))
         status = conditions.render(
             plan, problems, previous, now=format_time(now),
             generation=int(job["metadata"].get("generation", 0)),
-            layout_generation=layout_generation, notes=notes)
+            layout_generation=layout_generation, notes=notes, held=held,
+            trained=trained, pods=_pod_outcome(pods, job))
         if {k: previous.get(k) for k in status} != status:
             client.CustomObjectsApi(api).patch_namespaced_custom_object_status(
                 GROUP, VERSION, namespace, PLURAL, name, {"status": status},
@@ -285,20 +639,51 @@ def reconcile(memo: kopf.Memo, namespace: str, name: str, logger: logging.Logger
                        message=f"{c['type']}={c['status']}: {c['message']}")
 
 
-def release_power(
-    memo: kopf.Memo, namespace: str, name: str, spec: dict[str, Any], logger: logging.Logger
-) -> None:
-    """Base caps on every node of a deleted job."""
+def _pod_outcome(pods: list[dict[str, Any]], job: dict[str, Any]) -> conditions.PodOutcome:
+    """How the trainer pods ended: all succeeded, or the first that failed and why."""
+    trainers = workload.trainer_pods(pods, job)
+    failed = [p for p in trainers if (p.get("status") or {}).get("phase") == "Failed"]
+    if failed:
+        pod = failed[0]
+        why = next((s["state"]["terminated"] for s in
+                    (pod.get("status") or {}).get("containerStatuses") or []
+                    if (s.get("state") or {}).get("terminated")), {})
+        return conditions.PodOutcome(False, f"trainer pod {pod['metadata']['name']} failed: "
+                                            f"{why.get('reason', 'Error')} (exit code "
+                                            f"{why.get('exitCode', '?')})")
+    done = bool(trainers) and all((p.get("status") or {}).get("phase") == "Succeeded"
+                                  for p in trainers)
+    return conditions.PodOutcome(True, "every trainer pod finished") if done else None
+
+
+def _api_message(exc: ApiException) -> str:
     try:
-        job_spec = planner.JobSpec.from_spec(spec, ttl_s=TARGET_TTL_S)
-    except planner.SpecError:
-        return
-    nodes = _job_nodes(memo.api, namespace, name)
-    healthy = planner.plan(job_spec, planner.node_domains(nodes, job_spec.domain_label), set())
-    try:
-        targets = healthy.power_targets(memo.clock())
-    except planner.SpecError as exc:
-        logger.warning(f"no power targets to release: {exc}")
-        return
-    channel.publish_all(memo.api, targets, timeout_s=API_TIMEOUT_S)
-    logger.info(f"released power on {len(nodes)} nodes")
+        return str(json.loads(exc.body)["message"])
+    except (TypeError, ValueError, KeyError):
+        return f"{exc.status} {exc.reason}"
+
+
+def _target_racks(api: client.ApiClient, job: dict[str, Any]) -> dict[str, str]:
+    """Node -> the rack the job's power target for it names (as `channel.sync_targets` finds
+    them), so that a node leaving a rack the job still plans is planned there parked."""
+    meta = job["metadata"]
+    selector = f"{JOB_LABEL}={meta['name']},{channel.JOB_UID_LABEL}={meta['uid']}"
+    listed = client.CustomObjectsApi(api).list_cluster_custom_object(
+        channel.GROUP, channel.VERSION, channel.PLURAL, label_selector=selector,
+        _request_timeout=API_TIMEOUT_S)["items"]
+    return {obj["metadata"]["name"]: rack for obj in listed
+            if isinstance(spec := obj.get("spec"), dict)
+            and isinstance(rack := spec.get("rack"), str)}
+
+
+def _sync_power(api: client.ApiClient, job: dict[str, Any],
+                targets: dict[str, PowerTarget]) -> tuple[str, ...]:
+    """Bring the job's power targets to `targets` (none: release them all); returns the nodes
+    not at their target yet, whose raises wait for cuts to be reported in effect (an agent's
+    status report then triggers the rest)."""
+    meta = job["metadata"]
+    owner = {"apiVersion": job["apiVersion"], "kind": job["kind"], "name": meta["name"],
+             "uid": meta["uid"]}
+    result = channel.sync_targets(api, list(targets.values()), job_owner=owner,
+                                  job_label=(JOB_LABEL, meta["name"]), timeout_s=API_TIMEOUT_S)
+    return result.held

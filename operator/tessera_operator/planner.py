@@ -10,22 +10,23 @@ same decisions. The steps of `plan`:
    replicas as possible; a replica runs at its slowest stage's TP degree.
 4. NTP-PW: each reduced replica's boost is the power at which its busiest rank (ntp.plan's real
    split of whole heads, not the ideal N1/N2) keeps pace with a healthy one, within the boost cap.
+   That open-loop figure only seeds the closed loop (`follow_compute`), which steps the ratio
+   from the compute time the replica's nodes report against the healthy replicas'.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
+import statistics
 from collections.abc import Iterable, Mapping, Set
-from dataclasses import asdict, dataclass, field
-from datetime import datetime
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from itertools import groupby
 from typing import Any
 
 from ntp import plan as ntp_plan
+from ntp.progress import NodeReport, State
 from power_controller.perf_model import PAPER, PerfModel
-from power_controller.planning import PowerPolicy, plan_rack
+from power_controller.planning import PowerPolicy, next_boost_ratio, plan_rack
 from power_controller.targets import PowerTarget
 
 DEFAULT_DOMAIN_LABEL = "nvidia.com/gpu.clique"
@@ -34,6 +35,7 @@ RESHAPING_MODES = frozenset({"NTP", "NTP-PW"})
 TP_LAYOUT_MAX = 4096  # status.tpLayout's maxLength in the CRD
 
 GpuId = tuple[str, int]
+ReplicaKey = tuple[int, int, tuple[str, ...], tuple[str, ...]]
 
 
 class SpecError(ValueError):
@@ -63,7 +65,7 @@ class JobSpec:
         return self.min_tp or max(1, self.tp // 2)
 
     @classmethod
-    def from_spec(cls, spec: Mapping[str, Any], ttl_s: int = 60) -> JobSpec:
+    def from_spec(cls, spec: Mapping[str, Any]) -> JobSpec:
         """Read the API object's spec (defaults as in the CRD); SpecError names the bad field."""
         model = spec.get("model") or {}
         try:
@@ -86,7 +88,7 @@ class JobSpec:
                 gpus_per_node=int(spec.get("gpusPerNode", 8)), mode=mode,
                 min_tp=int(failure.get("minTensorParallelSize", 0)),
                 domain_label=spec.get("scaleUpDomainLabel", DEFAULT_DOMAIN_LABEL),
-                power=_power_policy(spec.get("powerPolicy"), ttl_s))
+                power=_power_policy(spec.get("powerPolicy")))
         except KeyError as exc:
             raise SpecError(str(exc.args[0]), "is required") from exc
         if min(job.tp, job.dp, job.pp, job.gpus_per_node) < 1:
@@ -96,13 +98,13 @@ class JobSpec:
         return job
 
 
-def _power_policy(power: Mapping[str, Any] | None, ttl_s: int) -> PowerPolicy | None:
+def _power_policy(power: Mapping[str, Any] | None) -> PowerPolicy | None:
     if power is None:
         return None
     try:
         return PowerPolicy(
             base_w=int(power["baseCapWatts"]), boost_cap_w=int(power["boostCapWatts"]),
-            rack_budget_w=power.get("rackBudgetWatts"), ttl_s=ttl_s,
+            rack_budget_w=power.get("rackBudgetWatts"),
             ramp_step_w=(power.get("ramp") or {}).get("stepWatts"))
     except KeyError as exc:
         raise SpecError(f"powerPolicy.{exc.args[0]}", "is required") from exc
@@ -115,9 +117,11 @@ def _power_policy(power: Mapping[str, Any] | None, ttl_s: int) -> PowerPolicy | 
 # ----------------------------------------------------------------------------------------------
 
 
+# Each entry is one float keyed by a shape and a degree (about 1 kB with the key), so the cache
+# stays under a megabyte however many distinct shapes the cluster runs.
 @lru_cache(maxsize=512)
 def _busiest_rank_flops(shape: ntp_plan.ModelShape, tp: int) -> float:
-    return max(ntp_plan.layer_flops(shape, s) for s in ntp_plan.plan_replica(shape, tp))
+    return max(ntp_plan.rank_layer_flops(shape, tp))
 
 
 def planned_slowdown(shape: ntp_plan.ModelShape, healthy_tp: int, tp: int) -> float:
@@ -195,6 +199,8 @@ class Replica:
     tp: int
     stages: tuple[Group, ...]
     power_ratio: float = 1.0
+    # The job step at which the closed loop last set `power_ratio` (0: the open-loop seed).
+    ratio_step: int = 0
 
     def stage_gpus(self) -> tuple[tuple[GpuId, ...], ...]:
         """The GPUs each stage's ranks run on; a stage's other survivors idle."""
@@ -208,6 +214,11 @@ class Replica:
 
     def failed_gpus(self) -> tuple[GpuId, ...]:
         return tuple(sorted(gpu for g in self.stages for gpu in g.failed))
+
+    def key(self) -> ReplicaKey:
+        """What identifies the replica across plans (as the status lists it): another index,
+        degree, node or failed GPU makes it another replica, whose boost starts afresh."""
+        return (self.index, self.tp, self.nodes(), tuple(map(gpu_name, self.failed_gpus())))
 
 
 def gpu_name(gpu: GpuId) -> str:
@@ -223,16 +234,25 @@ class JobPlan:
     failed: frozenset[GpuId]
     replicas: tuple[Replica, ...]
     problems: tuple[Problem, ...] = field(default=())
+    # Survivors of hit groups that no replica uses (too few to run, or dropped): idle, so their
+    # power pays for boosts like the failed GPUs'.
+    stranded: frozenset[GpuId] = frozenset()
 
     @property
     def tp_layout(self) -> str:
         """TP degree per replica, "8,7,8"; past the status field's 4096 characters (thousands
-        of replicas) runs of equal degrees are written "8x1200,7,8x100"."""
+        of replicas) runs of equal degrees are written "8x1200,7,8x100", and what still does not
+        fit ends in ",... (N replicas)"."""
         full = ",".join(str(r.tp) for r in self.replicas)
         if len(full) <= TP_LAYOUT_MAX:
             return full
         runs = [(tp, len(list(same))) for tp, same in groupby(r.tp for r in self.replicas)]
-        return ",".join(str(tp) if n == 1 else f"{tp}x{n}" for tp, n in runs)
+        text = ",".join(str(tp) if n == 1 else f"{tp}x{n}" for tp, n in runs)
+        if len(text) <= TP_LAYOUT_MAX:
+            return text
+        # Degrees that alternate do not run-length encode: the field shows what fits.
+        tail = f",... ({len(self.replicas)} replicas)"
+        return text[: TP_LAYOUT_MAX - len(tail)].rsplit(",", 1)[0] + tail
 
     @property
     def degraded(self) -> bool:
@@ -246,40 +266,14 @@ class JobPlan:
                 ratios[group.domain] = max(ratios[group.domain], replica.power_ratio)
         return ratios
 
-    def layout(self) -> dict[str, Any]:
-        """What trainer ranks need: the TP degree and GPUs of every replica's stages."""
-        return {
-            "mode": self.spec.mode,
-            "model": asdict(self.spec.shape),
-            "healthyTensorParallelSize": self.spec.tp,
-            "pipelineParallelSize": self.spec.pp,
-            "tpDegrees": [r.tp for r in self.replicas],
-            "replicas": [
-                {
-                    "index": r.index,
-                    "tensorParallelSize": r.tp,
-                    "stages": [
-                        {"domain": g.domain, "gpus": [gpu_name(x) for x in gpus]}
-                        for g, gpus in zip(r.stages, r.stage_gpus(), strict=True)
-                    ],
-                }
-                for r in self.replicas
-            ],
-        }
+    def power_targets(self, held: Mapping[str, str] | None = None) -> dict[str, PowerTarget]:
+        """GPUPowerTargets for every node of the job (empty without a power policy); they hold
+        until changed or deleted.
 
-    @property
-    def fingerprint(self) -> str:
-        """Changes exactly when the layout does (not with power or unused GPUs)."""
-        canonical = json.dumps(self.layout(), sort_keys=True, separators=(",", ":"))
-        return "sha256:" + hashlib.sha256(canonical.encode()).hexdigest()[:32]
-
-    def document(self, job: str, generation: int) -> dict[str, Any]:
-        """The layout document the operator publishes (ConfigMap `<job>-layout`)."""
-        return {"apiVersion": "tessera.dev/v1alpha1", "kind": "NTPLayout", "job": job,
-                "generation": generation, "fingerprint": self.fingerprint} | self.layout()
-
-    def power_targets(self, now: datetime) -> dict[str, PowerTarget]:
-        """GPUPowerTargets for every node of the job (empty without a power policy).
+        `held`: node -> the rack its current target names. A node of a rack the job still plans
+        that is no longer in the layout still holds a share there (`planning.plan_sync` keeps
+        its target), so it is planned again, parked: its GPUs at the minimum, inside the rack
+        budget with the others', and the rack's raises can proceed once it reports that cut.
 
         SpecError when the power policy cannot be met on the racks observed (the schema cannot
         know the rack sizes).
@@ -287,20 +281,56 @@ class JobPlan:
         Failed GPUs and the idle survivors of a bottlenecked stage go to the minimum so that
         their budget pays for the boost; NTP-PW boosts a domain's other GPUs by its ratio.
         """
-        policy = self.spec.power
-        if policy is None:
+        if self.spec.power is None:
             return {}
-        idle = {gpu for r in self.replicas for gpu in r.idle_gpus()}
-        boost = self.spec.mode == "NTP-PW"
+        parked = self._parked(held or {})
         targets: dict[str, PowerTarget] = {}
         for rack, ratio in self.rack_ratios().items():
-            nodes = dict.fromkeys(self.racks[rack], self.spec.gpus_per_node)
-            unused = {gpu for gpu in self.failed | idle if gpu[0] in nodes}
-            try:
-                targets |= plan_rack(policy, rack, nodes, unused, ratio if boost else 1.0, now)
-            except ValueError as exc:  # e.g. a rack budget below its GPUs' minimum limits
-                raise SpecError("powerPolicy.rackBudgetWatts", str(exc)) from exc
+            targets |= self._rack_targets(rack, ratio, parked.get(rack, frozenset()))
         return targets
+
+    def _parked(self, held: Mapping[str, str]) -> dict[str, frozenset[str]]:
+        """Rack -> the nodes whose target names it but that no rack of the layout holds (a node
+        moved to another planned rack is planned there, not parked)."""
+        laid_out = {n for nodes in self.racks.values() for n in nodes}
+        parked: dict[str, set[str]] = {}
+        for node, rack in held.items():
+            if rack in self.racks and node not in laid_out:
+                parked.setdefault(rack, set()).add(node)
+        return {rack: frozenset(nodes) for rack, nodes in parked.items()}
+
+    def _rack_targets(self, rack: str, ratio: float, parked: frozenset[str]
+                      ) -> dict[str, PowerTarget]:
+        assert self.spec.power is not None
+        nodes = dict.fromkeys((*self.racks[rack], *sorted(parked)), self.spec.gpus_per_node)
+        unused = {gpu for gpu in self._idle() if gpu[0] in nodes}
+        policy = self.spec.power
+        if policy.rack_budget_w is not None:
+            # Watts beyond every GPU at the boost cap can never be drawn; left in, they would
+            # inflate each node's share past what a GPUPowerTarget may carry.
+            ceiling = len(nodes) * self.spec.gpus_per_node * policy.boost_cap_w
+            policy = replace(policy, rack_budget_w=min(policy.rack_budget_w, ceiling))
+        boost = ratio if self.spec.mode == "NTP-PW" else 1.0
+        try:
+            return plan_rack(policy, rack, nodes, unused, boost, parked)
+        except ValueError as exc:  # e.g. a rack budget below its GPUs' minimum limits
+            raise SpecError("powerPolicy.rackBudgetWatts", str(exc)) from exc
+
+    def _idle(self) -> frozenset[GpuId]:
+        return self.failed | self.stranded | {gpu for r in self.replicas for gpu in r.idle_gpus()}
+
+    def reachable_ratio(self, replica: Replica, held: Mapping[str, str] | None = None) -> float:
+        """The highest power ratio the rack budgets let `replica`'s running GPUs reach, at most
+        the boost cap's: asking for more would change no watt."""
+        assert self.spec.power is not None
+        base, cap = self.spec.power.base_w, self.spec.power.boost_cap_w
+        parked = self._parked(held or {})
+        watts = []
+        for group in replica.stages:
+            targets = self._rack_targets(group.domain, cap / base,
+                                         parked.get(group.domain, frozenset()))
+            watts += [targets[n].watts_for(i) for n, i in group.gpus[: replica.tp]]
+        return max(1.0, min(watts, default=base) / base)
 
 
 def node_domains(nodes: Iterable[Mapping[str, Any]], label: str) -> dict[str, str]:
@@ -362,10 +392,85 @@ def plan(spec: JobSpec, domains: Mapping[str, str], failed: Set[GpuId]) -> JobPl
             f"{len(replicas)} of {spec.dp} replicas can run: {len(usable)} usable TP groups "
             f"of {len(groups)} (pipelineParallelSize {spec.pp}, minimum TP "
             f"{spec.min_tp_or_default}, mode {spec.mode})")))
+    used = {g for chunk in chunks for g in chunk}
+    stranded = frozenset(gpu for g in groups if g.failed and g not in used for gpu in g.gpus)
     return JobPlan(spec, racks, frozenset(failed) & _all_gpus(spec, racks), tuple(replicas),
-                   tuple(problems))
+                   tuple(problems), stranded)
 
 
 def _all_gpus(spec: JobSpec, racks: Mapping[str, tuple[str, ...]]) -> frozenset[GpuId]:
     return frozenset((n, i) for nodes in racks.values() for n in nodes
                      for i in range(spec.gpus_per_node))
+
+
+# ----------------------------------------------------------------------------------------------
+# The closed boost loop
+# ----------------------------------------------------------------------------------------------
+
+# A node's reported compute time is the mean over its ranks' recent steps (at most 20 of the
+# generation they run, ntp.agent.RECENT_STEPS): a ratio moves again only once that many steps
+# ran since it last moved, so one lag is not answered twice (and the agents have ramped).
+SETTLE_STEPS = 20
+
+
+@dataclass(frozen=True)
+class Boost:
+    """A reduced replica's boost as the closed loop left it (the job's status keeps it, so the
+    loop survives operator restarts)."""
+
+    ratio: float
+    step: int  # the job step at which it was set
+
+
+def follow_compute(
+    plan: JobPlan,
+    reports: Mapping[str, NodeReport | None],
+    boosts: Mapping[ReplicaKey, Boost],
+    held: Mapping[str, str] | None = None,
+) -> JobPlan:
+    """`plan` with each reduced replica's boost ratio stepped by the closed loop (NTP-PW).
+
+    Data-parallel replicas wait for each other in the gradient sync, so their step times are
+    equal; what differs is their compute time (forward, backward, optimizer), which each node
+    reports (`NodeReport.compute_seconds`). A replica's is its slowest node's. A reduced
+    replica's ratio (from `boosts`, else the open-loop seed the plan holds) moves by
+    `planning.next_boost_ratio` on its compute time against the median of the healthy
+    replicas', up to the boost cap and what its racks' budgets let its GPUs reach (`held` as
+    for `JobPlan.power_targets`); it holds while any of its nodes or every healthy replica
+    lacks a measurement (not training, or an agent that does not report one), and until
+    SETTLE_STEPS steps ran at it.
+    """
+    power = plan.spec.power
+    if power is None or plan.spec.mode != "NTP-PW":
+        return plan
+    measured = {n: r for n, r in reports.items()
+                if r is not None and r.state is State.TRAINING and r.compute_seconds}
+
+    def compute(replica: Replica) -> float | None:
+        nodes = replica.nodes()
+        if not nodes or any(n not in measured for n in nodes):
+            return None
+        return max(measured[n].compute_seconds or 0.0 for n in nodes)
+
+    healthy = [c for r in plan.replicas
+               if r.tp == plan.spec.tp and (c := compute(r)) is not None]
+    now = max((r.step for r in measured.values()), default=0)
+    cap = power.boost_cap_w / power.base_w
+    replicas = []
+    for replica in plan.replicas:
+        if replica.tp >= plan.spec.tp:
+            replicas.append(replica)
+            continue
+        known = boosts.get(replica.key())
+        ratio, since = ((max(1.0, min(cap, known.ratio)), known.step) if known is not None
+                        else (round(replica.power_ratio, 4), now))
+        own = compute(replica)
+        if own is not None and healthy and \
+                min(measured[n].step for n in replica.nodes()) >= since + SETTLE_STEPS:
+            top = min(cap, plan.reachable_ratio(replica, held))
+            moved = round(next_boost_ratio(min(ratio, top), own, statistics.median(healthy),
+                                           max_ratio=top), 4)
+            if moved != ratio:
+                ratio, since = moved, now
+        replicas.append(replace(replica, power_ratio=ratio, ratio_step=since))
+    return replace(plan, replicas=tuple(replicas))

@@ -39,7 +39,8 @@ def main(argv: list[str]) -> int:
 
     from tessera_operator import handlers  # noqa: F401
 
-    kopf.configure(verbose=args.verbose, log_format=kopf.LogFormat.PLAIN)
+    # Timestamped lines: how long a reaction took can be read from the log.
+    kopf.configure(verbose=args.verbose, log_format=kopf.LogFormat.FULL)
     # kopf stops cleanly on SIGTERM/SIGINT: handlers finish, watches close, then it returns.
     kopf.run(standalone=True, clusterwide=not args.namespace, namespaces=args.namespace or (),
              liveness_endpoint=args.liveness,

@@ -61,9 +61,9 @@ def test_example_job_is_accepted_with_defaults(jobs, namespace):
             assert spec[key] == value, key
     # and the schema's defaults fill what they left out
     assert spec["scaleUpDomainLabel"] == "nvidia.com/gpu.clique"
-    assert spec["powerPolicy"]["ramp"] == {"stepWatts": 25, "intervalSeconds": 5}
+    assert spec["powerPolicy"]["ramp"] == {"stepWatts": 25}
     assert 79 in spec["failurePolicy"]["fatalXIDs"]
-    assert spec["checkpointPolicy"]["keep"] == 3
+    assert (spec["steps"], spec["globalBatch"]) == (1000, 64)
 
 
 def status_body(generation: int) -> dict[str, Any]:
@@ -118,7 +118,7 @@ def test_kubectl_get_ntpjob_shows_printer_columns(control_plane, jobs, namespace
     shown = kubectl(control_plane, "get", "ntpjob", "-n", namespace)
     assert shown.returncode == 0, shown.stderr
     header, row = shown.stdout.splitlines()
-    assert header.split() == ["NAME", "PHASE", "TP", "LAYOUT", "GOODPUT", "AGE"]
+    assert header.split() == ["NAME", "PHASE", "TP", "LAYOUT", "STEP", "GOODPUT", "AGE"]
     assert row.split()[:4] == [name, "Degraded", "8,7", "0.975"]
 
 
@@ -186,7 +186,7 @@ INVALID_SPECS = {
                          "spec.powerPolicy.boostCapWatts", "at least baseCapWatts"),
     "base cap below hardware minimum": (_set("powerPolicy.baseCapWatts", 50),
                                         "spec.powerPolicy.baseCapWatts",
-                                        "greater than or equal to 100"),
+                                        "greater than or equal to 200"),
     "NTP-PW without power policy": (_drop("powerPolicy"), "spec.powerPolicy",
                                     "required when failurePolicy.mode is NTP-PW"),
     "min TP above TP": (_set("failurePolicy.minTensorParallelSize", 9),
@@ -200,6 +200,13 @@ INVALID_SPECS = {
                             "spec.tensorParallelSize", "must not exceed model.heads"),
     "SPARE without a spare": (_set("failurePolicy.mode", "SPARE"), "spec.totalGPUs",
                               "SPARE needs totalGPUs beyond the active replicas"),
+    "no GPUs per node": (_set("gpusPerNode", 0), "spec.gpusPerNode",
+                         "greater than or equal to 1"),
+    "TP above the vocabulary": (_several(_set("model.vocab", 4)), "spec.tensorParallelSize",
+                                "must not exceed model.ffn nor model.vocab"),
+    "rack budget below one GPU's minimum": (_set("powerPolicy.rackBudgetWatts", 150),
+                                            "spec.powerPolicy.rackBudgetWatts",
+                                            "greater than or equal to 200"),
     "misspelt field": (_set("tensorParalelSize", 8), "spec.tensorParalelSize", "unknown field"),
 }
 
@@ -213,5 +220,17 @@ def test_invalid_spec_is_rejected_naming_the_field(jobs, namespace, mutate, fiel
     message = json.loads(err.value.body)["message"]
     assert err.value.status in (400, 422), message
     assert field in message and words in message, message
+    assert "division" not in message and "modulus" not in message, message
     # nothing half-created
     assert jobs.list_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL)["items"] == []
+
+
+def test_a_name_no_node_label_can_hold_is_rejected(jobs, namespace):
+    body = example()
+    body["metadata"] = {"name": "j" * 64}
+    with pytest.raises(client.ApiException) as err:
+        create(jobs, namespace, body)
+    message = json.loads(err.value.body)["message"]
+    assert err.value.status == 422 and "at most 63 characters" in message, message
+    body["metadata"] = {"name": "j" * 63}
+    assert create(jobs, namespace, body)["metadata"]["name"] == "j" * 63

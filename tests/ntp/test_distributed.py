@@ -1,11 +1,22 @@
-"""Only a lost or hung peer waits for a new layout generation; other collective errors raise."""
+"""Only a lost or hung peer waits for a new layout generation (other collective errors raise);
+the end of a generation is published once on the store and heard by every rank's watch."""
 
 from __future__ import annotations
+
+import threading
 
 import pytest
 import torch.distributed as dist
 
-from ntp.distributed import is_communication_failure
+from ntp.distributed import (
+    FailureWatch,
+    end_generation,
+    end_key,
+    is_communication_failure,
+    process_key,
+    report_death,
+)
+from ntp.generations import Rendezvous
 
 # Messages as gloo 2.x and NCCL word them (captured from real runs).
 PEER_LOST = [
@@ -38,3 +49,36 @@ def test_other_collective_errors_are_not(message):
 
 def test_a_store_network_error_is_one():
     assert is_communication_failure(dist.DistNetworkError("store unreachable"))
+
+
+def test_the_first_end_of_a_generation_stands():
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    assert end_generation(store, 3, "failed: rank 2: reset") == "failed: rank 2: reset"
+    assert end_generation(store, 3, "superseded") == "failed: rank 2: reset"
+    assert end_generation(store, 4, "superseded") == "superseded"
+
+
+def test_a_launcher_ends_the_generation_its_dead_child_was_in():
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    store.set(process_key("node-a", 41), "5")
+    assert report_death(store, "node-a", 41, first_generation=1, why="exited with -9") == 5
+    assert store.get(end_key(5)).decode() == "failed: process node-a/41 exited with -9"
+    # a child that never joined a generation broke the first one's rendezvous
+    assert report_death(store, "node-a", 42, first_generation=1, why="exited with 1") == 1
+
+
+@pytest.mark.parametrize(("reason", "aborted"), [("failed: x", True), ("superseded", False)])
+def test_a_watch_aborts_only_a_failed_generation(reason, aborted):
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    calls: list[str] = []
+    ended = threading.Event()
+    watch = FailureWatch(
+        Rendezvous("127.0.0.1", store.port),
+        7,
+        abort=lambda: calls.append("abort"),
+        on_end=lambda: (calls.append("end"), ended.set()),
+    )
+    end_generation(store, 7, reason)
+    assert watch.join() == reason
+    assert ended.is_set()
+    assert calls == (["abort", "end"] if aborted else ["end"])

@@ -1,57 +1,94 @@
-"""The dense model against a from-scratch reference of the same equations."""
+"""The dense model against an independently written reference: forward, loss and every gradient."""
 
 from __future__ import annotations
 
-import math
+import dataclasses
 
+import llama_reference as ref
+import pytest
 import torch
 
-from ntp.model import FLAVORS, build_model
+from ntp.model import FLAVORS, ModelArgs, Transformer, build_model, cross_entropy_loss
+
+FLOAT64_ROUNDING = 2.0**-53  # unit roundoff
+
+SHAPES = {
+    "debug flavor": FLAVORS["debug"],
+    # outside every other test: 10 query heads on 2 KV heads (groups of 5), head_dim 4, an FFN
+    # and a prime vocabulary that no TP degree splits evenly, 3 layers, another eps and theta
+    "10q/2kv heads, vocab 61": ModelArgs(
+        dim=40,
+        n_layers=3,
+        n_heads=10,
+        n_kv_heads=2,
+        ffn_dim=52,
+        vocab_size=61,
+        max_seq_len=11,
+        norm_eps=1e-6,
+        rope_theta=10000.0,
+    ),
+}
+BATCH = 3
 
 
-def reference_forward(model, tokens):
-    """Textbook Llama forward with explicit per-head loops (no SDPA, no index tricks)."""
-    args = model.args
+def rounding_bound(args: ModelArgs, batch: int) -> float:
+    """Relative difference two correct float64 evaluations of the loss, logits or a gradient may
+    show: 2 (two implementations) x unit roundoff x the operations on the longest dependency path.
+
+    A reduction of n terms rounds at most n times (each relative to its terms' magnitude), an
+    elementwise step a few times. Forward, per layer: two RMSNorms (dim + 3 each), the Q/K/V, O,
+    gate/up projections (dim each) and the down projection (ffn), RoPE (2), scores (head_dim + 1),
+    softmax (seq + 3), weights x V (seq), SiLU and product (4), two residual adds; then the final
+    norm, the LM head (dim) and the loss (log-sum-exp over vocab + 3, mean over batch x seq).
+    Backward retraces that path and sums each weight gradient over batch x seq positions. With
+    parameters scaled by 1/sqrt(fan_in) every stage is well conditioned, so the bound holds
+    relative to the largest magnitude of the compared tensor.
+    """
     hd = args.dim // args.n_heads
-    group = args.n_heads // args.n_kv_heads
-    seq = tokens.shape[1]
-
-    def rms(x, w):
-        return x / torch.sqrt((x * x).mean(-1, keepdim=True) + args.norm_eps) * w
-
-    def rope(x):  # x: (bs, seq, hd)
-        pos = torch.arange(seq, dtype=torch.float32)[:, None]
-        freqs = args.rope_theta ** (-torch.arange(0, hd, 2, dtype=torch.float32) / hd)
-        cos, sin = torch.cos(pos * freqs), torch.sin(pos * freqs)
-        even, odd = x[..., 0::2], x[..., 1::2]
-        return torch.stack([even * cos - odd * sin, even * sin + odd * cos], -1).flatten(-2)
-
-    mask = torch.full((seq, seq), float("-inf")).triu(1)
-    h = model.tok_embeddings.weight[tokens]
-    for layer in model.layers:
-        att = layer.attention
-        x = rms(h, layer.attention_norm.weight)
-        heads = []
-        for i in range(args.n_heads):
-            g = i // group
-            q = rope(x @ att.wq.weight[i * hd : (i + 1) * hd].T)
-            k = rope(x @ att.wk.weight[g * hd : (g + 1) * hd].T)
-            v = x @ att.wv.weight[g * hd : (g + 1) * hd].T
-            scores = q @ k.transpose(1, 2) / math.sqrt(hd) + mask
-            heads.append(torch.softmax(scores, -1) @ v)
-        h = h + torch.cat(heads, -1) @ att.wo.weight.T
-        x = rms(h, layer.ffn_norm.weight)
-        ff = layer.feed_forward
-        gate = x @ ff.w1.weight.T
-        h = h + (gate * torch.sigmoid(gate) * (x @ ff.w3.weight.T)) @ ff.w2.weight.T
-    return rms(h, model.norm.weight) @ model.output.weight.T
+    seq = args.max_seq_len
+    per_layer = 2 * (args.dim + 3) + 4 * args.dim + args.ffn_dim + 2 + hd + 1 + 2 * seq + 3 + 4 + 2
+    forward = args.n_layers * per_layer + args.dim + 3 + args.dim + args.vocab_size + 3
+    return 2 * FLOAT64_ROUNDING * (2 * forward + 2 * batch * seq)
 
 
-def test_dense_model_matches_reference_equations():
-    model = build_model(FLAVORS["debug"], seed=3)
-    tokens = torch.randint(0, model.args.vocab_size, (2, model.args.max_seq_len))
-    with torch.no_grad():
-        torch.testing.assert_close(model(tokens), reference_forward(model, tokens))
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got - want).abs().max() / want.abs().max())
+
+
+@pytest.mark.parametrize("name", list(SHAPES))
+def test_model_matches_an_independent_reference_with_every_parameter_random(name, capsys):
+    args = SHAPES[name]
+    cfg = ref.Config(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ref.Config)})
+    params = ref.random_params(cfg, seed=7)
+    model = Transformer(args).double()
+    model.load_state_dict(params)  # strict: the names and shapes agree one to one
+    gen = torch.Generator().manual_seed(11)
+    tokens = torch.randint(0, args.vocab_size, (BATCH, args.max_seq_len + 1), generator=gen)
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+
+    logits = model(inputs)
+    loss = cross_entropy_loss(logits, targets)
+    loss.backward()
+    leaves = {n: p.clone().requires_grad_() for n, p in params.items()}
+    want_logits = ref.forward(leaves, cfg, inputs)
+    want_loss = ref.cross_entropy(want_logits, targets)
+    want_loss.backward()
+
+    bound = rounding_bound(args, BATCH)
+    assert logits.dtype == torch.float64
+    errors = {"logits": rel_err(logits.detach(), want_logits.detach())}
+    errors["loss"] = rel_err(loss.detach(), want_loss.detach())
+    for n, p in model.named_parameters():
+        errors[n] = rel_err(p.grad, leaves[n].grad)
+    assert errors.keys() == {"logits", "loss"} | params.keys()
+    worst = max(errors, key=errors.__getitem__)
+    assert errors[worst] <= bound, (worst, errors[worst], bound)
+    with capsys.disabled():
+        print(
+            f"\n[{name}] float64: logits {errors['logits']:.1e}, loss {errors['loss']:.1e},"
+            f" worst gradient {max(v for k, v in errors.items() if '.' in k):.1e}"
+            f" (bound {bound:.1e})"
+        )
 
 
 def test_seeded_init_is_reproducible_and_seed_dependent():

@@ -14,7 +14,11 @@ import yaml
 from kubernetes import client
 from opharness import MANIFESTS, OPERATOR_SA, SYSTEM_NS, RunningOperator, apply_manifests
 
+from tessera_operator import paths
 from tessera_operator.controlplane import launcher, processes
+
+GRACE_S = yaml.safe_load((paths.repo_root() / "manifests/operator/deployment.yaml").read_text())[
+    "spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
 
 
 @pytest.fixture(scope="module")
@@ -36,13 +40,15 @@ def running_operator(
         proc = processes.spawn(
             [sys.executable, "-m", "tessera_operator.run", "--kubeconfig", str(kubeconfig),
              "--namespace", namespace], log, die_with_parent=True)
-        running = RunningOperator(proc, log, namespace, admin, control_plane.kubeconfig)
+        running = RunningOperator(proc, log, namespace, admin, control_plane.kubeconfig,
+                                  kubeconfig)
         try:
             yield running
         finally:
             proc.send_signal(signal.SIGTERM)
             try:
-                code = proc.wait(timeout=15)
+                # The bound is the behaviour: Kubernetes kills the pod after this grace period.
+                code = proc.wait(timeout=GRACE_S)
             except subprocess.TimeoutExpired:
                 processes.stop_group(proc)
                 code = None

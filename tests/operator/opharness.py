@@ -14,17 +14,21 @@ from kubernetes import client
 
 from tessera_operator import paths, simnodes
 from tessera_operator.controlplane import manifests, probes, processes
+from tessera_operator.handlers import RESYNC_INTERVAL_S
 
 ROOT = paths.repo_root()
 SYSTEM_NS, OPERATOR_SA = "tessera-system", "tessera-operator"
 MANIFESTS = (
+    "manifests/system/namespace.yaml",
     "manifests/power-controller/rbac.yaml",
     "manifests/power-controller/admission.yaml",
     "manifests/operator/rbac.yaml",
-    "manifests/operator/deployment.yaml",
-)
-# Shorter than the operator's renewal timer (20 s): what happens within it was event-driven.
-REACTION_S = 15.0
+    "manifests/operator/admission.yaml",
+)  # not the Deployment: on the session's cluster its pod would run a second, cluster-wide operator
+# A guard against a hung test, not a bound on how fast the operator reacts. It stays below the
+# resync timer's first run, so whatever a test sees happen was driven by a watch event.
+HANG_GUARD_S = 120.0
+assert HANG_GUARD_S < RESYNC_INTERVAL_S
 
 T = TypeVar("T")
 
@@ -42,9 +46,10 @@ class RunningOperator:
     namespace: str
     admin: client.ApiClient
     admin_kubeconfig: Path
+    operator_kubeconfig: Path | None = None  # the operator's own identity and rights
 
     def wait(self, probe: Callable[[], T], done: Callable[[T], bool], what: str,
-             timeout: float = REACTION_S) -> T:
+             timeout: float = HANG_GUARD_S) -> T:
         """Poll until `done(probe())`; on timeout fail with the last value and the log tail."""
         def check() -> T:
             if not processes.is_alive(self.proc):
@@ -67,8 +72,20 @@ class RunningOperator:
         client.CustomObjectsApi(self.admin).create_namespaced_custom_object(
             "tessera.dev", "v1alpha1", self.namespace, "ntptrainingjobs", body)
 
-    def create_nodes(self, job: str, count: int) -> list[str]:
-        """GPU nodes serving `job` (names sort in creation order)."""
+    def create_nodes(self, pool: str, count: int) -> list[str]:
+        """GPU nodes in `pool`, where a job of that name is placed (names sort in creation
+        order)."""
         tag = uuid.uuid4().hex[:6]
-        return simnodes.register(self.admin, [f"gpu-{tag}-{i}" for i in range(count)], job,
-                                 self.namespace)
+        return simnodes.register(self.admin, [f"gpu-{tag}-{i}" for i in range(count)], pool)
+
+    def start_rendezvous(self, job: str) -> None:
+        """Play the kubelet for the job's rendezvous pod, the one pod whose running these
+        tests need (its address goes into the generation document): these nodes have no
+        kubelet, so it is given one."""
+        core = client.CoreV1Api(self.admin)
+        name = f"{job}-rendezvous"
+        self.wait(lambda: [p.metadata.name for p in core.list_namespaced_pod(
+            self.namespace, field_selector=f"metadata.name={name}").items], bool,
+            f"pod {name}")
+        core.patch_namespaced_pod_status(name, self.namespace, {"status": {
+            "phase": "Running", "podIP": "127.0.0.1", "podIPs": [{"ip": "127.0.0.1"}]}})

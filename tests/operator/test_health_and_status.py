@@ -25,10 +25,17 @@ def _node(name: str, cordoned: str | None = None) -> dict:
     ("two,1", {1}, 1),
     ("-1,8,7", {7}, 2),  # a negative index and one past the node's 8 GPUs
     ("1-3", set(), 1),
+    ("9" * 5000 + ",2", {2}, 1),  # past Python's 4,300-digit integer parsing limit
+    ("\u0663", set(), 1),  # an Arabic-Indic 3 is a digit to Python, not to the annotation
 ])
 def test_parse_indices(value: str, indices: set[int], problems: int) -> None:
     got, bad = health.parse_indices(value, 8)
     assert got == indices and len(bad) == problems
+
+
+def test_a_huge_item_is_reported_clipped() -> None:
+    _, (problem,) = health.parse_indices("7" * 100_000, 8)
+    assert problem == "GPU 77777777...(100000 characters) does not exist (the node has GPUs 0-7)"
 
 
 def test_cordons_from_nodes_and_merge() -> None:
@@ -63,12 +70,22 @@ def test_status_of_a_degraded_job() -> None:
     assert (status["phase"], status["tpLayout"], status["observedGeneration"]) == (
         "Degraded", "7,8", 4)
     assert status["replicas"][0] == {"index": 0, "tensorParallelSize": 7, "nodes": ["a"],
-                                     "failedGPUs": ["a/3"], "powerBoosted": True}
+                                     "failedGPUs": ["a/3"], "powerBoosted": True,
+                                     "powerRatio": 1.1667, "powerRatioStep": 0}
     c = _by_type(status)
     assert (c["Ready"]["status"], c["Ready"]["reason"]) == ("True", "RunningDegraded")
     assert (c["Degraded"]["status"], c["Degraded"]["reason"]) == (
         "True", "ReducedTensorParallelism")
     assert c["PowerBoosted"]["status"] == "True"
+
+
+def test_a_held_raise_is_not_claimed_in_effect() -> None:
+    plan = planner.plan(SPEC, {"a": "a", "b": "b"}, {("a", 3)})
+    held = conditions.render(plan, plan.problems, {}, now="2026-01-01T00:00:00Z", generation=4,
+                             layout_generation=2, held=("b",))
+    message = _by_type(held)["PowerBoosted"]["message"]
+    assert message.endswith("; raises on b wait for their racks' cuts to be reported in effect")
+    assert "wait" not in _by_type(_render(plan))["PowerBoosted"]["message"]
 
 
 def test_status_without_a_plan() -> None:

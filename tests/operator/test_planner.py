@@ -4,21 +4,25 @@ boost against ntp.plan's real per-rank work, power targets within the rack budge
 from __future__ import annotations
 
 import json
+import random
 from dataclasses import replace
-from datetime import UTC, datetime
 
 import pytest
+import yaml
 
-from ntp.plan import ModelShape, layer_flops, plan_replica
+from ntp.generations import Rendezvous
+from ntp.plan import ModelShape, layer_flops, plan_replica, rank_layer_flops
 from power_controller.perf_model import PAPER
 from power_controller.planning import PowerPolicy
-from tessera_operator import planner
+from power_controller.targets import parse_object, to_object
+from tessera_operator import paths, planner
 from tessera_operator.planner import JobSpec, SpecError, plan
+from tessera_operator.workload import next_generation
 
 pytestmark = pytest.mark.operator
 
 LLAMA_8B = ModelShape(hidden=4096, n_heads=32, n_kv_heads=8, ffn=14336, vocab=128256)
-NOW = datetime(2026, 1, 1, tzinfo=UTC)
+RENDEZVOUS = Rendezvous("10.0.0.1", 29400)
 
 
 def _spec(**changes: object) -> JobSpec:
@@ -79,14 +83,18 @@ def test_uniform_modes() -> None:
     assert plan(_spec(), nodes, {("a", 3)}).tp_layout == "8,8"
 
 
-def test_fingerprint_follows_the_layout_only() -> None:
+def test_a_new_generation_follows_the_layout_only() -> None:
     nodes = _own_domains("a", "b", "c")
     healthy = plan(_spec(), nodes, set())
-    assert healthy.fingerprint == plan(_spec(), nodes, set()).fingerprint
+    first = next_generation(healthy, 16, RENDEZVOUS, None)
+    assert first is not None and first.generation == 1
+    assert next_generation(plan(_spec(), nodes, set()), 16, RENDEZVOUS, first) is None
     # A failure on the idle spare domain changes nothing the trainer sees.
-    assert plan(_spec(), nodes, {("c", 1)}).fingerprint == healthy.fingerprint
-    assert plan(_spec(), nodes, {("a", 1)}).fingerprint != healthy.fingerprint
-    assert plan(_spec(), nodes, {("a", 1)}).replicas[0].index == 0  # numbered by position
+    assert next_generation(plan(_spec(), nodes, {("c", 1)}), 16, RENDEZVOUS, first) is None
+    hit = plan(_spec(), nodes, {("a", 1)})
+    second = next_generation(hit, 16, RENDEZVOUS, first, at_step=5)
+    assert second is not None and (second.generation, second.at_step) == (2, 5)
+    assert hit.replicas[0].index == 0  # numbered by position
 
 
 def _busiest(tp: int) -> float:
@@ -107,16 +115,16 @@ def test_boost_makes_the_busiest_rank_keep_pace() -> None:
 
 def test_power_targets_boost_survivors_within_the_budget() -> None:
     result = plan(_spec(mode="NTP-PW"), _own_domains("a", "b"), {("a", 3)})
-    targets = result.power_targets(NOW)
+    targets = result.power_targets()
     a, b = targets["a"], targets["b"]
     watts = [a.watts_for(i) for i in range(8)]
     assert watts[3] == 200 and set(watts[:3] + watts[4:]) == {657}  # (4800 - 200) // 7
     assert sum(watts) <= 4800 and a.rack_budget_w == 4800
     assert b.gpu_w == {} and b.base_w == 600
     # Plain NTP manages power too, but never boosts.
-    plain = plan(_spec(mode="NTP"), _own_domains("a", "b"), {("a", 3)}).power_targets(NOW)
+    plain = plan(_spec(mode="NTP"), _own_domains("a", "b"), {("a", 3)}).power_targets()
     assert {plain["a"].watts_for(i) for i in range(8) if i != 3} == {600}
-    assert plan(_spec(power=None), _own_domains("a"), set()).power_targets(NOW) == {}
+    assert plan(_spec(power=None), _own_domains("a"), set()).power_targets() == {}
 
 
 def test_a_rack_budget_below_the_gpus_minimum_is_a_spec_error() -> None:
@@ -125,7 +133,7 @@ def test_a_rack_budget_below_the_gpus_minimum_is_a_spec_error() -> None:
     small = _spec(mode="NTP-PW", power=PowerPolicy(base_w=600, boost_cap_w=700,
                                                     rack_budget_w=1000))
     with pytest.raises(SpecError, match="rackBudgetWatts"):
-        plan(small, _own_domains("a", "b"), {("a", 3)}).power_targets(NOW)
+        plan(small, _own_domains("a", "b"), {("a", 3)}).power_targets()
 
 
 EXAMPLE_SPEC = {
@@ -138,9 +146,9 @@ EXAMPLE_SPEC = {
 
 
 def test_spec_reading_and_its_errors() -> None:
-    spec = JobSpec.from_spec(EXAMPLE_SPEC, ttl_s=90)
+    spec = JobSpec.from_spec(EXAMPLE_SPEC)
     assert (spec.tp, spec.dp, spec.pp, spec.min_tp, spec.mode) == (8, 2, 1, 6, "NTP-PW")
-    assert spec.power == PowerPolicy(base_w=600, boost_cap_w=700, ttl_s=90, ramp_step_w=25)
+    assert spec.power == PowerPolicy(base_w=600, boost_cap_w=700, ramp_step_w=25)
     assert spec.domain_label == planner.DEFAULT_DOMAIN_LABEL
     for broken, field in (
         ({**EXAMPLE_SPEC, "powerPolicy": {"baseCapWatts": 150, "boostCapWatts": 700}},
@@ -173,8 +181,12 @@ def test_the_papers_job_fits_its_api_objects() -> None:
     assert len(result.replicas) == 128
     # Packed, the 100 hit groups slow ceil(100 / 8) = 13 replicas instead of up to 100.
     assert sorted(r.tp for r in result.replicas)[:14] == [31] * 13 + [32]
-    document = json.dumps(result.document("ns/job", 1), separators=(",", ":"))
-    assert len(document.encode()) < 1024 * 1024 * 0.8
+    # The trainer runs PP 1: the same GPUs as TP32 x DP1024 make its generation document.
+    flat = plan(replace(spec, pp=1, dp=1024), nodes, failed)
+    document = next_generation(flat, 1024, RENDEZVOUS, None)
+    assert document is not None and len(document.gpus) == 32768 - 100
+    text = json.dumps(document.to_dict(), separators=(",", ":"))
+    assert len(text.encode()) < 1024 * 1024 * 0.8
     assert len(result.tp_layout) <= 4096
 
 
@@ -183,3 +195,72 @@ def test_tp_layout_runs_when_replicas_are_many() -> None:
     result = plan(_spec(dp=3000), nodes, {("n1000", 0)})
     assert result.tp_layout == "8x1000,7,8x1999"
     assert plan(_spec(), _own_domains("a", "b"), set()).tp_layout == "8,8"
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_busiest_rank_from_counts_matches_the_unit_ids(seed: int) -> None:
+    """The planner's slowdown comes from unit counts (bounded memory); ntp.plan's materialized
+    unit ids are the reference, over random GQA shapes and every degree."""
+    rng = random.Random(seed)
+    for _ in range(20):
+        kv, group = rng.choice([1, 2, 4, 8]), rng.choice([1, 2, 3, 4])
+        heads = kv * group
+        shape = ModelShape(hidden=heads * rng.choice([8, 64]), n_heads=heads, n_kv_heads=kv,
+                           ffn=rng.randint(heads, 4000), vocab=rng.randint(heads, 4000),
+                           seq_len=rng.choice([1, 128, 8192]))
+        for tp in range(1, heads + 1):
+            by_ids = tuple(layer_flops(shape, s) for s in plan_replica(shape, tp))
+            assert rank_layer_flops(shape, tp) == by_ids
+
+
+def test_survivors_of_a_group_too_small_to_run_go_to_the_minimum() -> None:
+    # 5 survivors < minimum TP 6: the group runs nothing, so its GPUs hold the minimum and the
+    # rack's budget is not spent on idle GPUs.
+    failed = {("a", 0), ("a", 1), ("a", 2)}
+    result = plan(_spec(mode="NTP-PW"), _own_domains("a", "b"), failed)
+    assert result.tp_layout == "8"
+    a = result.power_targets()["a"]
+    assert {a.watts_for(i) for i in range(8)} == {200}
+    assert result.stranded == {("a", i) for i in range(3, 8)}
+
+
+def test_a_rack_budget_beyond_every_gpu_at_the_cap_still_fits_a_target() -> None:
+    # The schema allows 10 MW per rack; a GPUPowerTarget's node share only 320 kW. Watts no GPU
+    # can draw are left out of the shares.
+    huge = _spec(mode="NTP-PW", power=PowerPolicy(base_w=600, boost_cap_w=700,
+                                                   rack_budget_w=10_000_000))
+    targets = plan(huge, _own_domains("a"), {("a", 3)}).power_targets()
+    assert targets["a"].budget_w == 8 * 700 == targets["a"].rack_budget_w
+    assert parse_object(to_object(targets["a"]), "a") == targets["a"]
+
+
+def _schema() -> dict:
+    crd = yaml.safe_load((paths.repo_root() / "crds/ntptrainingjob.yaml").read_text())
+    return crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+
+
+def test_the_schema_and_the_planner_agree_on_every_bound() -> None:
+    """What the API server accepts, the operator can plan and publish: the largest shape at the
+    largest TP, the lowest caps, the largest rack budget, each with a failed GPU."""
+    props = _schema()["properties"]
+    power = props["powerPolicy"]["properties"]
+    floor = PowerPolicy().min_w  # what failed and idle GPUs are set to
+    assert power["baseCapWatts"]["minimum"] == power["boostCapWatts"]["minimum"] == floor
+    assert power["rackBudgetWatts"]["minimum"] == floor
+    model = {key: props["model"]["properties"][key]["maximum"]
+             for key in ("hidden", "ffn", "vocab", "layers", "seqLen")}
+    model["heads"] = model["kvHeads"] = props["model"]["properties"]["heads"]["maximum"]
+    tp, per_node = props["tensorParallelSize"]["maximum"], props["gpusPerNode"]["maximum"]
+    nodes = {f"n{i:02d}": "nvl" for i in range(tp // per_node)}
+    for caps, budget in (((floor, floor), None),
+                         ((floor, power["boostCapWatts"]["maximum"]),
+                          power["rackBudgetWatts"]["maximum"])):
+        spec = JobSpec.from_spec({
+            "model": model, "tensorParallelSize": tp, "dataParallelReplicas": 1,
+            "gpusPerNode": per_node, "failurePolicy": {"mode": "NTP-PW"},
+            "powerPolicy": {"baseCapWatts": caps[0], "boostCapWatts": caps[1]}
+            | ({} if budget is None else {"rackBudgetWatts": budget})})
+        result = plan(spec, nodes, {("n00", 0)})
+        assert result.tp_layout == str(tp - 1)
+        for node, target in result.power_targets().items():
+            assert parse_object(to_object(target), node) == target

@@ -19,11 +19,16 @@ def clip_grad_norm_(
     shards: Sequence[RankShard],
     rank: int,
     group: dist.ProcessGroup,
+    world: dist.ProcessGroup | None = None,
 ) -> float:
     """torch.nn.utils.clip_grad_norm_ of the dense model, for synchronized sharded gradients.
 
     KV copies hold the same gradient after the sync, so only the lowest holder counts them;
     replicated parameters are counted on rank 0. Returns the total norm.
+
+    Each replica sums its squares in the order of its own layout, so replicas' norms differ in
+    the last bits; with `world` (every rank of the job) all of them take replica 0's norm, so
+    every replica scales by the same coefficient and none drifts from the others.
     """
     squares = []
     for name, p in model.named_parameters():
@@ -43,6 +48,8 @@ def clip_grad_norm_(
     if dist.get_world_size(group) > 1:
         dist.all_reduce(total, group=group)
     norm = total.sqrt()
+    if world is not None and dist.get_world_size(world) > 1:
+        dist.broadcast(norm, group_src=0, group=world)
     # The same coefficient as torch's, applied unconditionally like torch does.
     coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
     for p in model.parameters():

@@ -10,6 +10,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed import ProcessGroup
 
+from ntp.model import at_least_fp32
+
 
 class _CopyToTP(torch.autograd.Function):
     """Identity forward; backward sums the input gradient over the TP group."""
@@ -112,7 +114,7 @@ def vocab_parallel_cross_entropy(
     logits: torch.Tensor, targets: torch.Tensor, lookup: torch.Tensor, group: ProcessGroup
 ) -> torch.Tensor:
     """Mean next-token loss; equals the dense cross entropy of the gathered logits."""
-    flat = logits.flatten(0, 1).float()
+    flat = at_least_fp32(logits.flatten(0, 1))
     if dist.get_world_size(group) == 1:
         return F.cross_entropy(flat, targets.flatten())
     return _VocabParallelCrossEntropy.apply(flat, targets.flatten(), lookup, group).mean()

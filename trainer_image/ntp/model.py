@@ -29,6 +29,13 @@ class ModelArgs:
     rope_theta: float = 500000.0
     init_std: float = 0.02
 
+    @classmethod
+    def of_shape(cls, shape: ModelShape) -> ModelArgs:
+        """The model of a plan's shape, with the defaults for what a shape does not say."""
+        return cls(dim=shape.hidden, n_layers=shape.n_layers, n_heads=shape.n_heads,
+                   n_kv_heads=shape.n_kv_heads, ffn_dim=shape.ffn, vocab_size=shape.vocab,
+                   max_seq_len=shape.seq_len)
+
     def shape(self) -> ModelShape:
         """The plan's view of this model (validates the head arithmetic)."""
         return ModelShape(
@@ -54,17 +61,23 @@ FLAVORS: dict[str, ModelArgs] = {
 }
 
 
+def at_least_fp32(x: torch.Tensor) -> torch.Tensor:
+    """x in float32, or in its own dtype if wider: half precision is upcast, float64 stays."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
 def precompute_rope(head_dim: int, seq_len: int, theta: float) -> torch.Tensor:
-    """Complex rotations, (seq_len, head_dim // 2)."""
-    freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-    angles = torch.outer(torch.arange(seq_len, dtype=torch.float32), freqs)
+    """Complex rotations, (seq_len, head_dim // 2), in double precision (each use rounds them to
+    its own precision, so a float64 model gets float64 angles)."""
+    freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    angles = torch.outer(torch.arange(seq_len, dtype=torch.float64), freqs)
     return torch.polar(torch.ones_like(angles), angles)
 
 
 def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
     # x: (bs, seqlen, n_heads, head_dim)
-    xc = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
-    rot = rope[: x.shape[1]].view(1, x.shape[1], 1, -1)
+    xc = torch.view_as_complex(at_least_fp32(x).reshape(*x.shape[:-1], -1, 2))
+    rot = rope[: x.shape[1]].view(1, x.shape[1], 1, -1).to(xc.dtype)
     return torch.view_as_real(xc * rot).flatten(3).type_as(x)
 
 
@@ -75,7 +88,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        wide = at_least_fp32(x)
+        normed = wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + self.eps)
         return normed.type_as(x) * self.weight
 
 
@@ -166,7 +180,7 @@ class Transformer(nn.Module):
 
 def cross_entropy_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean next-token loss over all positions."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+    return F.cross_entropy(at_least_fp32(logits.flatten(0, 1)), targets.flatten())
 
 
 def build_model(args: ModelArgs, seed: int = 0) -> Transformer:

@@ -140,7 +140,11 @@ EMPTY = RankShard()
 
 def layer_flops(shape: ModelShape, shard: RankShard) -> float:
     """Forward FLOPs of one transformer layer on this rank over one sequence."""
-    return sum(len(shard.units(kind)) * shape.unit_flops(kind) for kind in LAYER_KINDS)
+    return _counted_flops(shape, {kind: len(shard.units(kind)) for kind in LAYER_KINDS})
+
+
+def _counted_flops(shape: ModelShape, counts: Mapping[str, int]) -> float:
+    return sum(counts[kind] * shape.unit_flops(kind) for kind in LAYER_KINDS)
 
 
 def imbalance(shape: ModelShape, shards: Sequence[RankShard]) -> float:
@@ -245,7 +249,22 @@ def _check_degree(shape: ModelShape, tp: int) -> None:
             )
 
 
-@lru_cache(maxsize=256)
+def _mlp_counts(shape: ModelShape, q_counts: Sequence[int], kv_counts: Sequence[int]) -> list[int]:
+    """MLP columns per rank: each rank filled up to a common level of per-layer compute, so a
+    rank holding an extra head or extra KV copies holds fewer columns. Every rank keeps at least
+    one column (attention-heavy shapes would otherwise leave none)."""
+    attention = [
+        q * shape.unit_flops("q_heads") + kv * shape.unit_flops("kv_heads")
+        for q, kv in zip(q_counts, kv_counts, strict=True)
+    ]
+    col = shape.unit_flops("mlp_cols")
+    extra_cols = _fill_counts([a + col for a in attention], shape.ffn - len(q_counts), col)
+    return [1 + c for c in extra_cols]
+
+
+# A job runs at a few TP degrees at once, and each entry holds every unit id of the shape
+# (about 36 bytes per id, up to 5.3 million ids at the CRD's largest shape): few entries.
+@lru_cache(maxsize=8)
 def _plan_replica(
     shape: ModelShape, tp: int, align_to: tuple[RankShard, ...] | None
 ) -> tuple[RankShard, ...]:
@@ -255,21 +274,31 @@ def _plan_replica(
     # 1. Query heads: within one head of even; which heads follows the partitions.
     q = _assign(_even_counts(shape.n_heads, tp), parts("q_heads"))
     kv = [{shape.kv_of(h) for h in heads} for heads in q]
-    # 2. MLP columns fill each rank up to a common level of total per-layer compute, so a rank
-    #    holding an extra head or extra KV copies holds fewer columns.
-    attention = [
-        len(q[i]) * shape.unit_flops("q_heads") + len(kv[i]) * shape.unit_flops("kv_heads")
-        for i in range(tp)
-    ]
-    #    Every rank keeps at least one column (attention-heavy shapes would otherwise leave none).
-    col = shape.unit_flops("mlp_cols")
-    extra_cols = _fill_counts([a + col for a in attention], shape.ffn - tp, col)
-    mlp_counts = [1 + c for c in extra_cols]
-    mlp = _assign(mlp_counts, parts("mlp_cols"))
+    # 2. MLP columns level the per-layer compute.
+    mlp = _assign(_mlp_counts(shape, [len(h) for h in q], [len(g) for g in kv]), parts("mlp_cols"))
     # 3. Vocabulary rows: the LM head is its own barrier-separated stage, so it is split evenly
     #    on its own rather than traded against layer compute.
     vocab = _assign(_even_counts(shape.vocab, tp), parts("vocab_rows"))
     return tuple(RankShard.build(shape, q[i], mlp[i], vocab[i]) for i in range(tp))
+
+
+def rank_layer_flops(shape: ModelShape, tp: int) -> tuple[float, ...]:
+    """`layer_flops` of each rank of `plan_replica(shape, tp)`, from unit counts alone.
+
+    What a planner needs (the busiest rank's work) without materializing the unit ids, whose
+    size grows with the vocabulary and FFN: memory O(tp + heads) whatever the shape.
+    """
+    _check_degree(shape, tp)
+    q_counts = _even_counts(shape.n_heads, tp)
+    kv_counts, start = [], 0
+    for count in q_counts:  # contiguous blocks of query heads, as `_assign` deals them
+        kv_counts.append(len({shape.kv_of(h) for h in range(start, start + count)}))
+        start += count
+    mlp_counts = _mlp_counts(shape, q_counts, kv_counts)
+    return tuple(
+        _counted_flops(shape, {"q_heads": q, "kv_heads": kv, "mlp_cols": m})
+        for q, kv, m in zip(q_counts, kv_counts, mlp_counts, strict=True)
+    )
 
 
 def plan_replica(
