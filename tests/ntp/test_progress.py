@@ -1,0 +1,230 @@
+"""The progress report contract between the trainer pods' agents and the operator: a report
+survives its JSON round trip, garbage is a ReportError naming the field, and `summarize` gives
+the job's phase, step, goodput and message from its nodes' reports."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ntp.agent import RECENT_STEPS, NodeProgress
+from ntp.progress import (
+    JobProgress,
+    NodeReport,
+    Phase,
+    ReportError,
+    State,
+    progress_configmap,
+    read_reports,
+    report_key,
+    summarize,
+)
+
+NODES = ("gpu-node-0", "gpu-node-1", "gpu-node-2")
+
+
+def report(node: str = "gpu-node-0", state: State = State.TRAINING, **fields) -> NodeReport:
+    values = dict(node=node, generation=2, step=40, steps=100, state=state, step_seconds=1.5,
+                  compute_seconds=1.25, samples=40 * 64, tokens=40 * 64 * 128, goodput=0.8,
+                  productive_seconds=80.0, wall_seconds=100.0,
+                  badput_seconds={"startup": 15.0, "reconfiguration": 5.0})
+    return NodeReport(**(values | fields))
+
+
+def test_a_report_round_trips_through_its_json_form():
+    original = report(message="generation 2 from step 38")
+    assert NodeReport.from_json(original.to_json()) == original
+    assert NodeReport.from_dict(json.loads(json.dumps(original.to_dict()))) == original
+    # a state given as its string is the enum member, so comparisons by identity hold
+    assert report(state="Finished").state is State.FINISHED
+
+
+def test_the_json_form_leaves_out_what_is_empty():
+    # Thousands of reports share one ConfigMap's 1 MiB: zero categories and an empty message
+    # are not written, and a node starting up has no step time yet.
+    starting = report(state=State.STARTING, step=0, step_seconds=None, compute_seconds=None,
+                      badput_seconds={"startup": 3.0, "restart": 0.0})
+    document = starting.to_dict()
+    assert document["badputSeconds"] == {"startup": 3.0}
+    assert "message" not in document and "stepSeconds" not in document
+    assert "computeSeconds" not in document
+    assert NodeReport.from_dict(document) == starting
+    assert len(report(node="a-node-name-of-sixty-three-characters-as-kubernetes-allows-it0")
+               .to_json()) < 400
+
+
+@pytest.mark.parametrize(("document", "names"), [
+    ([], "a JSON object"),
+    ({"node": "n"}, "missing generation, step, steps, state"),
+    (report().to_dict() | {"node": ""}, "node"),
+    (report().to_dict() | {"step": -1}, "step"),
+    (report().to_dict() | {"step": 3.5}, "step"),
+    (report().to_dict() | {"generation": True}, "generation"),
+    (report().to_dict() | {"steps": 0}, "steps"),
+    (report().to_dict() | {"step": 101}, "past the job's 100 steps"),
+    (report().to_dict() | {"state": "Sleeping"}, "state"),
+    (report().to_dict() | {"state": ["Training"]}, "state"),
+    (report().to_dict() | {"goodput": 1.5}, "goodput"),
+    (report().to_dict() | {"wallSeconds": float("nan")}, "wallSeconds"),
+    (report().to_dict() | {"wallSeconds": 10**400}, "wallSeconds"),
+    (report().to_dict() | {"stepSeconds": "fast"}, "stepSeconds"),
+    (report().to_dict() | {"computeSeconds": -0.5}, "computeSeconds"),
+    (report().to_dict() | {"computeSeconds": float("inf")}, "computeSeconds"),
+    (report().to_dict() | {"computeSeconds": False}, "computeSeconds"),
+    (report().to_dict() | {"message": 7}, "message"),
+    (report().to_dict() | {"badputSeconds": [1]}, "badputSeconds"),
+    (report().to_dict() | {"badputSeconds": {"coffee": 1.0}}, "'coffee' is not one of"),
+    (report().to_dict() | {"badputSeconds": {"startup": -1.0}}, "badputSeconds.startup"),
+])
+def test_a_malformed_report_is_a_report_error_naming_the_field(document, names):
+    with pytest.raises(ReportError, match=names.replace("(", r"\(")):
+        NodeReport.from_dict(document)
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner,
+                                                                 max_size=3),
+    max_leaves=8)
+fields = st.sampled_from(["node", "generation", "step", "steps", "state", "message",
+                          "stepSeconds", "computeSeconds", "samples", "tokens", "goodput",
+                          "productiveSeconds", "wallSeconds", "badputSeconds"])
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.dictionaries(fields, json_values, max_size=6))
+def test_any_json_in_place_of_fields_is_a_valid_report_or_a_report_error(changes):
+    try:
+        parsed = NodeReport.from_dict(report().to_dict() | changes)
+    except ReportError:
+        return
+    assert NodeReport.from_json(parsed.to_json()) == parsed
+
+
+def test_text_that_is_not_json_is_a_report_error():
+    with pytest.raises(ReportError, match="not JSON"):
+        NodeReport.from_json("{'node': ")
+    assert issubclass(ReportError, ValueError)
+
+
+def test_the_operator_reads_each_nodes_report_from_the_configmap_data():
+    assert progress_configmap("llm") == "llm-progress"
+    good = report("gpu-node-0")
+    data = {report_key("gpu-node-0"): good.to_json(), report_key("gpu-node-1"): "{garbage",
+            report_key("gpu-node-9"): report("gpu-node-9").to_json()}
+    assert read_reports(data, NODES) == {"gpu-node-0": good, "gpu-node-1": None,
+                                         "gpu-node-2": None}
+    assert read_reports(None, NODES[:1]) == {"gpu-node-0": None}
+
+
+def every(state: State = State.TRAINING, **fields) -> dict[str, NodeReport]:
+    return {n: report(n, state, **fields) for n in NODES}
+
+
+def test_before_any_node_has_trained_the_job_is_pending():
+    assert summarize({}, 1, NODES).phase is Phase.PENDING
+    starting = {NODES[0]: report(NODES[0], State.STARTING, step=0, generation=1)}
+    progress = summarize(starting, 1, NODES)
+    assert (progress.phase, progress.step) == (Phase.PENDING, 0)
+    assert progress.message == "1/3 nodes started, none has trained yet"
+
+
+def test_a_job_whose_nodes_all_train_the_published_generation_is_running():
+    reports = every()
+    reports[NODES[1]] = report(NODES[1], step=41)
+    progress = summarize(reports, 2, NODES)
+    assert progress == JobProgress(Phase.RUNNING, 40, 100, pytest.approx(0.8),
+                                   "step 40/100, generation 2, 3 nodes")
+
+
+@pytest.mark.parametrize(("change", "why"), [
+    ({"generation": 1}, "generation 1"),
+    ({"state": State.RECONFIGURING}, "reconfiguring"),
+    ({"state": State.STARTING, "step": 0}, "starting"),
+])
+def test_a_node_behind_the_published_generation_makes_the_job_reconfigure(change, why):
+    reports = every()
+    reports[NODES[2]] = dataclasses.replace(reports[NODES[2]], **change)
+    progress = summarize(reports, 2, NODES)
+    assert progress.phase is Phase.RECONFIGURING
+    assert progress.message == f"step 40/100, generation 2: waiting for {NODES[2]} ({why})"
+    # a node still starting (a joining GPU's) has done no step: the job's step is the others'
+    assert progress.step == 40
+
+
+def test_a_node_without_a_report_makes_the_job_reconfigure():
+    reports: dict[str, NodeReport | None] = every()
+    reports[NODES[0]] = None
+    progress = summarize(reports, 2, NODES)
+    assert progress.phase is Phase.RECONFIGURING
+    assert "gpu-node-0 (no report)" in progress.message
+
+
+def test_the_message_names_a_few_waiting_nodes_and_counts_the_rest():
+    nodes = [f"n{i}" for i in range(10)]
+    progress = summarize({"n0": report("n0")}, 2, nodes)
+    assert progress.message.endswith("waiting for n1 (no report), n2 (no report), "
+                                     "n3 (no report) and 6 more")
+
+
+def test_any_failed_node_fails_the_job_with_its_reason():
+    reports = every()
+    reports[NODES[1]] = report(NODES[1], State.FAILED, message="lost the job's rendezvous")
+    reports[NODES[2]] = report(NODES[2], State.FINISHED)
+    progress = summarize(reports, 2, NODES)
+    assert progress.phase is Phase.FAILED
+    assert progress.message == "gpu-node-1 failed: lost the job's rendezvous"
+
+
+def test_the_job_succeeds_when_every_node_has_finished():
+    reports = every(State.FINISHED, step=100)
+    assert summarize(reports, 2, NODES).phase is Phase.SUCCEEDED
+    reports[NODES[0]] = report(NODES[0], State.TRAINING, step=100)
+    assert summarize(reports, 2, NODES).phase is Phase.RUNNING
+
+
+def test_job_goodput_weights_each_node_by_its_wall_time_including_nodes_that_left():
+    reports: dict[str, NodeReport | None] = {
+        NODES[0]: report(NODES[0], productive_seconds=90.0, wall_seconds=100.0, goodput=0.9),
+        NODES[1]: report(NODES[1], productive_seconds=10.0, wall_seconds=300.0, goodput=1 / 30,
+                         badput_seconds={"waiting_for_health": 290.0}),
+        "gone-node": report("gone-node", productive_seconds=50.0, wall_seconds=100.0,
+                            goodput=0.5, step=10),
+    }
+    progress = summarize(reports, 2, NODES[:2])
+    assert progress.goodput == pytest.approx(150.0 / 500.0)
+    assert progress.step == 40  # a node that left does not hold the job's step back
+    assert summarize({NODES[0]: report(NODES[0], wall_seconds=0.0, productive_seconds=0.0,
+                                       goodput=0.0, badput_seconds={})},
+                     2, NODES[:1]).goodput is None
+
+
+def step_line(step: int, rank: int, compute_s: float | None, generation: int = 1) -> dict:
+    """A rank's step line as ntp.train.log_step prints it."""
+    line = {"step": step, "rank": rank, "loss": 2.0, "step_s": 1.0, "samples": 64,
+            "generation": generation}
+    return line if compute_s is None else line | {"compute_s": compute_s}
+
+
+def test_a_nodes_report_carries_its_ranks_mean_compute_time_in_the_generation_they_run():
+    node = NodeProgress("gpu-node-0", steps=1000, clock=lambda: 0.0)
+    assert node.report().compute_seconds is None  # no step yet
+    for step in range(1, RECENT_STEPS + 6):
+        # the first steps were slower: only the recent ones count
+        slow = 1.0 if step <= 5 else 0.0
+        node.record(step_line(step, 0, 0.5 + slow))
+        node.record(step_line(step, 1, 0.7 + slow))  # every rank counts, not only the first
+    assert node.report().compute_seconds == 0.6
+    node.record(step_line(RECENT_STEPS + 6, 0, 0.9, generation=2))  # a new layout: afresh
+    node.record(step_line(RECENT_STEPS + 6, 1, 9.0, generation=1))  # a late line of the old one
+    node.record(step_line(RECENT_STEPS + 6, 2, float("nan"), generation=2))
+    assert node.report().compute_seconds == 0.9
+    assert NodeReport.from_json(node.report().to_json()).compute_seconds == 0.9
+    assert NodeProgress("n", 10).report().to_dict().get("computeSeconds") is None
+    older = NodeProgress("gpu-node-1", steps=1000, clock=lambda: 0.0)
+    older.record(step_line(1, 0, None))  # a trainer that does not measure it
+    assert older.report().compute_seconds is None and older.report().step == 1
