@@ -1,11 +1,15 @@
 """The node power agent (`tessera power-agent`): collect -> decide -> actuate -> serve metrics.
 
 Each step reads the node's GPUs and its `GPUPowerTarget`, lets the pure policy decide, lowers
-limits first and raises only into the headroom that is really there. Every GPU it changes is
-recorded on the host, with the limit set, before the change: on SIGTERM it puts them back to
-their default limits (or, with `--on-exit hold`, leaves them for the next agent); an agent that
-starts and finds GPUs recorded adopts them if the operator's target is fresh, restores them if
-the target is gone, and holds them at their recorded limits while it cannot tell.
+limits first, raises only into the headroom that is really there, and reports what is in effect
+in the target's status. Every GPU it changes is recorded on the host, with the limit set, before
+the change, and so is the node's budget share before the agent acts on a target. A boost never
+outlives its target: with the target deleted or invalid, on SIGTERM, and in the agent that
+follows a crash, the GPUs settle at the base cap inside the last share (`--on-exit hold` leaves
+them to the next agent instead); only a node that was never given a share goes back to the
+device defaults. An agent that starts and finds GPUs recorded adopts them if the operator's
+target is valid, settles them if it is gone, and holds them at their recorded limits while it
+cannot tell.
 """
 
 from __future__ import annotations
@@ -21,7 +25,6 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from datetime import UTC, datetime
 from enum import Enum
 from pathlib import Path
 from typing import Any, Protocol
@@ -31,16 +34,26 @@ from power_controller.devices import GpuId, GpuReading, NotFound, PowerBackend, 
 from power_controller.metrics import GpuStatus, NodeStatus
 from power_controller.policy import WATT, Decision, DeviceView, admit_raises, clamp, decide
 from power_controller.state import ManagedGpus, StateLocked
-from power_controller.targets import InvalidTarget, PowerTarget, parse_object
+from power_controller.targets import (
+    InvalidTarget,
+    PowerTarget,
+    parse_object,
+    parse_spec,
+    render_status,
+    to_object,
+)
 
 log = logging.getLogger("tessera.power-agent")
 
 
 class TargetSource(Protocol):
     """Where the agent reads its node's target object (the API server in production): the object,
-    None when there is none (404), or an exception when it cannot be known."""
+    None when there is none (404), or an exception when it cannot be known; and where it reports
+    the object's status (an exception when that fails)."""
 
     def fetch(self) -> dict[str, Any] | None: ...
+
+    def report(self, status: dict[str, Any]) -> None: ...
 
 
 class Fetched(Enum):
@@ -52,10 +65,6 @@ class Fetched(Enum):
     UNREACHABLE = "unreachable"
 
 
-def utc_now() -> datetime:
-    return datetime.now(UTC)
-
-
 @dataclass
 class Agent:
     """One node's control loop state; `step()` runs one collect -> decide -> actuate cycle."""
@@ -65,15 +74,18 @@ class Agent:
     source: TargetSource
     managed: ManagedGpus
     step_mw: int = 50_000
-    clock: Callable[[], datetime] = utc_now
     restore_timeout_s: float = 10.0
     target: PowerTarget | None = None
+    generation: int | None = None  # metadata.generation of the object last read
     status: NodeStatus = field(init=False)
     # GPUs a previous agent left changed, until the operator's target says what to do with them.
     recovering: bool = field(init=False)
     # Limits last seen per GPU index: a GPU that stops answering is counted at this value.
     _known_mw: dict[int, int] = field(default_factory=dict, init=False)
+    _uuids: dict[int, str] = field(default_factory=dict, init=False)  # last seen per index
     _last_warning: dict[str, str] = field(default_factory=dict, init=False)
+    _invalid: str | None = field(default=None, init=False)  # why the object read is refused
+    _reported: dict[str, Any] | None = field(default=None, init=False)  # the status written
 
     def __post_init__(self) -> None:
         self.status = NodeStatus(node=self.node)
@@ -101,7 +113,7 @@ class Agent:
             where = f"GPU {gpu.index}"
             try:
                 readings[gpu.index] = r = self.backend.read(gpu.index)
-                self._known_mw[gpu.index] = r.limit_mw
+                self._known_mw[gpu.index], self._uuids[gpu.index] = r.limit_mw, r.uuid
                 self._ok(where)
             except PowerError as err:
                 readings[gpu.index] = None
@@ -112,19 +124,47 @@ class Agent:
         try:
             obj = self.source.fetch()
             self._ok("target")
-        except Exception as err:  # outage: keep acting on the last valid target until it is stale
+        except Exception as err:  # outage: keep acting on the last valid target
             self._error("target", err)
             return Fetched.UNREACHABLE
         if obj is None:
-            self.target = None
+            self.target, self.generation = None, None
             return Fetched.ABSENT
+        generation = (obj.get("metadata") or {}).get("generation") if isinstance(obj, dict) else 0
+        valid_generation = isinstance(generation, int) and not isinstance(generation, bool)
+        self.generation = generation if valid_generation else None
         try:
-            self.target = parse_object(obj, self.node)
+            target = parse_object(obj, self.node)
         except InvalidTarget as err:
-            self.target = None
+            self.target, self._invalid = None, str(err)
             self._error("target", err)
             return Fetched.INVALID
+        self._invalid = None
+        try:
+            # Before acting on it: a successor must never know less budget than was acted on.
+            self.managed.record_share(to_object(target.settled())["spec"])
+        except OSError as err:  # then no GPU can be recorded either, so none is changed
+            self._error("state file", err)
+        self.target = target
         return Fetched.VALID
+
+    def settled(self) -> PowerTarget | None:
+        """The node's settled target (base cap inside its last recorded share); None when no
+        share was ever recorded."""
+        if self.managed.share is None:
+            return None
+        try:
+            return parse_spec(self.managed.share, self.node)
+        except InvalidTarget as err:
+            self._warn("record", f"the recorded share cannot be used: {err}")
+            return None
+
+    def _goal(self) -> PowerTarget | None:
+        """What this step moves toward: the valid target; without one, the settled level (but
+        not while GPUs a previous agent changed wait for the target to say what to do)."""
+        if self.target is not None:
+            return self.target
+        return None if self.recovering else self.settled()
 
     def _check_indices(self, gpus: list[GpuId]) -> None:
         beyond = sorted(i for i in (self.target.gpu_w if self.target else {}) if i >= len(gpus))
@@ -135,27 +175,34 @@ class Agent:
     # restart --------------------------------------------------------------------------------
 
     def _resolve(self, fetched: Fetched) -> bool:
-        """Settle what to do with GPUs a previous agent left changed; True once settled."""
+        """Decide what to do with GPUs a previous agent left changed; True once decided."""
         if not self.recovering:
             return True
-        if fetched is Fetched.ABSENT:
-            log.info("no target for node %s: restoring %d GPU(s) a previous agent changed",
+        if fetched is Fetched.VALID:
+            log.info("valid target for node %s: adopting %d GPU(s) a previous agent changed",
                      self.node, len(self.managed.gpus))
+        elif fetched in (Fetched.ABSENT, Fetched.INVALID) and self.settled() is not None:
+            log.info("no valid target for node %s: settling %d GPU(s) a previous agent changed at"
+                     " the base cap inside the node's last share", self.node,
+                     len(self.managed.gpus))
+        elif fetched is Fetched.ABSENT:
+            log.info("no target and no budget ever given to node %s: restoring %d GPU(s) a "
+                     "previous agent changed", self.node, len(self.managed.gpus))
             self.restore()
-        elif fetched is Fetched.VALID and self.target and not self.target.stale(self.clock()):
-            log.info("fresh target for node %s: adopting %d GPU(s) a previous agent changed",
-                     self.node, len(self.managed.gpus))
         else:
             return False
         self.recovering = False
         return True
 
     def recover(self, wait_s: float, sleep: Callable[[float], object] = time.sleep) -> None:
-        """At start: restore every GPU if the record is unreadable; then read the target for up to
-        `wait_s` to decide between adopting and restoring the recorded GPUs, and hold them at
-        their recorded limits if it cannot be read (the loop keeps trying)."""
+        """At start: read the target for up to `wait_s` to decide between adopting, settling
+        and restoring the recorded GPUs, and hold them at their recorded limits if it cannot be
+        read (the loop keeps trying). With the record unreadable, any GPU may have been changed
+        and the share is lost: every GPU counts as recorded, so a valid target still adopts
+        them (never a detour through the defaults on a budgeted node), and only a node with no
+        target at all gets its defaults back."""
         if self.managed.unreadable:
-            self.restore_all()
+            self._record_every_gpu()
         self.recovering = bool(self.managed.gpus)
         deadline = time.monotonic() + wait_s
         while not self._resolve(self._refresh_target()):
@@ -167,6 +214,33 @@ class Agent:
                 return
             if sleep(min(1.0, max(0.0, deadline - time.monotonic()))):
                 return  # asked to stop (`threading.Event.wait` answers True): shutdown decides
+
+    def _identified_gpus(self, left_out: str) -> list[str] | None:
+        """The UUIDs of the GPUs the backend can identify (None when it cannot list them); the
+        others are logged as `left_out` ("recorded", "restored")."""
+        try:
+            gpus = self.backend.gpus()
+        except PowerError as err:
+            self._error("backend", err)
+            return None
+        unknown = [g.index for g in gpus if g.uuid is None]
+        if unknown:
+            log.error("GPU(s) %s cannot be identified and are not %s", unknown, left_out)
+        return [g.uuid for g in gpus if g.uuid is not None]
+
+    def _record_anew(self, uuids: list[str]) -> None:
+        """Replace an unreadable record by one naming `uuids` as changed."""
+        try:
+            self.managed.forget_unreadable()
+            for uuid in uuids:
+                self.managed.record(uuid, None)
+        except OSError as err:
+            self._error("state file", err)
+
+    def _record_every_gpu(self) -> None:
+        uuids = self._identified_gpus("recorded")
+        if uuids is not None:
+            self._record_anew(uuids)
 
     def hold_recorded(self) -> None:
         """Put recorded GPUs back at their last recorded limit (which met the budget), in case
@@ -241,11 +315,12 @@ class Agent:
             self._error("backend", err)
             self.status = replace(self.status, holding=True, reason=f"hold: {err}", gpus=())
             return self.status
-        self._resolve(self._refresh_target())
+        fetched = self._refresh_target()
+        self._resolve(fetched)
         self._check_indices(gpus)
         readings = self._read_all(gpus)
-        views, now = self._views(readings), self.clock()
-        decision = decide(views, self.target, now, self.step_mw)
+        views, goal = self._views(readings), self._goal()
+        decision = decide(views, goal, self.step_mw)
         if decision.infeasible:
             self._warn("budget", decision.reason)
 
@@ -257,24 +332,63 @@ class Agent:
                 DeviceView(v.index, 0, 0, v.limit_mw, False) if v.index in stuck else v
                 for v in views
             ]
-            decision = decide(views, self.target, now, self.step_mw)
+            decision = decide(views, goal, self.step_mw)
             self._apply(decision.lower, readings)
-        if self.target is not None and decision.raise_:
+        if goal is not None and decision.raise_:
             limits = {v.index: self._limit(v, readings) for v in views}
-            budget_mw = self.target.budget_w * WATT
-            self._apply(admit_raises(limits, decision.raise_, budget_mw), readings)
+            self._apply(admit_raises(limits, decision.raise_, goal.budget_w * WATT), readings)
 
-        self.status = self._render(gpus, readings, decision)
+        limits = {v.index: self._limit(v, readings) for v in views}
+        self.status = self._render(gpus, readings, decision, goal)
+        self._report(fetched, decision, limits)
         return self.status
+
+    def _report(self, fetched: Fetched, decision: Decision, limits: dict[int, int]) -> None:
+        """Write the target's status when what is in effect changed (so the operator can raise
+        other nodes of the rack once this one's cut is in force); there is nothing to write to
+        without an object, and no way to during an outage."""
+        if fetched not in (Fetched.VALID, Fetched.INVALID):
+            return
+        target = self.target
+        in_effect = (target is not None and not decision.holding
+                     and sum(limits.values()) <= target.budget_w * WATT)
+        if fetched is Fetched.INVALID:
+            settling = "settling" if self.settled() is not None else "holding"
+            state, message = "Settled", f"target refused ({self._invalid}); {settling}"
+        elif decision.holding:
+            state, message = "Holding", decision.reason
+        elif decision.infeasible:
+            state, message = "Infeasible", decision.reason
+        elif not in_effect:
+            state, message = "OverBudget", "a GPU refused its cut and the others cannot make up"
+        elif all(limits[i] == g for i, g in decision.goals.items()):
+            state, message = "Applied", "every GPU at its target"
+        else:
+            state, message = "Ramping", "within budget, raising toward the targets"
+        status = render_status(generation=self.generation, in_effect=in_effect, state=state,
+                               message=message, limits_mw=limits)
+        if status == self._reported:
+            return
+        try:
+            self.source.report(status)
+        except Exception as err:  # the loop is the retry: the next step writes it again
+            self._error("status", err)
+            return
+        self._reported = status
+        self._ok("status")
 
     def _limit(self, view: DeviceView, readings: dict[int, GpuReading | None]) -> int:
         reading = readings[view.index]
         return reading.limit_mw if reading is not None else view.limit_mw
 
     def _render(
-        self, gpus: list[GpuId], readings: dict[int, GpuReading | None], decision: Decision
+        self,
+        gpus: list[GpuId],
+        readings: dict[int, GpuReading | None],
+        decision: Decision,
+        t: PowerTarget | None,
     ) -> NodeStatus:
-        t, goals = self.target, decision.goals
+        goals = decision.goals
         rows = tuple(
             GpuStatus(
                 index=g.index,
@@ -298,6 +412,76 @@ class Agent:
             reason=decision.reason,
             gpus=rows,
         )
+
+    # leave ---------------------------------------------------------------------------------
+
+    def leave(self) -> list[str]:
+        """On the way out: settle every GPU at the base cap inside the node's last share (cuts
+        only, all GPUs at once, within `restore_timeout_s`: nothing stays boosted with no agent
+        watching, and the share holds whatever comes next); a node never given a share is
+        restored to its defaults instead. GPUs stay recorded for the next agent. Returns the
+        GPUs (UUID, or index when unidentified) that could not be brought to their level."""
+        goal = self.settled()
+        if goal is None:
+            return self.restore()
+        start = time.monotonic()
+
+        def within(calls: dict[Any, Callable[[], Any]], share: float) -> dict[Any, Any]:
+            """`calls` at once, until `share` of the time allowed has passed: one hung call
+            leaves the later rounds their own part of it."""
+            deadline = start + share * self.restore_timeout_s
+            return call_all(calls, max(0.0, deadline - time.monotonic()))
+
+        listed = within({"gpus": self.backend.gpus}, 0.2)["gpus"]
+        if isinstance(listed, Exception):
+            self._error("backend", listed)
+            return sorted(self.managed.gpus)
+        readings: dict[int, GpuReading | None] = {}
+        for index, r in within({g.index: functools.partial(self.backend.read, g.index)
+                                for g in listed}, 0.4).items():
+            readings[index] = None if isinstance(r, Exception) else r
+            if isinstance(r, Exception):
+                self._error(f"GPU {index}", r)
+            else:
+                self._known_mw[index] = r.limit_mw
+        views = self._views(readings)
+        # A step of 0 admits no raise: leaving only ever cuts.
+        decision = decide(views, goal, 0)
+        stuck = self._cut_within(decision.lower, readings, functools.partial(within, share=0.7))
+        if stuck:
+            views = [DeviceView(v.index, 0, 0, v.limit_mw, False) if v.index in stuck else v
+                     for v in views]
+            decision = decide(views, goal, 0)
+            stuck |= self._cut_within(decision.lower, readings,
+                                      functools.partial(within, share=1.0))
+        names = {g.index: g.uuid or self._uuids.get(g.index, f"GPU {g.index}") for g in listed}
+        return sorted(names[i] for i in stuck | {i for i, r in readings.items() if r is None})
+
+    def _cut_within(
+        self,
+        cuts: dict[int, int],
+        readings: dict[int, GpuReading | None],
+        within: Callable[[dict[Any, Callable[[], Any]]], dict[Any, Any]],
+    ) -> set[int]:
+        """Apply `cuts` all at once (recorded first), bounded; the GPUs that did not take them."""
+        calls = {}
+        for index, milliwatts in cuts.items():
+            gpu = readings[index]
+            assert gpu is not None  # the policy only changes GPUs it could read
+            try:
+                self.managed.record(gpu.uuid, milliwatts)
+            except OSError as err:  # a GPU that cannot be recorded is not changed
+                self._error("state file", err)
+                continue
+            calls[index] = functools.partial(self.backend.set_limit, index, milliwatts)
+        failed = set(cuts) - set(calls)
+        for index, result in within(calls).items():
+            if isinstance(result, Exception):
+                self._error(f"GPU {index}", result)
+                failed.add(index)
+            else:
+                self._known_mw[index] = cuts[index]
+        return failed
 
     # restore -------------------------------------------------------------------------------
 
@@ -327,21 +511,12 @@ class Agent:
 
     def restore_all(self) -> None:
         """The record could not be read, so any GPU may have been changed: restore them all."""
-        try:
-            gpus = self.backend.gpus()
-        except PowerError as err:
-            self._error("backend", err)
-            return
-        unknown = [g.index for g in gpus if g.uuid is None]
-        if unknown:
-            log.error("GPU(s) %s cannot be identified and are not restored", unknown)
-        left = self.restore([g.uuid for g in gpus if g.uuid is not None])
-        try:
-            self.managed.forget_unreadable()
-            for uuid in left:
-                self.managed.record(uuid, None)
-        except OSError as err:
-            self._error("state file", err)
+        uuids = self._identified_gpus("restored")
+        if uuids is not None:
+            self._record_anew(self.restore(uuids))
+
+
+SIM_STATE_ENV = "TESSERA_SIM_GPU_STATE"
 
 
 # --- command line -------------------------------------------------------------------------
@@ -370,11 +545,15 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--restore-timeout", type=float, default=10.0,
                    help="seconds for restoring all GPUs (in parallel); late ones stay recorded")
     p.add_argument("--on-exit", choices=("restore", "hold"), default="restore",
-                   help="on SIGTERM: restore default limits, or leave them to the next agent "
-                        "(rolling updates)")
+                   help="on SIGTERM: settle at the base cap inside the node's last budget share "
+                        "(the device defaults where none was ever given), or leave the limits to "
+                        "the next agent (rolling updates)")
     p.add_argument("--kubeconfig", help="kubeconfig file (default: in-cluster service account)")
     g = p.add_argument_group("simulated GPUs (--backend sim; an existing --sim-state file wins)")
-    g.add_argument("--sim-state", type=Path, help="state file shared with other processes")
+    # A simulated node's container runtime names its GPUs' state file in this variable, as the
+    # NVIDIA runtime injects the driver: the DaemonSet runs unchanged on a local cluster.
+    g.add_argument("--sim-state", type=Path, default=os.environ.get(SIM_STATE_ENV) or None,
+                   help=f"state file shared with other processes (env {SIM_STATE_ENV})")
     g.add_argument("--sim-gpus", type=int, default=8, help="GPU count")
     g.add_argument("--sim-min-watts", type=int, default=sim.min_w)
     g.add_argument("--sim-max-watts", type=int, default=sim.max_w)
@@ -432,6 +611,9 @@ class _Unconfigured:
         self.err = err
 
     def fetch(self) -> dict[str, Any] | None:
+        raise self.err
+
+    def report(self, status: dict[str, Any]) -> None:
         raise self.err
 
 
@@ -514,11 +696,12 @@ def _run(
     agent = Agent(args.node, backend, source, managed, step_mw=args.step_watts * WATT,
                   restore_timeout_s=args.restore_timeout)
     if isinstance(source, _Unconfigured):
-        log.error("cannot configure the API client: %s; restoring recorded GPUs and exiting",
+        log.error("cannot configure the API client: %s; settling recorded GPUs and exiting",
                   source.err)
         if managed.unreadable:
             agent.restore_all()
-        agent.restore()
+        if managed.gpus:
+            agent.leave()
         backend.close()
         return 1
     agent.recover(args.startup_wait, stop.wait)
@@ -540,10 +723,10 @@ def _run(
                  len(managed.gpus))
         backend.close()
         return 0
-    left = agent.restore()
+    left = agent.leave()
     backend.close()
     if left:
-        log.error("could not restore %d GPU(s): %s (recorded for the next start)", len(left), left)
+        log.error("could not settle %d GPU(s): %s (recorded for the next start)", len(left), left)
         return 1
-    log.info("restored all GPUs; exiting")
+    log.info("settled all GPUs; exiting")
     return 0

@@ -1,19 +1,25 @@
 """The operator -> agent channel: one cluster-scoped `GPUPowerTarget` per node, named after it.
 
-The operator writes (`publish`, `withdraw`); the agent only reads (`KubeTargetSource`). RBAC in
-manifests/power-controller/rbac.yaml lets only the operator's service account write these
-objects, and the agent re-validates every object it reads (`targets.parse_object`). Every call
-carries a timeout so that neither side can hang on an unreachable API server.
+The operator writes the spec (`sync_targets`: only what changed, cuts before the raises that
+depend on them); the agent reads it and writes only its status
+(`KubeTargetSource`). RBAC and admission in manifests/power-controller/ let only the operator's
+service account write specs and an agent only its own node's status, and the agent re-validates
+every object it reads (`targets.parse_object`). Every call carries a timeout so that neither side
+can hang on an unreachable API server.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import copy
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
-from kubernetes import client
+from kubernetes import client, watch
 from kubernetes.client.exceptions import ApiException
 
+from power_controller.planning import plan_sync
 from power_controller.targets import (
     GROUP,
     OPTIONAL_FIELDS,
@@ -24,6 +30,14 @@ from power_controller.targets import (
 )
 
 DEFAULT_TIMEOUT_S = 5.0
+# How long one watch request of an agent lasts before it is renewed (from where it left off):
+# one request per node per WATCH_TIMEOUT_S, instead of one per node per agent step.
+WATCH_TIMEOUT_S = 120
+FIELD_MANAGER = "tessera-operator"
+# Targets are cluster-scoped and jobs namespaced, and a cluster-scoped object cannot be owned by
+# a namespaced one (the garbage collector never resolves such an ownerReference): the owning job
+# is named by its UID in a label instead, and `sync_targets(api, [], ...)` releases them all.
+JOB_UID_LABEL = f"{GROUP}/job-uid"
 
 
 class SourceError(Exception):
@@ -34,44 +48,86 @@ def _api(api_client: client.ApiClient) -> client.CustomObjectsApi:
     return client.CustomObjectsApi(api_client)
 
 
-def publish(
-    api_client: client.ApiClient, target: PowerTarget, timeout_s: float = DEFAULT_TIMEOUT_S
-) -> dict[str, Any]:
-    """Create or update the node's target (operator side); the API's answer is returned."""
-    api, body = _api(api_client), to_object(target)
-    try:
-        return api.create_cluster_custom_object(
-            GROUP, VERSION, PLURAL, body, _request_timeout=timeout_s
-        )
-    except ApiException as err:
-        if err.status != 409:
-            raise
-    # A merge patch replaces `gpus` as a whole, so GPUs dropped from the boost list go back to
-    # base; optional fields the new target leaves out are nulled, which deletes them.
-    patch = {"metadata": {"labels": body["metadata"]["labels"]},
-             "spec": dict.fromkeys(OPTIONAL_FIELDS) | body["spec"]}
-    return api.patch_cluster_custom_object(
-        GROUP, VERSION, PLURAL, target.node, patch, _request_timeout=timeout_s
-    )
+@dataclass(frozen=True)
+class SyncResult:
+    """What one `sync_targets` pass did: nodes written, deleted, and raises held back until the
+    cuts they depend on are reported in effect (`pending`: call again when a status changes)."""
+
+    written: tuple[str, ...]
+    deleted: tuple[str, ...]
+    held: tuple[str, ...]
+
+    @property
+    def pending(self) -> bool:
+        return bool(self.held)
 
 
-def publish_all(
+def sync_targets(
     api_client: client.ApiClient,
-    targets: Mapping[str, PowerTarget],
+    desired: Sequence[PowerTarget],
+    *,
+    job_owner: Mapping[str, Any],
+    job_label: tuple[str, str],
     timeout_s: float = DEFAULT_TIMEOUT_S,
-) -> None:
-    """Publish a rack's targets, the nodes whose share shrinks first (see README: rack budgets
-    spanning several nodes)."""
-    current = {}
-    for node in targets:
-        obj = fetch(api_client, node, timeout_s)
-        current[node] = int(obj["spec"]["budgetWatts"]) if obj else 0
-    for target in sorted(targets.values(), key=lambda t: t.budget_w - current[t.node]):
-        publish(api_client, target, timeout_s)
+) -> SyncResult:
+    """Bring a job's targets to `desired` without taking any rack over its budget.
+
+    Reads the job's targets (by `job_label` and the owner's UID), writes those whose spec
+    changed by server-side apply (field manager `tessera-operator`): cuts at once, raises only
+    once every node of the rack reports its current budget in effect (`planning.stage`), and
+    deletes the job's targets for nodes not in `desired` in racks `desired` no longer plans
+    (their agents then settle at the base cap inside their last share); in a rack it still
+    plans, such a node's target is kept, settled, and the rack's raises wait until `desired`
+    plans the node again (parked) (`planning.plan_sync`). `desired` empty releases every
+    target of the job.
+    `job_owner` is the job's ownerReference (apiVersion, kind, name, uid); only its UID is
+    written (as the label `tessera.dev/job-uid`): see JOB_UID_LABEL.
+    """
+    api = _api(api_client)
+    uid = str(job_owner["uid"])
+    selector = f"{job_label[0]}={job_label[1]},{JOB_UID_LABEL}={uid}"
+    listed = api.list_cluster_custom_object(GROUP, VERSION, PLURAL, label_selector=selector,
+                                            _request_timeout=timeout_s)["items"]
+    objects = {obj["metadata"]["name"]: obj for obj in listed}
+    plan = plan_sync(listed, desired)
+    labels = {job_label[0]: job_label[1], JOB_UID_LABEL: uid}
+    for node, target in sorted(plan.write.items()):
+        body = to_object(target)
+        body["metadata"]["labels"] |= labels
+        # new to the job, the object may exist all the same (another job's, another writer's)
+        obj = objects.get(node) or fetch(api_client, node, timeout_s) or {}
+        stray = _stray(obj, body["spec"])
+        if stray is not None:
+            api.patch_cluster_custom_object(GROUP, VERSION, PLURAL, node, stray,
+                                            _request_timeout=timeout_s)
+        api.patch_cluster_custom_object(
+            GROUP, VERSION, PLURAL, node, body, field_manager=FIELD_MANAGER, force=True,
+            _content_type="application/apply-patch+yaml", _request_timeout=timeout_s)
+    for node in plan.delete:
+        withdraw(api_client, node, timeout_s)
+    return SyncResult(tuple(sorted(plan.write)), plan.delete, plan.held)
+
+
+def _stray(obj: Mapping[str, Any], spec: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The merge patch that overwrites what another writer (say an administrator's `kubectl
+    edit`) left in `obj`'s spec and applying `spec` would keep, or None when there is none.
+
+    Apply removes only what its own field manager set: an optional field or a GPU's boost that
+    someone else wrote would outlive the plan. A merge patch replaces the boost list whole and
+    deletes the fields it nulls, whoever set them."""
+    others = any(m.get("manager") != FIELD_MANAGER or m.get("operation") != "Apply"
+                 for m in (obj.get("metadata") or {}).get("managedFields") or []
+                 if "f:spec" in (m.get("fieldsV1") or {}))
+    old = obj.get("spec") or {}
+    fields = [f for f in OPTIONAL_FIELDS if f in old and f not in spec]
+    listed = {g["index"] for g in spec["gpus"]}
+    if not others or not (fields or any(g["index"] not in listed for g in old.get("gpus", []))):
+        return None
+    return {"spec": dict.fromkeys(fields) | dict(spec)}
 
 
 def withdraw(api_client: client.ApiClient, node: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
-    """Delete the node's target: its agent then holds the limits where they are."""
+    """Delete the node's target: its agent then settles at the base cap inside its last share."""
     try:
         _api(api_client).delete_cluster_custom_object(
             GROUP, VERSION, PLURAL, node, _request_timeout=timeout_s
@@ -96,15 +152,99 @@ def fetch(
 
 
 class KubeTargetSource:
-    """The agent's read-only view of its node's target."""
+    """The agent's view of its node's target: kept current by a watch on that one object (one
+    long-lived request per node instead of a GET every step), and where its status is written.
 
-    def __init__(self, api_client: client.ApiClient, node: str, timeout_s: float) -> None:
-        self._client, self._node, self._timeout = api_client, node, timeout_s
+    `fetch` answers from the watch; until the first list has answered, and while the watch is
+    broken and re-listing fails, it raises SourceError, so the agent treats it as an outage (the
+    last target it read stays in force) and never mistakes "not known" for "deleted".
+    """
+
+    def __init__(self, api_client: client.ApiClient, node: str, timeout_s: float,
+                 watch_s: int = WATCH_TIMEOUT_S) -> None:
+        self._client, self._node, self._timeout, self._watch_s = (
+            api_client, node, timeout_s, watch_s)
+        self._lock = threading.Lock()
+        self._obj: dict[str, Any] | None = None
+        self._error: Exception | None = SourceError("the target has not been read yet")
+        self._resource_version: str | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
 
     def fetch(self) -> dict[str, Any] | None:
+        if self._thread is None:
+            self._relist()  # the first answer comes from this call, not a thread's later one
+            self._thread = threading.Thread(target=self._watch, name="target watch",
+                                            daemon=True)
+            self._thread.start()
+        with self._lock:
+            if self._error is not None:
+                raise self._error
+            return copy.deepcopy(self._obj)
+
+    def close(self) -> None:
+        self._stop.set()
+
+    def _relist(self) -> None:
         try:
-            return fetch(self._client, self._node, self._timeout)
-        except ApiException as err:
-            raise SourceError(f"API server answered {err.status}: {err.reason}") from err
-        except Exception as err:  # transport: refused, reset, timed out, TLS
-            raise SourceError(f"API server unreachable: {err}") from err
+            listed = _api(self._client).list_cluster_custom_object(
+                GROUP, VERSION, PLURAL, field_selector=f"metadata.name={self._node}",
+                _request_timeout=self._timeout)
+            items = listed["items"]
+            with self._lock:
+                self._obj = items[0] if items else None
+                self._resource_version = listed["metadata"]["resourceVersion"]
+                self._error = None
+        except Exception as err:
+            with self._lock:
+                self._error = _source_error(err)
+
+    def _watch(self) -> None:
+        """Follow the object's changes; on any failure, say so, and re-list until it answers."""
+        while not self._stop.is_set():
+            if self._error is None:
+                try:
+                    self._follow()
+                    continue  # the server ended the watch after watch_s: resume from there
+                except Exception as err:  # gone (410), dropped, refused, timed out
+                    with self._lock:
+                        self._error = _source_error(err)
+            self._stop.wait(min(1.0, self._timeout))
+            self._relist()
+
+    def _follow(self) -> None:
+        w = watch.Watch()
+        stream = w.stream(
+            _api(self._client).list_cluster_custom_object, GROUP, VERSION, PLURAL,
+            field_selector=f"metadata.name={self._node}",
+            resource_version=self._resource_version, allow_watch_bookmarks=True,
+            timeout_seconds=self._watch_s,
+            # a connection that dies silently ends the read some time after the server would
+            _request_timeout=(self._timeout, self._watch_s + self._timeout))
+        for event in stream:
+            obj = event["object"]
+            with self._lock:
+                self._resource_version = obj["metadata"]["resourceVersion"]
+                if event["type"] in ("ADDED", "MODIFIED"):
+                    self._obj = obj
+                elif event["type"] == "DELETED":
+                    self._obj = None
+            if self._stop.is_set():
+                w.stop()
+
+    def report(self, status: dict[str, Any]) -> None:
+        """Merge `status` into the object's status (None values delete their fields)."""
+        try:
+            _api(self._client).patch_cluster_custom_object_status(
+                GROUP, VERSION, PLURAL, self._node, {"status": status},
+                _request_timeout=self._timeout)
+        except Exception as err:
+            raise _source_error(err) from err
+
+
+def _source_error(err: Exception) -> SourceError:
+    if isinstance(err, SourceError):
+        return err
+    if isinstance(err, ApiException):
+        return SourceError(f"API server answered {err.status}: {err.reason}")
+    return SourceError(f"API server unreachable: {err}")  # refused, reset, timed out, TLS

@@ -3,7 +3,7 @@
 Safety contract (see README.md): every limit is inside its device's [min, max]; the sum of the
 node's power limits never exceeds the target's budget when the budget can be met at all; raises
 are ramped by at most `step_mw` per decision while cuts apply at once (lowering power is the safe
-direction); with no target, or a stale one, nothing changes (the last safe state is held).
+direction); with no target nothing changes (the last safe state is held).
 Every limit asked for is a whole watt (`WATT`), because the driver keeps whole watts and would
 round a fraction up as readily as down. All powers in milliwatts. No I/O: the agent, the
 simulator and the tests drive this directly.
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from datetime import datetime
 from typing import TypeVar
 
 from power_controller.targets import PowerTarget
@@ -45,7 +44,7 @@ class Decision:
 
     @property
     def holding(self) -> bool:
-        """Nothing is applied: no valid target, or a stale one."""
+        """Nothing is applied: no valid target."""
         return self.reason.startswith("hold")
 
     @property
@@ -90,15 +89,11 @@ def fit_budget(
     return at(lo)
 
 
-def decide(
-    devices: list[DeviceView], target: PowerTarget | None, now: datetime, step_mw: int
-) -> Decision:
+def decide(devices: list[DeviceView], target: PowerTarget | None, step_mw: int) -> Decision:
     """The limits to move toward `target` in one control step (the target's ramp step, if it
     sets one, overrides `step_mw`)."""
     if target is None:
         return Decision("hold: no valid target")
-    if target.stale(now):
-        return Decision(f"hold: target renewed {target.renew_time.isoformat()} is stale")
     if target.ramp_step_w is not None:
         step_mw = target.ramp_step_w * 1000
     fixed = sum(d.limit_mw for d in devices if not d.controllable)

@@ -1,13 +1,16 @@
-"""The agent's record, on the host, of the GPUs whose limits it changed and the last limit set.
+"""The agent's record, on the host, of the GPUs whose limits it changed, the last limit set, and
+the node's last known budget share.
 
 Written before each change reaches a GPU (write-ahead), so that whatever kills the agent, the
-next agent on the node finds every GPU it must deal with: restore to the device's default (read
-from the device at that time, never from this file), or hold at the last limit set, which met the
-budget. Keyed by UUID: GPU indices may be renumbered across reboots, UUIDs are not.
+next agent on the node finds every GPU it must deal with: settle it inside the recorded share
+(restore to the device's default, read from the device at that time, where no share was ever
+given), or hold at the last limit set, which met the budget. Keyed by UUID: GPU indices may be
+renumbered across reboots, UUIDs are not. The share is recorded before the agent acts on a
+target, so a successor never knows less budget than its predecessor acted on.
 
 The file lives on a hostPath that outlives the agent, so its content is validated on load: entries
 that do not parse are dropped with a warning, and a file that cannot be understood at all is
-reported as `unreadable` so the agent restores every GPU rather than silently forget one.
+reported as `unreadable` so the agent treats every GPU as changed rather than silently forget one.
 """
 
 from __future__ import annotations
@@ -31,11 +34,14 @@ class StateLocked(RuntimeError):
 
 @dataclass
 class ManagedGpus:
-    """uuid -> last limit set in milliwatts (None: not known), persisted at `path` on change."""
+    """uuid -> last limit set in milliwatts (None: not known), and the `spec` of the node's
+    settled target (`PowerTarget.settled`: its budget share and base cap; None: never given
+    one), persisted at `path` on change."""
 
     path: Path
     gpus: dict[str, int | None] = field(default_factory=dict)
-    unreadable: bool = False  # the file existed but made no sense: restore every GPU
+    unreadable: bool = False  # the file existed but made no sense: every GPU counts as changed
+    share: dict[str, Any] | None = None
     _lock: IO[str] | None = field(default=None, repr=False)
 
     @classmethod
@@ -45,15 +51,20 @@ class ManagedGpus:
         except FileNotFoundError:
             return cls(path)
         except OSError as err:
-            log.error("%s cannot be read (%s): restoring every GPU to its default", path, err)
+            log.error("%s cannot be read (%s): every GPU counts as changed", path, err)
             return cls(path, unreadable=True)
         try:
-            gpus = _parse(json.loads(text), path)
+            data = json.loads(text)
+            gpus = _parse(data, path)
         except (ValueError, TypeError) as err:
-            log.error("%s is not a state file this agent understands (%s): restoring every GPU "
-                      "to its default", path, err)
+            log.error("%s is not a state file this agent understands (%s): every GPU counts as "
+                      "changed", path, err)
             return cls(path, unreadable=True)
-        return cls(path, gpus)
+        share = data.get("share")
+        if share is not None and not isinstance(share, dict):
+            log.warning("%s: ignoring the recorded share %r: not an object", path, share)
+            share = None
+        return cls(path, gpus, share=share)
 
     @classmethod
     def open(cls, path: Path) -> ManagedGpus:
@@ -76,21 +87,27 @@ class ManagedGpus:
             self._lock.close()  # closing the file releases the lock
             self._lock = None
 
-    def _save(self, gpus: dict[str, int | None]) -> None:
-        write_json_atomic(self.path, {"format": FORMAT, "gpus": gpus})
-        self.gpus = gpus  # only once it is on disk: memory never claims more than the file
+    def _save(self, gpus: dict[str, int | None], share: dict[str, Any] | None) -> None:
+        write_json_atomic(self.path, {"format": FORMAT, "gpus": gpus}
+                          | ({} if share is None else {"share": share}))
+        # only once it is on disk: memory never claims more than the file
+        self.gpus, self.share = gpus, share
 
     def record(self, uuid: str, limit_mw: int | None) -> None:
         if uuid not in self.gpus or self.gpus[uuid] != limit_mw:
-            self._save(self.gpus | {uuid: limit_mw})
+            self._save(self.gpus | {uuid: limit_mw}, self.share)
+
+    def record_share(self, share: dict[str, Any]) -> None:
+        if share != self.share:
+            self._save(self.gpus, share)
 
     def discard(self, uuid: str) -> None:
         if uuid in self.gpus:
-            self._save({u: v for u, v in self.gpus.items() if u != uuid})
+            self._save({u: v for u, v in self.gpus.items() if u != uuid}, self.share)
 
     def forget_unreadable(self) -> None:
         """Every GPU was restored after an unreadable file: start a fresh, valid record."""
-        self._save({})
+        self._save({}, None)
         self.unreadable = False
 
 

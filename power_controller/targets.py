@@ -2,12 +2,16 @@
 
 Pure (no Kubernetes client): the operator renders targets with `to_object`, the agent re-validates
 whatever it reads with `parse_object` -- the CRD schema is a first line of defence, not the only
-one, because the agent must not trust anything a misconfigured API server would let through.
+one, because the agent must not trust anything a misconfigured API server would let through. The
+agent reports what is in effect in the object's `status` (`render_status`), and the operator
+reads back whether a node's budget is met (`budget_in_effect`) before raising any node that
+depends on it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Any
 
@@ -20,9 +24,9 @@ PLURAL = "gpupowertargets"
 # exist to reject garbage, e.g. a watts value given in milliwatts.
 MAX_GPU_WATTS = 5000
 MAX_GPUS_PER_NODE = 64
-TTL_RANGE_S = (5, 86_400)
 _NAME_MAX = 253
 OPTIONAL_FIELDS = ("rampStepWatts",)
+FLOOR_W = 1  # a base cap below any GPU's range: the agent clamps it up to each GPU's minimum
 
 
 class InvalidTarget(ValueError):
@@ -34,16 +38,14 @@ class PowerTarget:
     """What the operator asks of one node's GPUs.
 
     `budget_w` caps the sum of the power limits of this node's GPUs (the node's share of its
-    rack's budget); `base_w` applies to every GPU not listed in `gpu_w`; the target is only
-    acted on until `renew_time + ttl_s`.
+    rack's budget); `base_w` applies to every GPU not listed in `gpu_w`. A target holds until
+    it is changed or deleted.
     """
 
     node: str
     rack: str
     budget_w: int
     base_w: int
-    renew_time: datetime
-    ttl_s: int
     rack_budget_w: int
     gpu_w: dict[int, int] = field(default_factory=dict)
     ramp_step_w: int | None = None  # None: the agent's own setting
@@ -54,9 +56,22 @@ class PowerTarget:
     def boosted(self, index: int) -> bool:
         return self.watts_for(index) > self.base_w
 
-    def stale(self, now: datetime) -> bool:
-        age = (now - self.renew_time).total_seconds()
-        return age > self.ttl_s or age < -self.ttl_s  # a far-future renewTime is as suspect
+    def entry(self) -> PowerTarget:
+        """The first target of a node joining a rack that spans nodes: every GPU at its device
+        minimum (a base cap of FLOOR_W, below any GPU's range), inside this target's share.
+        Whatever share the node's agent still holds from an earlier target, this is a cut."""
+        return replace(self, base_w=FLOOR_W, gpu_w={}, ramp_step_w=None)
+
+    @property
+    def at_floor(self) -> bool:
+        """An entry target: its GPUs hold no more than their minimum, whatever its budget."""
+        return self.base_w == FLOOR_W and not self.gpu_w
+
+    def settled(self) -> PowerTarget:
+        """The node's non-boosted level inside this target's budget share: every GPU at the base
+        cap, no boost list, no ramp of its own. What the agent settles to when nothing
+        asks for a boost any more (target deleted or invalid, agent leaving)."""
+        return replace(self, gpu_w={}, ramp_step_w=None)
 
 
 def _int(obj: dict[str, Any], key: str, lo: int, hi: int, where: str = "spec") -> int:
@@ -76,18 +91,6 @@ def _str(obj: dict[str, Any], key: str, where: str) -> str:
     return value
 
 
-def _time(value: Any) -> datetime:
-    if not isinstance(value, str):
-        raise InvalidTarget(f"spec.renewTime must be an RFC 3339 string, got {value!r}")
-    try:
-        parsed = datetime.fromisoformat(value.replace("Z", "+00:00"))
-    except ValueError as err:
-        raise InvalidTarget(f"spec.renewTime {value!r} is not RFC 3339: {err}") from err
-    if parsed.tzinfo is None:
-        raise InvalidTarget(f"spec.renewTime {value!r} has no time zone")
-    return parsed
-
-
 def parse_object(obj: Any, node: str) -> PowerTarget:
     """Validate a `GPUPowerTarget` object read from the API for `node`; raise InvalidTarget."""
     if not isinstance(obj, dict) or not isinstance(obj.get("spec"), dict):
@@ -98,7 +101,11 @@ def parse_object(obj: Any, node: str) -> PowerTarget:
     name = (obj.get("metadata") or {}).get("name")
     if name != node:
         raise InvalidTarget(f"target is for node {name!r}, this agent runs on {node!r}")
-    spec = obj["spec"]
+    return parse_spec(obj["spec"], node)
+
+
+def parse_spec(spec: dict[str, Any], node: str) -> PowerTarget:
+    """Validate a target's `spec` for `node`; raise InvalidTarget naming the field."""
     gpus = spec.get("gpus", [])
     if not isinstance(gpus, list) or len(gpus) > MAX_GPUS_PER_NODE:
         raise InvalidTarget(f"spec.gpus must be a list of at most {MAX_GPUS_PER_NODE} entries")
@@ -116,8 +123,6 @@ def parse_object(obj: Any, node: str) -> PowerTarget:
         rack=_str(spec, "rack", "spec"),
         budget_w=budget,
         base_w=_int(spec, "baseWatts", 1, MAX_GPU_WATTS),
-        renew_time=_time(spec.get("renewTime")),
-        ttl_s=_int(spec, "ttlSeconds", *TTL_RANGE_S),
         rack_budget_w=_int(spec, "rackBudgetWatts", budget, 2**31 - 1),
         gpu_w=gpu_w,
         ramp_step_w=None if spec.get("rampStepWatts") is None else _int(
@@ -130,19 +135,53 @@ def format_time(t: datetime) -> str:
 
 
 def to_object(target: PowerTarget) -> dict[str, Any]:
-    """The API object for `target` (cluster-scoped, named after the node)."""
+    """The API object for `target` (cluster-scoped, named after the node). The rack is in the
+    spec (and a printer column), not a label: a rack named after a node may be longer than a
+    label value may be."""
     return {
         "apiVersion": f"{GROUP}/{VERSION}",
         "kind": KIND,
-        "metadata": {"name": target.node, "labels": {f"{GROUP}/rack": target.rack}},
+        "metadata": {"name": target.node, "labels": {}},
         "spec": {
             "rack": target.rack,
             "rackBudgetWatts": target.rack_budget_w,
             "budgetWatts": target.budget_w,
             "baseWatts": target.base_w,
             "gpus": [{"index": i, "watts": w} for i, w in sorted(target.gpu_w.items())],
-            "renewTime": format_time(target.renew_time),
-            "ttlSeconds": target.ttl_s,
         }
         | ({} if target.ramp_step_w is None else {"rampStepWatts": target.ramp_step_w}),
     }
+
+
+# --- status: what the node's agent reports in effect ---------------------------------------
+
+
+def render_status(
+    *,
+    generation: int | None,
+    in_effect: bool,
+    state: str,
+    message: str,
+    limits_mw: Mapping[int, int | None],
+) -> dict[str, Any]:
+    """The `status` the agent writes: the spec generation it acts on (`observedGeneration`),
+    the one whose budget its GPUs' limits are within (`appliedGeneration`, None while they are
+    not), its state (Applied, Ramping, Holding, Infeasible, Settled) and why, and the limits
+    in effect per GPU (whole watts, rounded up: what the budget must hold)."""
+    known = {i: -(-mw // 1000) for i, mw in sorted(limits_mw.items()) if mw is not None}
+    return {
+        "observedGeneration": generation,
+        "appliedGeneration": generation if in_effect else None,
+        "state": state,
+        "message": message[:1024],
+        "limitWatts": sum(known.values()),
+        "gpus": [{"index": i, "limitWatts": w} for i, w in known.items()],
+    }
+
+
+def budget_in_effect(obj: Mapping[str, Any]) -> bool:
+    """Whether the node's agent reports its GPUs within the budget of the spec this object holds
+    now (a spec written since has not been acted on yet)."""
+    generation = (obj.get("metadata") or {}).get("generation")
+    applied = (obj.get("status") or {}).get("appliedGeneration")
+    return isinstance(generation, int) and applied == generation

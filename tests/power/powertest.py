@@ -1,16 +1,22 @@
-"""Shared by the power tests: a fixed clock and a valid target to start from."""
+"""Shared by the power tests: a valid target to start from, and a single raw write of one."""
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
+from typing import Any
 
-from power_controller.targets import PowerTarget
+from kubernetes import client
 
-NOW = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
+from power_controller.targets import GROUP, PLURAL, VERSION, PowerTarget, to_object
 
 
 def make_target(node: str = "node-a", **kw) -> PowerTarget:
-    fields = dict(node=node, rack="rack-0", budget_w=4600, base_w=500, renew_time=NOW, ttl_s=60,
-                  rack_budget_w=4600)
+    fields = dict(node=node, rack="rack-0", budget_w=4600, base_w=500, rack_budget_w=4600)
     fields.update(kw)
     return PowerTarget(**fields)
+
+
+def create_target(api_client: client.ApiClient, target: PowerTarget) -> dict[str, Any]:
+    """Create `target`'s object as whoever `api_client` acts for: the tests of who may write a
+    target (the operator itself writes through `channel.sync_targets`)."""
+    return client.CustomObjectsApi(api_client).create_cluster_custom_object(
+        GROUP, VERSION, PLURAL, to_object(target))

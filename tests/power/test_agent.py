@@ -1,17 +1,15 @@
 """The agent on simulated GPUs (and NVML over fake devices): boost, release, faults, outages,
-restores and restarts."""
+status reports, settling when nothing asks for a boost, leaving, restores and restarts."""
 
 from __future__ import annotations
 
 import logging
 import threading
-import time
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
 from fake_nvml import FakeGpu, FakeNvml
-from powertest import NOW, make_target
+from powertest import make_target
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -28,78 +26,75 @@ W = 1000
 
 
 class Source:
-    """The agent's view of the API: an object, nothing (404), or an outage."""
+    """The agent's view of the API: an object, nothing (404), or an outage; and the statuses
+    the agent wrote."""
 
     def __init__(self, obj=None) -> None:
-        self.obj, self.down = obj, False
+        self.obj, self.down, self.reports = obj, False, []
 
     def fetch(self):
         if self.down:
             raise ConnectionRefusedError("apiserver down")
         return self.obj
 
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = NOW
-
-    def __call__(self):
-        return self.now
+    def report(self, status) -> None:
+        if self.down:
+            raise ConnectionRefusedError("apiserver down")
+        self.reports.append(status)
 
 
-def _agent(tmp_path: Path, gpus: int = 4, **target) -> tuple[Agent, SimBackend, Source, Clock]:
-    sim, clock = SimBackend(gpus, "node-a"), Clock()
+def _agent(tmp_path: Path, gpus: int = 4, **target) -> tuple[Agent, SimBackend, Source]:
+    sim = SimBackend(gpus, "node-a")
     source = Source(to_object(make_target(**target)) if target else None)
-    agent = Agent("node-a", sim, source, ManagedGpus(tmp_path / "state.json"), 50 * W, clock)
-    return agent, sim, source, clock
+    agent = Agent("node-a", sim, source, ManagedGpus(tmp_path / "state.json"), 50 * W)
+    return agent, sim, source
 
 
-def _run(agent: Agent, clock: Clock, steps: int) -> None:
+def _run(agent: Agent, steps: int) -> None:
     for _ in range(steps):
         agent.step()
-        clock.now += timedelta(seconds=5)
 
 
 def test_base_cap_then_boost_ramps_then_release(tmp_path: Path) -> None:
-    agent, sim, source, clock = _agent(tmp_path, budget_w=2300, base_w=500)
+    agent, sim, source = _agent(tmp_path, budget_w=2300, base_w=500)
     agent.step()
     assert sim.limits_mw() == [500 * W] * 4  # cut from the 700 W default at once
-    source.obj = to_object(make_target(budget_w=2300, base_w=500, renew_time=clock.now,
+    source.obj = to_object(make_target(budget_w=2300, base_w=500,
                                        gpu_w={0: 200, 1: 700, 2: 700, 3: 700}))
     agent.step()
     assert sim.limits_mw() == [200 * W, 550 * W, 550 * W, 550 * W]  # one 50 W step
-    _run(agent, clock, 5)
+    _run(agent, 5)
     assert sim.limits_mw() == [200 * W, 700 * W, 700 * W, 700 * W]
     assert [g.boosted for g in agent.status.gpus] == [False, True, True, True]
-    source.obj = to_object(make_target(budget_w=2300, base_w=500, renew_time=clock.now))
+    source.obj = to_object(make_target(budget_w=2300, base_w=500))
     agent.step()
     assert sim.limits_mw() == [250 * W, 500 * W, 500 * W, 500 * W]  # cuts at once, raise ramped
-    _run(agent, clock, 5)
+    _run(agent, 5)
     assert sim.limits_mw() == [500 * W] * 4
 
 
 def test_a_gpu_refusing_its_cut_makes_the_others_cut_deeper(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    agent, sim, _, clock = _agent(tmp_path, budget_w=2100, base_w=500, gpu_w={1: 600, 2: 600})
+    agent, sim, _ = _agent(tmp_path, budget_w=2100, base_w=500, gpu_w={1: 600, 2: 600})
     sim.inject(0, "no_permission", op="set")  # GPU 0 stays at its 700 W default
     with caplog.at_level(logging.WARNING):
-        _run(agent, clock, 3)
+        _run(agent, 3)
     assert "NoPermission" in caplog.text and agent.status.errors["NoPermission"] == 3
     # 1400 W over three GPUs: 466 W each, whole watts, so no driver rounding can break the budget.
     assert sim.limits_mw() == [700 * W, 466 * W, 466 * W, 466 * W]
     sim.inject(0, None, op="set")
-    _run(agent, clock, 4)
+    _run(agent, 4)
     assert sim.limits_mw() == [500 * W, 550 * W, 550 * W, 500 * W]
 
 
 def test_lost_gpu_is_counted_at_its_last_known_limit(tmp_path: Path) -> None:
-    agent, sim, source, clock = _agent(tmp_path, budget_w=2000, base_w=500)
+    agent, sim, source = _agent(tmp_path, budget_w=2000, base_w=500)
     agent.step()
     sim.inject(3, "gpu_lost")
-    source.obj = to_object(make_target(budget_w=2000, base_w=500, renew_time=NOW,
+    source.obj = to_object(make_target(budget_w=2000, base_w=500,
                                        gpu_w={0: 700, 1: 700, 2: 700}))
-    _run(agent, clock, 6)
+    _run(agent, 6)
     assert sim.limits_mw()[3] == 500 * W
     assert sum(sim.limits_mw()) <= 2000 * W and sim.limits_mw()[:3] == [500 * W] * 3
     assert agent.status.gpus[3].limit_mw is None and agent.status.errors["GpuLost"] >= 1
@@ -107,7 +102,7 @@ def test_lost_gpu_is_counted_at_its_last_known_limit(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("fault", ["not_supported", "invalid_argument"])
 def test_set_errors_leave_the_gpu_where_it_was(tmp_path: Path, fault: str) -> None:
-    agent, sim, _, _ = _agent(tmp_path, budget_w=4000, base_w=500)
+    agent, sim, _ = _agent(tmp_path, budget_w=4000, base_w=500)
     sim.inject(2, fault, op="set")
     agent.step()
     assert sim.limits_mw() == [500 * W, 500 * W, 700 * W, 500 * W]
@@ -116,7 +111,7 @@ def test_set_errors_leave_the_gpu_where_it_was(tmp_path: Path, fault: str) -> No
 def test_backend_unavailable_holds_and_reports(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    agent, sim, _, _ = _agent(tmp_path, budget_w=2000)
+    agent, sim, _ = _agent(tmp_path, budget_w=2000)
     sim.inject(0, "unavailable")  # the library itself: nothing can be listed
     with caplog.at_level(logging.WARNING):
         agent.step()
@@ -130,34 +125,102 @@ def test_backend_unavailable_holds_and_reports(
     assert sim.limits_mw() == [500 * W] * 4
 
 
-def test_operator_outage_keeps_the_last_target_until_stale_then_holds(tmp_path: Path) -> None:
-    agent, sim, source, clock = _agent(tmp_path, budget_w=2600, base_w=500, ttl_s=30,
-                                       gpu_w={0: 700})
+def test_api_outage_keeps_the_last_target_in_force(tmp_path: Path) -> None:
+    agent, sim, source = _agent(tmp_path, budget_w=2600, base_w=500, gpu_w={0: 700})
     sim.set_limit(0, 500 * W)
-    _run(agent, clock, 1)
+    _run(agent, 1)
     source.down = True
-    _run(agent, clock, 2)  # still fresh: the ramp goes on without the API server
-    assert sim.limits_mw()[0] == 650 * W
-    clock.now = NOW + timedelta(seconds=31)
-    _run(agent, clock, 3)  # stale: held, neither released nor raised further
-    assert sim.limits_mw() == [650 * W, 500 * W, 500 * W, 500 * W] and agent.status.holding
-    assert agent.status.errors["ConnectionRefusedError"] == 5
+    _run(agent, 3)
+    assert sim.limits_mw() == [700 * W, 500 * W, 500 * W, 500 * W] and not agent.status.holding
+    assert agent.status.errors["ConnectionRefusedError"] == 3
 
 
-def test_invalid_or_missing_target_holds(tmp_path: Path) -> None:
-    agent, sim, source, _ = _agent(tmp_path, budget_w=2000, base_w=500)
-    agent.step()
-    source.obj = to_object(make_target(budget_w=2000, base_w=500, gpu_w={0: 650}))
+def test_an_invalid_then_deleted_target_settles_at_base_inside_the_last_share(
+    tmp_path: Path,
+) -> None:
+    """No boost outlives its target, and no GPU goes back to its 700 W default on a budgeted
+    node: the node settles at the base cap, inside the last budget share it was given."""
+    agent, sim, source = _agent(tmp_path, budget_w=1900, base_w=450,
+                                       gpu_w={0: 650, 1: 250})
+    _run(agent, 6)
+    assert sim.limits_mw() == [650 * W, 250 * W, 450 * W, 450 * W]
+    source.obj = to_object(make_target(budget_w=1900, base_w=450, gpu_w={0: 650}))
     source.obj["spec"]["gpus"][0]["watts"] = "650"
+    source.obj["metadata"]["generation"] = 4
     agent.step()
-    assert sim.limits_mw() == [500 * W] * 4 and agent.status.holding
+    assert sim.limits_mw() == [450 * W, 300 * W, 450 * W, 450 * W]  # cut at once, raise ramped
+    assert source.reports[-1]["state"] == "Settled"
+    assert "watts must be an integer" in source.reports[-1]["message"]
+    assert source.reports[-1]["appliedGeneration"] is None
+    source.obj = None  # deleted
+    _run(agent, 5)
+    assert sim.limits_mw() == [450 * W] * 4
+
+
+def test_settling_fits_the_share_when_base_caps_do_not(tmp_path: Path) -> None:
+    agent, sim, source = _agent(tmp_path, budget_w=1600, base_w=500,
+                                       gpu_w={0: 200, 1: 200, 2: 600, 3: 600})
+    _run(agent, 3)
+    assert sim.limits_mw() == [200 * W, 200 * W, 600 * W, 600 * W]
     source.obj = None
+    for _ in range(6):
+        agent.step()
+        assert sum(sim.limits_mw()) <= 1600 * W
+    assert sim.limits_mw() == [400 * W] * 4
+
+
+def test_a_node_never_given_a_share_holds_without_a_target(tmp_path: Path) -> None:
+    agent, sim, _ = _agent(tmp_path)
     agent.step()
-    assert sim.limits_mw() == [500 * W] * 4 and agent.status.holding
+    assert sim.limits_mw() == [700 * W] * 4 and agent.status.holding
+
+
+def test_status_reports_the_generation_whose_budget_is_in_effect(tmp_path: Path) -> None:
+    agent, sim, source = _agent(tmp_path, budget_w=2200, base_w=500, gpu_w={0: 650})
+    source.obj["metadata"]["generation"] = 7
+    sim.set_limit(0, 500 * W)
+    agent.step()  # the others cut from their 700 W defaults at once, GPU 0 raised by one step
+    assert source.reports == [{
+        "observedGeneration": 7, "appliedGeneration": 7, "state": "Ramping",
+        "message": "within budget, raising toward the targets", "limitWatts": 2050,
+        "gpus": [{"index": 0, "limitWatts": 550}, {"index": 1, "limitWatts": 500},
+                 {"index": 2, "limitWatts": 500}, {"index": 3, "limitWatts": 500}]}]
+    _run(agent, 5)
+    assert [r["state"] for r in source.reports] == ["Ramping", "Ramping", "Applied"]  # changes
+
+    # Two GPUs refuse their cuts: the others go to their minimum, and the budget cannot be met.
+    source.obj = to_object(make_target(budget_w=1000, base_w=500, gpu_w={0: 650}))
+    source.obj["metadata"]["generation"] = 8
+    for i in (1, 2):
+        sim.inject(i, "no_permission", op="set")
+    agent.step()
+    assert sim.limits_mw() == [200 * W, 500 * W, 500 * W, 200 * W]
+    assert {k: source.reports[-1][k] for k in ("observedGeneration", "appliedGeneration",
+                                               "state")} == {
+        "observedGeneration": 8, "appliedGeneration": None, "state": "Infeasible"}
+    for i in (1, 2):
+        sim.inject(i, None, op="set")
+    agent.step()
+    assert source.reports[-1]["appliedGeneration"] == 8 and sum(sim.limits_mw()) <= 1000 * W
+
+
+def test_a_failed_status_write_is_retried_on_the_next_step(tmp_path: Path) -> None:
+    agent, sim, source = _agent(tmp_path, budget_w=2000, base_w=500)
+    source.obj["metadata"]["generation"] = 1
+
+    def refused(status) -> None:
+        raise ConnectionResetError("reset")
+
+    source.report, written = refused, source.reports
+    agent.step()
+    assert agent.status.errors["ConnectionResetError"] == 1 and written == []
+    del source.report  # the class's own again
+    agent.step()
+    assert written[-1]["appliedGeneration"] == 1
 
 
 def test_restore_puts_defaults_back_even_from_a_new_agent(tmp_path: Path) -> None:
-    agent, sim, _, _ = _agent(tmp_path, budget_w=2000, base_w=500)
+    agent, sim, _ = _agent(tmp_path, budget_w=2000, base_w=500)
     agent.step()
     assert sim.limits_mw() == [500 * W] * 4
     # A new agent (after a crash) only has the file on the host to go by.
@@ -173,7 +236,7 @@ def test_restore_puts_defaults_back_even_from_a_new_agent(tmp_path: Path) -> Non
 
 
 def test_restore_goes_on_when_the_record_cannot_be_rewritten(tmp_path: Path) -> None:
-    agent, sim, _, _ = _agent(tmp_path, budget_w=2000, base_w=500)
+    agent, sim, _ = _agent(tmp_path, budget_w=2000, base_w=500)
     agent.step()
     record = tmp_path / "state.json"
     record.unlink()
@@ -192,7 +255,7 @@ def _metrics(agent: Agent) -> dict[tuple[str, str | None], float]:
 
 
 def test_metrics_render_per_gpu_and_per_rack(tmp_path: Path) -> None:
-    agent, sim, _, _ = _agent(tmp_path, budget_w=2300, base_w=500, gpu_w={1: 520},
+    agent, sim, _ = _agent(tmp_path, budget_w=2300, base_w=500, gpu_w={1: 520},
                               rack_budget_w=9200)
     sim.set_demand(0, 300)
     agent.step()
@@ -215,16 +278,17 @@ def test_metrics_render_per_gpu_and_per_rack(tmp_path: Path) -> None:
 
 
 def test_a_gpu_whose_change_cannot_be_recorded_is_not_changed(tmp_path: Path) -> None:
-    agent, sim, _, _ = _agent(tmp_path, budget_w=2000, base_w=500)
+    agent, sim, _ = _agent(tmp_path, budget_w=2000, base_w=500)
     (tmp_path / "state.json").mkdir()  # the host record cannot be written
     agent.step()
-    assert sim.limits_mw() == [700 * W] * 4 and agent.status.errors["IsADirectoryError"] == 4
+    # the share, then each of the 4 GPUs: none recorded, none changed
+    assert sim.limits_mw() == [700 * W] * 4 and agent.status.errors["IsADirectoryError"] == 5
 
 
 def test_target_naming_gpus_the_node_does_not_have_is_logged(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    agent, sim, _, _ = _agent(tmp_path, budget_w=2000, base_w=500, gpu_w={6: 700, 9: 200})
+    agent, sim, _ = _agent(tmp_path, budget_w=2000, base_w=500, gpu_w={6: 700, 9: 200})
     with caplog.at_level(logging.WARNING):
         agent.step()
         agent.step()
@@ -239,19 +303,20 @@ def test_a_lost_gpu_does_not_stop_the_survivors_boost_or_their_restore(tmp_path:
     nvml = FakeNvml([FakeGpu(f"GPU-{i}", limit_mw=700 * W) for i in range(4)])
     backend = NvmlBackend(nvml)
     backend.open()
-    clock, source = Clock(), Source(to_object(make_target(budget_w=2000, base_w=500)))
-    agent = Agent("node-a", backend, source, ManagedGpus(tmp_path / "state.json"), 50 * W, clock)
+    source = Source(to_object(make_target(budget_w=2000, base_w=500)))
+    agent = Agent("node-a", backend, source, ManagedGpus(tmp_path / "state.json"), 50 * W)
     agent.step()
     nvml.lost.add(3)  # XID 79: GPU 3 fell off the bus, UUID and all
-    source.obj = to_object(make_target(budget_w=2300, base_w=500, renew_time=NOW,
+    source.obj = to_object(make_target(budget_w=2300, base_w=500,
                                        gpu_w={0: 600, 1: 600, 2: 600, 3: 200}))
-    _run(agent, clock, 3)
+    _run(agent, 3)
     assert [g.limit_mw for g in nvml.gpus] == [600 * W] * 3 + [500 * W]  # GPU 3 counted at 500
     assert [g.uuid for g in agent.status.gpus] == ["GPU-0", "GPU-1", "GPU-2", "GPU-3"]
 
-    assert agent.restore() == ["GPU-3"]  # the SIGTERM path: the others are not held up by it
-    assert [g.limit_mw for g in nvml.gpus] == [700 * W] * 3 + [500 * W]
-    assert set(ManagedGpus.load(tmp_path / "state.json").gpus) == {"GPU-3"}
+    # SIGTERM: the others settle at the base cap, GPU 3 counted at its last known 500 W
+    assert agent.leave() == ["GPU-3"]
+    assert [g.limit_mw for g in nvml.gpus] == [500 * W] * 4
+    assert len(ManagedGpus.load(tmp_path / "state.json").gpus) == 4  # left for the next agent
 
 
 def test_restore_reads_the_default_from_the_device_not_the_record(tmp_path: Path) -> None:
@@ -274,15 +339,36 @@ def test_a_hanging_gpu_cannot_hold_up_the_restore_of_the_others(tmp_path: Path) 
     managed = ManagedGpus(tmp_path / "state.json")
     for i in range(3):
         managed.record(f"GPU-{i}", 500 * W)
-    agent = Agent("node-a", backend, Source(), managed, restore_timeout_s=0.3)
-    started = time.monotonic()
+    agent = Agent("node-a", backend, Source(), managed, restore_timeout_s=2)
     try:
+        # restore returns while GPU 1's call is still blocked: it did not wait for it
         assert agent.restore() == ["GPU-1"]
+        assert not release.is_set()
     finally:
         release.set()
-    assert time.monotonic() - started < 1.5
     assert [nvml.gpus[i].limit_mw for i in (0, 2)] == [700 * W, 700 * W]
     assert agent.status.errors["TimeoutError"] == 1
+
+
+def test_a_hanging_gpu_cannot_hold_up_the_others_settling_on_the_way_out(tmp_path: Path) -> None:
+    nvml = FakeNvml([FakeGpu(f"GPU-{i}", limit_mw=650 * W) for i in range(3)])
+    backend = NvmlBackend(nvml)
+    backend.open()
+    source = Source(to_object(make_target(budget_w=1800, base_w=500, gpu_w={0: 650, 1: 650})))
+    agent = Agent("node-a", backend, source, ManagedGpus(tmp_path / "state.json"),
+                  restore_timeout_s=2)
+    agent.step()
+    assert [g.limit_mw for g in nvml.gpus] == [650 * W, 650 * W, 500 * W]
+    release = nvml.hang["nvmlDeviceSetPowerManagementLimit", 1] = threading.Event()
+    try:
+        left = agent.leave()
+        assert not release.is_set()
+    finally:
+        release.set()
+    # GPU 1 kept its 650 W; the others settled at the base cap and the share still holds.
+    assert left == ["GPU-1"] and agent.status.errors["TimeoutError"] >= 1
+    assert nvml.gpus[0].limit_mw + 650 * W + nvml.gpus[2].limit_mw <= 1800 * W
+    assert nvml.gpus[0].limit_mw <= 500 * W and nvml.gpus[2].limit_mw <= 500 * W
 
 
 # --- restart: adopt, restore or hold what a previous agent left ----------------------------
@@ -290,25 +376,36 @@ def test_a_hanging_gpu_cannot_hold_up_the_restore_of_the_others(tmp_path: Path) 
 
 def _left_boosted(tmp_path: Path) -> tuple[SimBackend, Path]:
     """A previous agent boosted GPU 0 to 600 W and died."""
-    agent, sim, _, clock = _agent(tmp_path, budget_w=2200, base_w=500, gpu_w={0: 600})
-    _run(agent, clock, 3)
+    agent, sim, _ = _agent(tmp_path, budget_w=2200, base_w=500, gpu_w={0: 600})
+    _run(agent, 3)
     assert sim.limits_mw() == [600 * W, 500 * W, 500 * W, 500 * W]
     return sim, tmp_path / "state.json"
 
 
 def test_restart_with_a_fresh_target_adopts_the_gpus(tmp_path: Path) -> None:
     sim, record = _left_boosted(tmp_path)
-    source, clock = Source(to_object(make_target(budget_w=2200, gpu_w={0: 650}))), Clock()
-    successor = Agent("node-a", sim, source, ManagedGpus.load(record), 50 * W, clock)
+    source = Source(to_object(make_target(budget_w=2200, gpu_w={0: 650})))
+    successor = Agent("node-a", sim, source, ManagedGpus.load(record), 50 * W)
     successor.recover(wait_s=0)
     assert sim.limits_mw() == [600 * W, 500 * W, 500 * W, 500 * W]  # no detour to 700 W
     successor.step()
     assert sim.limits_mw()[0] == 650 * W and not successor.recovering
 
 
-def test_restart_without_a_target_restores_the_recorded_gpus(tmp_path: Path) -> None:
+def test_restart_without_a_target_settles_inside_the_recorded_share(tmp_path: Path) -> None:
     sim, record = _left_boosted(tmp_path)
     successor = Agent("node-a", sim, Source(None), ManagedGpus.load(record))
+    successor.recover(wait_s=0)
+    successor.step()
+    assert sim.limits_mw() == [500 * W] * 4  # the boost ends; no GPU back at its 700 W default
+    assert not successor.recovering and len(ManagedGpus.load(record).gpus) == 4
+
+
+def test_restart_without_a_target_or_any_share_restores_the_defaults(tmp_path: Path) -> None:
+    sim, record = _left_boosted(tmp_path)
+    legacy = ManagedGpus.load(record)
+    legacy.share = None  # a record from before shares were kept: no budget known
+    successor = Agent("node-a", sim, Source(None), legacy)
     successor.recover(wait_s=0)
     assert sim.limits_mw() == [700 * W] * 4
     assert ManagedGpus.load(record).gpus == {}
@@ -322,28 +419,38 @@ def test_restart_during_an_outage_holds_the_last_limits_until_it_can_tell(
         sim.set_limit(i, 700 * W)  # a driver reload in between put every GPU at its default
     source = Source()
     source.down = True
-    clock = Clock()
-    successor = Agent("node-a", sim, source, ManagedGpus.load(record), 50 * W, clock)
+    successor = Agent("node-a", sim, source, ManagedGpus.load(record), 50 * W)
     with caplog.at_level(logging.WARNING):
         successor.recover(wait_s=0.2, sleep=lambda s: None)
     assert "holding their last limits" in caplog.text
     assert sim.limits_mw() == [600 * W, 500 * W, 500 * W, 500 * W]
-    _run(successor, clock, 2)
+    _run(successor, 2)
     assert sim.limits_mw() == [600 * W, 500 * W, 500 * W, 500 * W] and successor.recovering
     source.down, source.obj = False, None  # back, and the operator has released the node
     successor.step()
-    assert sim.limits_mw() == [700 * W] * 4 and not successor.recovering
+    assert sim.limits_mw() == [500 * W] * 4 and not successor.recovering  # settled in the share
 
 
-def test_unreadable_record_restores_every_gpu(tmp_path: Path, caplog) -> None:
+def test_unreadable_record_without_a_target_restores_every_gpu(tmp_path: Path, caplog) -> None:
     sim, record = _left_boosted(tmp_path)
     record.write_text("{not json")
     with caplog.at_level(logging.ERROR):
         successor = Agent("node-a", sim, Source(None), ManagedGpus.load(record))
         successor.recover(wait_s=0)
-    assert "restoring every GPU" in caplog.text
-    assert sim.limits_mw() == [700 * W] * 4
+    assert "every GPU counts as changed" in caplog.text
+    assert sim.limits_mw() == [700 * W] * 4  # no share survives, and nothing asks for one
     assert ManagedGpus.load(record).gpus == {} and not ManagedGpus.load(record).unreadable
+
+
+def test_unreadable_record_with_a_target_adopts_every_gpu(tmp_path: Path) -> None:
+    sim, record = _left_boosted(tmp_path)
+    record.write_text("{not json")
+    source = Source(to_object(make_target(budget_w=2200, base_w=500)))
+    successor = Agent("node-a", sim, source, ManagedGpus.load(record))
+    successor.recover(wait_s=0)
+    successor.step()
+    assert sim.limits_mw() == [500 * W] * 4  # straight to the target, never the 700 W defaults
+    assert len(ManagedGpus.load(record).gpus) == 4 and ManagedGpus.load(record).share
 
 
 def test_record_entries_are_validated(tmp_path: Path) -> None:
@@ -354,7 +461,7 @@ def test_record_entries_are_validated(tmp_path: Path) -> None:
     assert ManagedGpus.load(record).unreadable
 
 
-def test_a_broken_api_configuration_still_restores_first(tmp_path: Path) -> None:
+def test_a_broken_api_configuration_still_settles_first(tmp_path: Path) -> None:
     sim, _ = _left_boosted(tmp_path)
     sim_state = tmp_path / "gpus.json"
     shared = SimBackend(4, "node-a", state_path=sim_state)
@@ -365,7 +472,7 @@ def test_a_broken_api_configuration_still_restores_first(tmp_path: Path) -> None
                  "--state-dir", str(tmp_path), "--kubeconfig", str(tmp_path / "missing"),
                  "--metrics-port", "0"])
     assert code == 1
-    assert shared.limits_mw() == [700 * W] * 4
+    assert shared.limits_mw() == [500 * W] * 4  # the boost ended inside the recorded share
 
 
 def test_simulated_gpus_are_configured_from_the_command_line(tmp_path: Path) -> None:

@@ -1,18 +1,18 @@
 """Property: for any GPUs (each with its own range and default), any sequence of operator requests,
-faults (listing, reads, sets, the whole library) and clock jumps, on a driver that rounds limits to
-whole watts, the agent keeps every limit inside its device's range, raises by at most one ramp
-step, brings an over-budget node under the budget in one step whenever that is reachable, and
-finally restores every GPU to its default."""
+targets deleted or refused, and faults (listing, reads, sets, the whole library), on a driver that
+rounds limits to whole watts, the agent keeps every limit inside its device's range, raises by at
+most one ramp step, brings an over-budget node under the budget in one step whenever that is
+reachable, raises no GPU above the base cap once its target is gone, and on the way out leaves
+every GPU at or below the base cap inside the node's last share."""
 
 from __future__ import annotations
 
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from powertest import NOW, make_target
+from powertest import make_target
 
 from power_controller.agent import Agent
 from power_controller.sim_backend import FAULTS, OPERATIONS, SimBackend, SimGpuSpec
@@ -30,6 +30,9 @@ class Source:
 
     def fetch(self):
         return self.obj
+
+    def report(self, status) -> None:
+        """Status writes are the channel's business: not part of this property."""
 
 
 @st.composite
@@ -50,31 +53,32 @@ events = st.one_of(
     st.tuples(st.just("fault"), st.tuples(st.integers(0, GPUS - 1),
                                           st.sampled_from([None, *sorted(FAULTS)]),
                                           st.sampled_from(OPERATIONS))),
-    st.tuples(st.just("wait"), st.integers(0, 120)),
+    st.tuples(st.sampled_from(["delete", "refuse"]), st.none()),
 )
 
 
 @settings(max_examples=150, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.lists(specs(), min_size=GPUS, max_size=GPUS), st.lists(events, min_size=1, max_size=25))
-def test_range_ramp_budget_and_restore_hold_for_any_sequence(
+def test_range_ramp_budget_settling_and_leaving_hold_for_any_sequence(
     tmp_path: Path, gpu_specs: list[SimGpuSpec], sequence
 ) -> None:
     sim, source = SimBackend(node="node-a", spec=gpu_specs), Source()
-    clock = {"now": NOW}
     agent = Agent("node-a", sim, source, ManagedGpus(tmp_path / f"{id(sequence)}.json"),
-                  AGENT_STEP_W * 1000, lambda: clock["now"])
+                  AGENT_STEP_W * 1000)
     agent.step()  # no target yet: nothing changes, but every GPU's limit is known from here on
     faults: dict[tuple[int, str], str] = {}
     for kind, arg in sequence:
         if kind == "request":
-            source.obj = to_object(make_target(renew_time=clock["now"], rack_budget_w=10**6, **arg))
+            source.obj = to_object(make_target(rack_budget_w=10**6, **arg))
         elif kind == "fault":
             index, fault, op = arg
             sim.inject(index, fault, op)
             faults.pop((index, op), None) if fault is None else faults.update({(index, op): fault})
-        else:
-            clock["now"] += timedelta(seconds=arg)
+        elif kind == "delete":
+            source.obj = None
+        elif source.obj is not None:  # refused: a field no agent accepts
+            source.obj["spec"]["budgetWatts"] = "all of it"
         before = sim.limits_mw()
         agent.step()
         after = sim.limits_mw()
@@ -82,10 +86,13 @@ def test_range_ramp_budget_and_restore_hold_for_any_sequence(
         assert sim.rejected() == [], "the agent asked for a limit outside the device's range"
         assert all(s.min_w * 1000 <= mw <= s.max_w * 1000 for s, mw in zip(gpu_specs, after,
                                                                           strict=True))
-        target = agent.target
-        if target is None or target.stale(clock["now"]):
-            assert after == before, "without a fresh target nothing may change"
+        target = agent.target or agent.settled()
+        if target is None:
+            assert after == before, "without any target nothing may change"
             continue
+        if agent.target is None:  # settling: no GPU raised above the base cap
+            assert all(a <= max(b, s.min_w * 1000, target.base_w * 1000)
+                       for a, b, s in zip(after, before, gpu_specs, strict=True))
         step_w = target.ramp_step_w or AGENT_STEP_W
         assert all(a - b <= step_w * 1000 for a, b in zip(after, before, strict=True)), "ramp"
         budget = target.budget_w * 1000
@@ -102,6 +109,13 @@ def test_range_ramp_budget_and_restore_hold_for_any_sequence(
 
     for index, op in faults:
         sim.inject(index, None, op)
-    assert agent.restore() == []
-    assert sim.limits_mw() == [s.default_w * 1000 for s in gpu_specs]
-    assert agent.managed.gpus == {}
+    before, share = sim.limits_mw(), agent.settled()
+    assert agent.leave() == []  # SIGTERM
+    after = sim.limits_mw()
+    if share is None:  # never given a budget: the defaults
+        assert after == [s.default_w * 1000 for s in gpu_specs] and agent.managed.gpus == {}
+        return
+    floors = [s.min_w * 1000 for s in gpu_specs]
+    assert all(a <= max(b, f) for a, b, f in zip(after, before, floors, strict=True)), "cuts only"
+    assert all(a <= max(share.base_w * 1000, f) for a, f in zip(after, floors, strict=True))
+    assert sum(after) <= max(share.budget_w * 1000, sum(floors))

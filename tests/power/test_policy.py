@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-from datetime import timedelta
-
 import pytest
-from powertest import NOW, make_target
+from powertest import make_target
 
 from power_controller.policy import DeviceView, admit_raises, decide, fit_budget
 
@@ -30,44 +28,42 @@ def test_fit_budget_returns_floors_when_nothing_fits() -> None:
 
 def test_targets_are_clamped_into_each_devices_range() -> None:
     t = make_target(budget_w=10_000, base_w=5000, gpu_w={1: 1})
-    d = decide(_gpus(500, 500, 500), t, NOW, step_mw=10_000 * W)
+    d = decide(_gpus(500, 500, 500), t, step_mw=10_000 * W)
     assert d.goals == {0: 700 * W, 1: 200 * W, 2: 700 * W}
 
 
 def test_over_budget_request_is_fitted_and_cuts_apply_at_once() -> None:
     t = make_target(budget_w=2000, base_w=700, gpu_w={3: 200})
-    d = decide(_gpus(700, 700, 700, 700), t, NOW, step_mw=50 * W)
+    d = decide(_gpus(700, 700, 700, 700), t, step_mw=50 * W)
     assert sum(d.goals.values()) <= 2000 * W
     assert d.lower == d.goals and not d.raise_  # cutting is the safe direction: no ramp
 
 
 def test_raises_are_ramped_by_the_step() -> None:
     t = make_target(budget_w=4000, gpu_w={0: 650, 1: 520})
-    d = decide(_gpus(500, 500), t, NOW, step_mw=50 * W)
+    d = decide(_gpus(500, 500), t, step_mw=50 * W)
     assert d.raise_ == {0: 550 * W, 1: 520 * W}
     assert d.goals == {0: 650 * W, 1: 520 * W}
 
 
 def test_targets_ramp_step_overrides_the_agents() -> None:
     t = make_target(budget_w=4000, gpu_w={0: 650}, ramp_step_w=10)
-    assert decide(_gpus(500), t, NOW, step_mw=50 * W).raise_ == {0: 510 * W}
+    assert decide(_gpus(500), t, step_mw=50 * W).raise_ == {0: 510 * W}
 
 
-def test_no_target_or_stale_target_holds_everything() -> None:
-    gpus = _gpus(700, 300)
-    assert decide(gpus, None, NOW, 50 * W).holding
-    stale = decide(gpus, make_target(ttl_s=30), NOW + timedelta(seconds=31), 50 * W)
-    assert stale.holding and not stale.lower and not stale.raise_
+def test_no_target_holds_everything() -> None:
+    held = decide(_gpus(700, 300), None, 50 * W)
+    assert held.holding and not held.lower and not held.raise_
 
 
 def test_uncontrollable_gpus_count_against_the_budget_at_their_limit() -> None:
     gpus = [*_gpus(500, 500), DeviceView(2, 0, 0, 700 * W, controllable=False)]
-    d = decide(gpus, make_target(budget_w=1700, gpu_w={0: 700, 1: 700}), NOW, 500 * W)
+    d = decide(gpus, make_target(budget_w=1700, gpu_w={0: 700, 1: 700}), 500 * W)
     assert sum(d.goals.values()) == 1000 * W and set(d.goals) == {0, 1}
 
 
 def test_infeasible_budget_puts_everything_at_its_minimum_and_says_so() -> None:
-    d = decide(_gpus(500, 500), make_target(budget_w=300), NOW, 50 * W)
+    d = decide(_gpus(500, 500), make_target(budget_w=300), 50 * W)
     assert d.reason.startswith("infeasible") and d.lower == {0: 200 * W, 1: 200 * W}
 
 
@@ -84,12 +80,12 @@ def test_goals_raises_and_admitted_shares_are_whole_watts() -> None:
     # 1400 W over three GPUs is 466.67 W each: a driver rounding to the nearest watt would land
     # at 1401 W, so the agent must ask for whole watts that fit.
     t = make_target(budget_w=1400, base_w=700)
-    d = decide(_gpus(700, 700, 700), t, NOW, 50 * W)
+    d = decide(_gpus(700, 700, 700), t, 50 * W)
     assert d.goals == {0: 466 * W, 1: 466 * W, 2: 466 * W}
     odd = [DeviceView(0, 200_500, 699_500, 500_250)]  # a part with fractional constraints
-    d = decide(odd, make_target(budget_w=4000, base_w=5000), NOW, 50 * W)
+    d = decide(odd, make_target(budget_w=4000, base_w=5000), 50 * W)
     assert d.goals == {0: 699 * W} and d.raise_ == {0: 550 * W}
-    assert decide(odd, make_target(base_w=1), NOW, 50 * W).goals == {0: 201 * W}
+    assert decide(odd, make_target(base_w=1), 50 * W).goals == {0: 201 * W}
     admitted = admit_raises({0: 500 * W, 1: 500 * W, 2: 500 * W},
                             {0: 600 * W, 1: 600 * W, 2: 600 * W}, 1600 * W)
     assert admitted == {0: 533 * W, 1: 533 * W, 2: 533 * W}
