@@ -9,10 +9,15 @@ import pytest
 
 from power_controller.perf_model import PAPER
 from tessera_operator.simulator import report
-from tessera_operator.simulator.analysis import StudySettings, loss_curve, run_study
+from tessera_operator.simulator.analysis import StudySettings, loss_curve, run_study, trace_stats
 from tessera_operator.simulator.config import FailureConfig, PolicyConfig, SimConfig
 from tessera_operator.simulator.engine import SECONDS_PER_DAY, run_trace
-from tessera_operator.simulator.failures import FailureTrace, Topology, sample_trace
+from tessera_operator.simulator.failures import (
+    FailureTrace,
+    Topology,
+    sample_down_blocks,
+    sample_trace,
+)
 from tessera_operator.simulator.policies import POLICY_NAMES, build_policies
 
 pytestmark = pytest.mark.sim
@@ -198,10 +203,10 @@ def test_packing_puts_hit_groups_into_as_few_replicas_as_possible(paper_config, 
     survivors = np.full(Topology.of(paper_config).groups, 32)
     survivors[[r * paper_config.pp for r in range(8)]] = 30
     by_name = {p.name: p for p in paper_policies}
-    ntp = by_name["ntp"].evaluate(survivors, paper_config.dp, paper_config.pp)
+    ntp, _ = by_name["ntp"].evaluate(survivors, paper_config.dp, paper_config.pp)
     assert ntp.throughput == pytest.approx(1 - 8 * (2 / 32) / 128)
     # Same speeds, packed: one replica at 30/32 instead of eight.
-    packed = replace(by_name["ntp"], packed=True).evaluate(
+    packed, _ = replace(by_name["ntp"], packed=True).evaluate(
         survivors, paper_config.dp, paper_config.pp
     )
     assert packed.throughput == pytest.approx(1 - (2 / 32) / 128)
@@ -214,3 +219,92 @@ def test_a_seed_reproduces_the_whole_study_and_another_seed_does_not() -> None:
     assert report.to_dict(run_study(cfg, settings)) == first
     other = report.to_dict(run_study(replace(cfg, seed=8), settings))
     assert other["trace"] != first["trace"]
+
+
+def test_an_idle_spare_failing_costs_no_pause_but_a_serving_one_does(paper_config, paper_policies):
+    topo = Topology.of(paper_config)
+    spare = paper_config.gpus  # the first GPU of the first standby domain (TP group 1024)
+    # Day 1: GPU 0 fails, spare group 1024 takes its place (a 120 s swap). Day 2: a GPU of spare
+    # group 1029 fails; it serves in no replica, so nothing swaps. Day 3: serving group 1024
+    # fails and the next standby (1025) swaps in: 120 s again.
+    trace = _trace(5.0, (1.0, 9.0, 0), (2.0, 9.0, spare + 5 * 32), (3.0, 9.0, spare))
+    result = run_trace(paper_config, topo, trace, paper_policies)
+    assert _by_name(result.mean_throughput())["spares"] == pytest.approx(1.0)
+    assert _stall_s(result, "spares") == pytest.approx(240)
+    # An idle standby's failure alone costs nothing, and no other policy sees spare GPUs.
+    idle = run_trace(paper_config, topo, _trace(5.0, (1.0, 4.0, spare)), paper_policies)
+    assert (idle.stall_loss == 0).all()
+    assert (idle.throughput == 1.0).all()
+
+
+def test_failures_per_day_counts_events_not_increases_of_the_failed_share(paper_config):
+    topo = Topology.of(paper_config)
+    # Three failures in 4 days; the second hits block 5 while it is down, so the failed share
+    # rises only twice.
+    trace = _trace(4.0, (1.0, 3.0, 5), (2.0, 3.5, 5), (2.5, 9.0, 7))
+    result = run_trace(paper_config, topo, trace, ())
+    assert np.count_nonzero(np.diff(result.failed_fraction) > 0) == 2
+    assert trace_stats([result])["failures_per_day"] == pytest.approx(3 / 4)
+
+
+def _dp_rows(survivors: np.ndarray, dp: int, pp: int) -> np.ndarray:
+    """(replica, stage) -> whether that TP group lost a GPU, from survivor counts."""
+    return (survivors[: dp * pp] < survivors.max()).reshape(dp, pp)
+
+
+def test_stage_aware_regrouping_takes_one_group_of_each_stage(paper_config, paper_policies):
+    cfg = replace(paper_config, policy=replace(paper_config.policy, stage_aware_regroup=True))
+    aware = {p.name: p for p in build_policies(cfg)}
+    plain = {p.name: p for p in paper_policies}
+    dp, pp = cfg.dp, cfg.pp
+    survivors = np.full(Topology.of(cfg).groups, 32)
+    # Stage 0 of replicas 0 and 1 lost a GPU: 14 intact groups, none of them a stage 0.
+    survivors[[0, pp]] = 31
+    # Ignoring stages they make one replica (of two stage-1 groups and no stage 0); honouring
+    # stages they make none.
+    assert plain["dp-drop"].evaluate(survivors, dp, pp)[0].throughput == pytest.approx(127 / 128)
+    assert aware["dp-drop"].evaluate(survivors, dp, pp)[0].throughput == pytest.approx(126 / 128)
+    # A standby domain may serve any stage: with spares both replicas are whole again.
+    assert aware["spares"].evaluate(survivors, dp, pp)[0].throughput == pytest.approx(1.0)
+
+
+def test_stage_aware_packing_packs_within_each_stage(paper_config, paper_policies):
+    cfg = replace(paper_config, policy=replace(paper_config.policy, stage_aware_regroup=True))
+    ntp = replace(next(p for p in paper_policies if p.name == "ntp"), packed=True)
+    aware = replace(ntp, stage_aware=True)
+    dp, pp = cfg.dp, cfg.pp
+    slow = 1 - (2 / 32) / dp  # one replica at TP30 of 32
+    # Eight TP30 groups, one in each stage of eight replicas: packing by stage collects them
+    # into a single replica, as packing that ignores stages does.
+    spread = np.full(Topology.of(cfg).groups, 32)
+    spread[[r * pp + r for r in range(8)]] = 30
+    assert aware.evaluate(spread, dp, pp)[0].throughput == pytest.approx(slow)
+    assert ntp.evaluate(spread, dp, pp)[0].throughput == pytest.approx(slow)
+    # Eight in stage 0: a replica holds one stage-0 group, so eight replicas run at TP30.
+    same = np.full(Topology.of(cfg).groups, 32)
+    same[[r * pp for r in range(8)]] = 30
+    assert aware.evaluate(same, dp, pp)[0].throughput == pytest.approx(1 - 8 * (2 / 32) / dp)
+    assert ntp.evaluate(same, dp, pp)[0].throughput == pytest.approx(slow)
+
+
+def test_regrouping_matches_an_independent_count_on_random_failures(paper_config, paper_policies):
+    # Random states at 0.4% failed: count, from the failed groups alone, the intact replicas and
+    # how many new ones the broken replicas' intact groups make, with and without stages.
+    cfg = replace(paper_config, policy=replace(paper_config.policy, stage_aware_regroup=True))
+    aware = next(p for p in build_policies(cfg) if p.name == "dp-drop")
+    plain, unpacked = (p for p in paper_policies if p.name in ("dp-drop", "dp-drop-unpacked"))
+    topo, dp, pp = Topology.of(cfg), cfg.dp, cfg.pp
+    rng = np.random.default_rng(4)
+    for _ in range(8):
+        survivors = topo.survivors(sample_down_blocks(topo, topo.blocks_for(0.004), rng))
+        hit = _dp_rows(survivors, dp, pp)
+        broken = hit.any(axis=1)
+        intact = int((~broken).sum())
+        per_stage = (~hit[broken]).sum(axis=0)
+        assert plain.evaluate(survivors, dp, pp)[0].throughput == (
+            intact + int(per_stage.sum()) // pp
+        ) / dp
+        assert aware.evaluate(survivors, dp, pp)[0].throughput == (
+            intact + int(per_stage.min())
+        ) / dp
+        assert unpacked.evaluate(survivors, dp, pp)[0].throughput == intact / dp

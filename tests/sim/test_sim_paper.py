@@ -8,6 +8,7 @@ where only the paper's number exists the tolerance says how the model differs (s
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -164,3 +165,62 @@ def test_tessera_packing_contains_domains_power_cannot_save() -> None:
     loss = dict(zip(POLICY_NAMES, 1.0 - draws["throughput"].mean(axis=0), strict=True))
     assert loss["tessera"] < loss["ntp-pw"] / 3
     assert loss["ntp-pw"] < loss["ntp"]
+
+
+def test_dp_drop_without_packing_loses_about_64pct_at_04pct_failed(paper_snapshot) -> None:
+    # The paper's reason packing matters: dropping every replica a failure touches loses about
+    # 64% at 0.4% failed, against about 12% when the intact groups regroup.
+    snap = paper_snapshot(0.004)
+    gpus = Topology.of(SimConfig()).gpus
+    failed = round(snap.failed * gpus)
+    # Exact for `failed` distinct GPUs down (spares included): a 256-GPU replica is untouched
+    # with probability C(gpus - 256, failed) / C(gpus, failed); 1-(1-f)^(TP x PP) is its limit.
+    hit = 1 - math.comb(gpus - 32 * 8, failed) / math.comb(gpus, failed)
+    assert hit == pytest.approx(1 - (1 - snap.failed) ** (32 * 8), abs=2e-3)
+    loss = snap.loss["dp-drop-unpacked"]
+    assert loss == pytest.approx(hit, abs=4 * snap.loss_se["dp-drop-unpacked"])
+    assert loss == pytest.approx(0.64, abs=0.02)
+    assert snap.loss["dp-drop"] == pytest.approx(0.12, abs=0.01)
+    # Its spares for a fixed mini-batch are the packed policy's: the hit domains.
+    assert snap.deficit["dp-drop-unpacked"] == pytest.approx(snap.deficit["dp-drop"])
+
+
+def _time_average_variance(rate: float, gpus: int, radius: int, days: float, repairs) -> float:
+    """Variance of one trace's time-averaged failed share (fixed repairs, stationary start).
+
+    Blocks of `radius` GPUs fail as a Poisson process at `rate` x gpus / radius per day and stay
+    down R days, so the number down is an M/G/inf queue: Cov(N(s), N(t)) = lam E[(R - |t-s|)+].
+    Integrated over [0, T]^2 that is lam E[R^2 T - R^3 / 3] (R <= T); the share is radius x N /
+    gpus, hence radius x rate x E[R^2 T - R^3 / 3] / (T^2 gpus).
+    """
+    second = sum(p * (r * r * days - r**3 / 3) for p, r in repairs)
+    return radius * rate * second / (days * days * gpus)
+
+
+def test_blast_radius_keeps_the_per_gpu_rate_and_the_failed_share(paper_config) -> None:
+    # A failure taking out a node (8 GPUs) is 8x rarer than a single-GPU failure: the expected
+    # failed share is the same, the events per day 8x fewer.
+    f, days, n = paper_config.failures, paper_config.days, 32
+    gpus = Topology.of(paper_config).gpus
+    repairs = ((f.hardware_share, f.hardware_repair_days),
+               (1 - f.hardware_share, f.software_repair_hours / 24))  # fmt: skip
+    stats, variance = {}, {}
+    for radius in (1, 8):
+        cfg = replace(paper_config, failures=replace(f, blast_radius=radius)).validate()
+        seeds = np.random.SeedSequence(radius).spawn(n)
+        stats[radius] = trace_stats(run_traces(cfg, (), seeds))
+        variance[radius] = _time_average_variance(f.rate_per_gpu_day, gpus, radius, days, repairs)
+        events = f.rate_per_gpu_day * gpus / radius
+        # Poisson counts over n traces of `days` days: standard error sqrt(events / (days n)).
+        assert stats[radius]["failures_per_day"] == pytest.approx(
+            events, abs=4 * math.sqrt(events / (days * n))
+        )
+    # The two means differ by Monte Carlo noise only: 4 standard errors of their difference
+    # (about 20% of the mean here; multiplying the share by 8 is 700% off).
+    tolerance = 4 * math.sqrt((variance[1] + variance[8]) / n)
+    mean = {r: s["failed_fraction_mean"] for r, s in stats.items()}
+    assert mean[8] == pytest.approx(mean[1], abs=tolerance)
+    # And both are the stationary share, 1 - exp(-rate x E[R]) of the blocks down.
+    expected = 1 - math.exp(-f.rate_per_gpu_day * sum(p * r for p, r in repairs))
+    for radius in (1, 8):
+        assert mean[radius] == pytest.approx(expected, abs=4 * math.sqrt(variance[radius] / n))

@@ -12,9 +12,15 @@ from typing import Any
 
 import numpy as np
 
-from tessera_operator.simulator.config import SimConfig
+from tessera_operator.simulator.config import ConfigError, SimConfig
 from tessera_operator.simulator.engine import TraceResult, run_trace, snapshot
-from tessera_operator.simulator.failures import Topology, sample_down_blocks, sample_trace
+from tessera_operator.simulator.failures import (
+    Topology,
+    failures_per_day,
+    sample_down_blocks,
+    sample_trace,
+    warmup_days,
+)
 from tessera_operator.simulator.policies import Policy, build_policies
 
 DEFAULT_FRACTIONS: tuple[float, ...] = (
@@ -22,6 +28,17 @@ DEFAULT_FRACTIONS: tuple[float, ...] = (
 )  # fmt: skip
 DEFAULT_TPS: tuple[int, ...] = (8, 16, 32, 64, 72)
 AVAILABILITY_FRACTIONS: tuple[float, ...] = (0.0005, 0.001, 0.002, 0.004)
+
+# What one study may cost, measured with tracemalloc and `tessera bench sim` on this 2-core
+# machine. Each replayed event or snapshot draw evaluates every policy: 0.15-0.7 ms of fixed cost
+# plus 0.2-1 us per TP group. A replayed event holds about 0.8 KB while its trace replays and
+# 0.3 KB once kept (the first trace's rows about 1.5 KB more in the report). So replay and
+# snapshots may each make 2^18 evaluations and 2^28 group updates: at most a few minutes each
+# and well under 1 GB (the bounds meet at the paper's 1,056 groups).
+MAX_EVALUATIONS = 2**18
+MAX_UPDATES = 2**28
+# Each failed share and TP size is a row per policy in the tables and a point in every plot.
+MAX_POINTS = 1000
 
 # Called as (phase, done, total) while a study runs.
 StudyProgress = Callable[[str, int, int], None]
@@ -41,16 +58,60 @@ class StudySettings:
     trials: int = 32
     traces: int = 8
 
-    def validate(self, gpus: int) -> StudySettings:
-        """Raise ValueError on settings no study of a `gpus`-GPU job can use; return self."""
-        if self.trials < 1 or self.traces < 1:
-            raise ValueError(f"trials and traces must be >= 1, got {self.trials}, {self.traces}")
+    def validate(self, cfg: SimConfig) -> StudySettings:
+        """Raise ConfigError naming the setting no study of `cfg`'s job can use, or one that
+        would need more memory or time than MAX_EVALUATIONS / MAX_UPDATES; return self."""
+        for name in ("trials", "traces"):
+            if getattr(self, name) < 1:
+                raise ConfigError(name, f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("fractions", "tps"):
+            if len(getattr(self, name)) > MAX_POINTS:
+                raise ConfigError(
+                    name, f"at most {MAX_POINTS} {name}, got {len(getattr(self, name)):,}"
+                )
         for f in (*self.fractions, *self.availability_fractions):
             if not 0.0 <= f < 1.0:
-                raise ValueError(f"failed fractions must be in [0, 1), got {f}")
-        if any(not 1 <= tp <= gpus for tp in self.tps):
-            raise ValueError(f"TP sizes must be in [1, {gpus}] GPUs, got {self.tps}")
+                raise ConfigError("fractions", f"failed fractions must be in [0, 1), got {f}")
+        if any(not 1 <= tp <= cfg.gpus for tp in self.tps):
+            raise ConfigError("tps", f"TP sizes must be in [1, {cfg.gpus}] GPUs, got {self.tps}")
+        check_replay(cfg, self.traces)
+        groups = Topology.of(cfg).groups
+        loss_draws = len(self.fractions) * self.trials
+        availability_draws = len(self.tps) * len(self.availability_fractions) * self.trials
+        updates = loss_draws * groups + availability_draws * cfg.gpus
+        if loss_draws + availability_draws > MAX_EVALUATIONS or updates > MAX_UPDATES:
+            raise ConfigError(
+                "snapshots",
+                f"the snapshots need {loss_draws + availability_draws:,} draws and {updates:,} "
+                f"group updates ({len(self.fractions)} fractions x {self.trials} trials over "
+                f"{groups:,} TP groups, {len(self.tps)} TP sizes x "
+                f"{len(self.availability_fractions)} shares x {self.trials} trials over "
+                f"{cfg.gpus:,} GPUs); a study makes at most {MAX_EVALUATIONS:,} draws and "
+                f"{MAX_UPDATES:,} updates",
+            )
         return self
+
+
+def expected_events(cfg: SimConfig) -> float:
+    """Failures and repairs one trace of `cfg` replays on average (warm-up failures included)."""
+    return 2 * failures_per_day(cfg, Topology.of(cfg)) * (cfg.days + warmup_days(cfg))
+
+
+def check_replay(cfg: SimConfig, traces: int) -> None:
+    """Raise ConfigError when `traces` traces of `cfg` would exceed MAX_EVALUATIONS (an event
+    each, plus one at day 0) or MAX_UPDATES (evaluations x TP groups)."""
+    topo = Topology.of(cfg)
+    evaluations = traces * (1 + expected_events(cfg))
+    if evaluations > MAX_EVALUATIONS or evaluations * topo.groups > MAX_UPDATES:
+        f = cfg.failures
+        raise ConfigError(
+            "replay",
+            f"the failure traces would replay about {evaluations:.3g} failure and repair events "
+            f"over {topo.groups:,} TP groups ({traces} traces x {f.rate_per_gpu_day:g} failures "
+            f"per GPU-day x {topo.gpus:,} GPUs / blast radius {f.blast_radius} x "
+            f"({cfg.days:g} days + {warmup_days(cfg):g} days of warm-up) x 2); a study replays "
+            f"at most {MAX_EVALUATIONS:,} events and {MAX_UPDATES:,} event x group updates",
+        )
 
 
 @dataclass
@@ -202,9 +263,7 @@ def trace_stats(results: Sequence[TraceResult]) -> dict[str, float]:
         "time_above_0.1pct": float(
             np.mean([r.time_share(r.failed_fraction > 0.001) for r in results])
         ),
-        "failures_per_day": float(
-            np.mean([np.count_nonzero(np.diff(r.failed_fraction) > 0) / r.days for r in results])
-        ),
+        "failures_per_day": float(np.mean([r.failures / r.days for r in results])),
     }
 
 
@@ -215,7 +274,7 @@ def run_study(
 ) -> Study:
     """Every figure of the report for one config: 1. policies, 2. traces, 3. snapshots."""
     cfg.validate()
-    settings = (settings or StudySettings()).validate(cfg.gpus)
+    settings = (settings or StudySettings()).validate(cfg)
     policies = build_policies(cfg)
     trace_seed, loss_seed, availability_seed = np.random.SeedSequence(cfg.seed).spawn(3)
     study = Study(config=cfg)

@@ -18,13 +18,16 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from tessera_operator.simulator.analysis import MAX_EVALUATIONS, check_replay
 from tessera_operator.simulator.cli import input_error
-from tessera_operator.simulator.config import ConfigError, SimConfig
+from tessera_operator.simulator.config import MAX_DAYS, ConfigError, SimConfig
 from tessera_operator.simulator.engine import run_trace
 from tessera_operator.simulator.failures import Topology, sample_trace
-from tessera_operator.simulator.policies import build_policies
+from tessera_operator.simulator.policies import POLICY_NAMES, build_policies
 
 TARGET_S = 30.0
+# Config field -> the flag of this command that sets it.
+_FLAGS = {"days": "--days", "seed": "--seed", "repeat": "--repeat", "replay": "--days or --repeat"}
 
 
 @dataclass(frozen=True)
@@ -49,31 +52,41 @@ def time_trace(cfg: SimConfig) -> Timing:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="tessera bench sim", description=__doc__)
-    parser.add_argument("--days", type=float, default=15.0)
+    parser = argparse.ArgumentParser(
+        prog="tessera bench sim",
+        description=__doc__,
+        epilog=f"Bounds: --days up to {MAX_DAYS:,g}, --repeat >= 1, --seed 0 to 2^53; the "
+        f"--repeat traces of --days replay at most {MAX_EVALUATIONS:,} events, as in tessera "
+        "simulate.",
+    )
+    parser.add_argument("--days", type=float, default=15.0, help="trace length in days")
     parser.add_argument("--repeat", type=int, default=3, help="runs per figure; best is kept")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the traces")
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
     try:
         cfg = SimConfig(days=args.days, seed=args.seed).validate()
+        if args.repeat < 1:
+            raise ConfigError("repeat", f"repeat must be >= 1, got {args.repeat}")
+        check_replay(cfg, args.repeat)
     except ConfigError as exc:
-        return input_error("tessera bench sim", exc)
+        return input_error("tessera bench sim", exc, _FLAGS)
     baseline_cfg = SimConfig(days=1.0, seed=args.seed).validate()
 
     # 1. The first run plans every TP degree from scratch: that planner time is the cold one.
-    runs = [time_trace(cfg) for _ in range(max(1, args.repeat))]
+    runs = [time_trace(cfg) for _ in range(args.repeat)]
     cold_plan = runs[0].plan_s
     replay = min(r.replay_s for r in runs)
     total = cold_plan + replay
     # 2. Same-run baseline: a 1-day trace of the same job (planner now warm).
     base = min(
-        (time_trace(baseline_cfg) for _ in range(max(1, args.repeat))), key=lambda t: t.replay_s
+        (time_trace(baseline_cfg) for _ in range(args.repeat)), key=lambda t: t.replay_s
     )
     per_day = (replay / cfg.days) / (base.replay_s / base.days)
     verdict = "pass" if total < TARGET_S else "FAIL"
     print(
         f"sim bench: {cfg.gpus:,} GPUs (+{cfg.policy.spare_domains} spare domains), "
-        f"TP{cfg.tp} x PP{cfg.pp} x DP{cfg.dp}, 6 policies, replay best of {len(runs)}"
+        f"TP{cfg.tp} x PP{cfg.pp} x DP{cfg.dp}, {len(POLICY_NAMES)} policies, "
+        f"replay best of {len(runs)}"
     )
     print(f"  planner, cold (all TP degrees): {cold_plan:.4f} s")
     print(f"  baseline {base.days:g}-day replay: {base.events} events, {base.replay_s:.4f} s")

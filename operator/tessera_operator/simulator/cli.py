@@ -22,11 +22,22 @@ from tessera_operator.simulator import report
 from tessera_operator.simulator.analysis import (
     DEFAULT_FRACTIONS,
     DEFAULT_TPS,
+    MAX_EVALUATIONS,
+    MAX_POINTS,
+    MAX_UPDATES,
     Study,
     StudySettings,
     run_study,
 )
 from tessera_operator.simulator.config import (
+    MAX_DAYS,
+    MAX_DP,
+    MAX_EXACT_INT,
+    MAX_GPUS,
+    MAX_HEADROOM,
+    MAX_MODEL,
+    MAX_PP,
+    MAX_TP,
     ConfigError,
     FailureConfig,
     ModelConfig,
@@ -44,6 +55,13 @@ _FLAGS = {
     "days": "--days",
     "seed": "--seed",
     "model": "--hidden, --heads, --kv-heads, --ffn, --vocab, --layers or --seq-len",
+    "model.hidden": "--hidden",
+    "model.n_heads": "--heads",
+    "model.n_kv_heads": "--kv-heads",
+    "model.ffn": "--ffn",
+    "model.vocab": "--vocab",
+    "model.n_layers": "--layers",
+    "model.seq_len": "--seq-len",
     "model.tokens_per_batch": "--tokens-per-batch",
     "failures.rate_per_gpu_day": "--rate",
     "failures.hardware_share": "--hardware-share",
@@ -57,7 +75,25 @@ _FLAGS = {
     "policy.checkpoint_interval_minutes": "--checkpoint-minutes",
     "policy.reconfigure_seconds": "--reconfigure-seconds",
     "policy.spare_swap_seconds": "--spare-swap-seconds",
+    "traces": "--traces",
+    "trials": "--trials",
+    "fractions": "--fractions",
+    "tps": "--tps",
+    "replay": "--rate, --days, --traces, --gpus, --spare-domains, --blast-radius or the repair "
+    "times",
+    "snapshots": "--trials, --fractions, --tps or --gpus",
 }
+
+_BOUNDS = (
+    f"Bounds: the NTPTrainingJob schema's job and model sizes (at most {MAX_GPUS:,} GPUs with the "
+    f"spare domains, TP {MAX_TP}, PP {MAX_PP}, DP {MAX_DP:,}); durations up to {MAX_DAYS:,g} days "
+    f"(the float64 day clock stays exact to 1 us); seed and batch up to 2^53 (exact in JSON); "
+    f"--headroom up to {MAX_HEADROOM:.3f} (the power model's peak); at most {MAX_POINTS} "
+    f"--fractions and --tps. A study replays at most {MAX_EVALUATIONS:,} failure and repair "
+    f"events over all its traces and draws as many snapshots, each evaluating every policy over "
+    f"every TP group, with at most {MAX_UPDATES:,} group updates each: a few minutes and under "
+    f"1 GB. Every bound is checked before anything is written."
+)
 
 # Failed fractions shown in the loss table (every fraction goes to the CSV/JSON and plots).
 _TABLE_FRACTIONS = (0.001, 0.002, 0.004, 0.01)
@@ -84,19 +120,33 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tessera simulate",
         description="Simulate a large training job under GPU failures and compare checkpoint-"
-        "restart, DP-DROP, hot spares, NTP, NTP-PW and Tessera on the same failure traces.",
+        "restart, DP-DROP (packed and unpacked), hot spares, NTP, NTP-PW and Tessera on the same "
+        "failure traces.",
+        epilog=_BOUNDS,
     )
     parser.add_argument("--out", type=Path, default=Path("sim-out"), help="output directory")
     parser.add_argument("--json", action="store_true", help="print the study as JSON on stdout")
     parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
-    parser.add_argument("--days", type=float, default=d.days, help="trace length in days")
-    parser.add_argument("--seed", type=int, default=d.seed, help="seed for every random draw")
+    parser.add_argument(
+        "--days", type=float, default=d.days, help=f"trace length in days, at most {MAX_DAYS:,g}"
+    )
+    parser.add_argument(
+        "--seed", type=int, default=d.seed, help="seed for every random draw, 0 to 2^53"
+    )
     job = parser.add_argument_group("job")
-    job.add_argument("--gpus", type=int, help=f"job GPUs (default tp x pp x dp = {d.gpus})")
+    job.add_argument(
+        "--gpus",
+        type=int,
+        help=f"job GPUs (default tp x pp x dp = {d.gpus}); with the spares at most {MAX_GPUS:,}",
+    )
     job.add_argument("--domain-size", type=int, default=d.domain_size, help="scale-up domain")
-    job.add_argument("--tp", type=int, default=d.tp, help="healthy TP degree")
-    job.add_argument("--pp", type=int, default=d.pp, help="pipeline stages")
-    job.add_argument("--dp", type=int, help=f"DP replicas (default gpus / (tp x pp) = {d.dp})")
+    job.add_argument("--tp", type=int, default=d.tp, help=f"healthy TP degree, at most {MAX_TP}")
+    job.add_argument("--pp", type=int, default=d.pp, help=f"pipeline stages, at most {MAX_PP}")
+    job.add_argument(
+        "--dp",
+        type=int,
+        help=f"DP replicas (default gpus / (tp x pp) = {d.dp}), at most {MAX_DP:,}",
+    )
     model = parser.add_argument_group("model (default: the paper's 480B model)")
     for flag, name in (
         ("--hidden", "hidden"),
@@ -107,16 +157,26 @@ def build_parser() -> argparse.ArgumentParser:
         ("--layers", "n_layers"),
         ("--seq-len", "seq_len"),
     ):
-        model.add_argument(flag, type=int, dest=name, default=getattr(m.shape, name))
+        model.add_argument(
+            flag,
+            type=int,
+            dest=name,
+            default=getattr(m.shape, name),
+            help=f"at most {MAX_MODEL[name]:,}",
+        )
     model.add_argument(
         "--tokens-per-batch",
         type=int,
         default=m.tokens_per_batch,
-        help="global batch in tokens: a whole number of sequences per DP replica",
+        help=f"global batch in tokens: a whole number of sequences per DP replica, at most "
+        f"{MAX_EXACT_INT:,}",
     )
     fail = parser.add_argument_group("failures")
     fail.add_argument(
-        "--rate", type=float, default=f.rate_per_gpu_day, help="failures per GPU per day"
+        "--rate",
+        type=float,
+        default=f.rate_per_gpu_day,
+        help=f"failures per GPU per day (bounded by the {MAX_EVALUATIONS:,} replayed events)",
     )
     fail.add_argument("--hardware-share", type=float, default=f.hardware_share)
     fail.add_argument("--hardware-repair-days", type=float, default=f.hardware_repair_days)
@@ -128,38 +188,52 @@ def build_parser() -> argparse.ArgumentParser:
         "--blast-radius",
         type=int,
         default=f.blast_radius,
-        help="GPUs one failure takes out (1 GPU, 2 superchip, 4/8 node, domain)",
+        help="GPUs one failure takes out (1 GPU, 2 superchip, 4/8 node, domain); the per-GPU "
+        "rate stays --rate, so failures are --blast-radius times rarer",
     )
     pol = parser.add_argument_group("policies")
     pol.add_argument(
         "--headroom",
         type=float,
         default=p.power_headroom,
-        help="extra power for survivors, as a share of the baseline cap",
+        help=f"extra power for survivors, as a share of the baseline cap, at most "
+        f"{MAX_HEADROOM:.3f}",
     )
     pol.add_argument(
         "--min-tp", type=int, default=p.min_tp, help="smallest usable TP degree (0: tp / 2)"
     )
-    pol.add_argument("--spare-domains", type=int, default=p.spare_domains)
+    pol.add_argument(
+        "--spare-domains",
+        type=int,
+        default=p.spare_domains,
+        help=f"hot standby domains of the spares policy; with the job at most {MAX_GPUS:,} GPUs",
+    )
+    pol.add_argument(
+        "--stage-aware-regroup",
+        action="store_true",
+        help="regrouped replicas take one group of each pipeline stage (default: a group may "
+        "serve any stage, reloading its weights while the job reconfigures)",
+    )
     pol.add_argument("--restart-minutes", type=float, default=p.restart_minutes)
     pol.add_argument("--checkpoint-minutes", type=float, default=p.checkpoint_interval_minutes)
     pol.add_argument("--reconfigure-seconds", type=float, default=p.reconfigure_seconds)
     pol.add_argument("--spare-swap-seconds", type=float, default=p.spare_swap_seconds)
     mc = parser.add_argument_group("Monte Carlo")
     s = StudySettings()
-    mc.add_argument("--traces", type=int, default=s.traces, help="failure traces to replay")
-    mc.add_argument("--trials", type=int, default=s.trials, help="draws per failed fraction")
+    mc.add_argument("--traces", type=int, default=s.traces, help="failure traces to replay, >= 1")
+    mc.add_argument("--trials", type=int, default=s.trials, help="draws per failed fraction, >= 1")
     mc.add_argument(
         "--fractions",
         type=_floats,
         default=DEFAULT_FRACTIONS,
-        help="failed fractions for the loss curve, comma-separated",
+        help=f"failed fractions for the loss curve, comma-separated, each in [0, 1), at most "
+        f"{MAX_POINTS}",
     )
     mc.add_argument(
         "--tps",
         type=_ints,
         default=DEFAULT_TPS,
-        help="TP sizes for the availability curve, comma-separated",
+        help=f"TP sizes for the availability curve, comma-separated, at most {MAX_POINTS}",
     )
     return parser
 
@@ -201,6 +275,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
             checkpoint_interval_minutes=args.checkpoint_minutes,
             reconfigure_seconds=args.reconfigure_seconds,
             spare_swap_seconds=args.spare_swap_seconds,
+            stage_aware_regroup=args.stage_aware_regroup,
         ),
         days=args.days,
         seed=args.seed,
@@ -279,9 +354,10 @@ def render_tables(study: Study, console: Console) -> None:
     console.print(table)
 
 
-def input_error(prog: str, exc: ValueError) -> int:
-    """Print one line naming the flag to change (for a ConfigError); the exit status to use."""
-    flag = _FLAGS.get(exc.field) if isinstance(exc, ConfigError) else None
+def input_error(prog: str, exc: ValueError, flags: dict[str, str] | None = None) -> int:
+    """Print one line naming the flag to change (for a ConfigError, from `flags`, by default
+    `tessera simulate`'s); the exit status to use."""
+    flag = (flags or _FLAGS).get(exc.field) if isinstance(exc, ConfigError) else None
     hint = f" (change {flag})" if flag else ""
     Console(stderr=True).print(
         f"[red]{prog}: error:[/] {escape(str(exc))}{hint}", highlight=False, soft_wrap=True
@@ -309,7 +385,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         cfg = config_from_args(args)
         settings = StudySettings(
             fractions=args.fractions, tps=args.tps, trials=args.trials, traces=args.traces
-        ).validate(cfg.gpus)
+        ).validate(cfg)
         prepare_out(args.out)
     except ValueError as exc:
         return input_error("tessera simulate", exc)

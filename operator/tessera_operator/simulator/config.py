@@ -11,8 +11,33 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from ntp import plan
+from power_controller.perf_model import PAPER
 
 RepairDistribution = Literal["fixed", "exponential"]
+
+# Job and model bounds are the NTPTrainingJob schema's (crds/ntptrainingjob.yaml; a test keeps
+# them equal): the simulator covers every job the operator accepts, and no larger one.
+MAX_GPUS = 1_048_576  # totalGPUs: the job and its spare domains together
+MAX_TP = 576
+MAX_PP = 1024
+MAX_DP = 65_536
+MAX_MODEL = {
+    "hidden": 262_144,
+    "n_heads": 4096,
+    "n_kv_heads": 4096,
+    "ffn": 1_048_576,
+    "vocab": 4_194_304,
+    "n_layers": 4096,
+    "seq_len": 16_777_216,
+}
+# The clock is a float64 day count: at day D it resolves D x 2^-52 days, so up to 50,000 days
+# (137 years) every instant is exact to 1 us (50,000 x 86,400 s x 2^-52 = 1e-6 s), and the
+# seconds-long pauses keep their length. Every duration (trace, repairs, pauses) is bounded by it.
+MAX_DAYS = 50_000.0
+# Integers a JSON reader holds exactly (IEEE doubles): the seed and the batch appear in study.json.
+MAX_EXACT_INT = 2**53
+# Past this power ratio the perf model's speed falls again (+40%): more headroom buys nothing.
+MAX_HEADROOM = PAPER.max_ratio() - 1.0
 
 
 class ConfigError(ValueError):
@@ -71,6 +96,10 @@ class PolicyConfig:
     min_tp: int = 0
     # Hot standby scale-up domains for the `spares` policy (extra hardware beyond the job).
     spare_domains: int = 32
+    # Regrouped replicas take exactly one group per pipeline stage (a group keeps the stage whose
+    # weights it holds). Off, a group may serve any stage: it reloads that stage's weights from a
+    # healthy replica of it during the reconfiguration pause.
+    stage_aware_regroup: bool = False
     restart_minutes: float = 10.0
     checkpoint_interval_minutes: float = 30.0
     reconfigure_seconds: float = 60.0
@@ -118,14 +147,23 @@ class SimConfig:
         The model shape validates itself on construction (`ntp.plan.ModelShape`).
         """
         _positive(self, "", ("gpus", "domain_size", "tp", "pp", "dp", "days"))
+        _at_most(self, "", {"tp": MAX_TP, "pp": MAX_PP, "dp": MAX_DP, "days": MAX_DAYS})
+        _at_most(self, "", {"gpus": MAX_GPUS, "seed": MAX_EXACT_INT})
         if self.seed < 0:
             # numpy's SeedSequence takes only non-negative entropy
             raise ConfigError("seed", f"seed must be >= 0, got {self.seed}")
+        _at_most(self.model.shape, "model.", MAX_MODEL)
         _positive(self.model, "model.", ("tokens_per_batch",))
+        _at_most(self.model, "model.", {"tokens_per_batch": MAX_EXACT_INT})
         _positive(
             self.failures,
             "failures.",
             ("hardware_repair_days", "software_repair_hours", "blast_radius"),
+        )
+        _at_most(
+            self.failures,
+            "failures.",
+            {"hardware_repair_days": MAX_DAYS, "software_repair_hours": 24 * MAX_DAYS},
         )
         if self.tp * self.pp * self.dp != self.gpus:
             raise ConfigError(
@@ -178,6 +216,13 @@ class SimConfig:
             )
         p = self.policy
         _non_negative(p, "policy.", ("power_headroom",))
+        if p.power_headroom > MAX_HEADROOM:
+            raise ConfigError(
+                "policy.power_headroom",
+                f"policy.power_headroom must be at most {MAX_HEADROOM:.4f}, got "
+                f"{p.power_headroom!r}: the power model's speed peaks at "
+                f"+{100 * MAX_HEADROOM:.1f}% power, more buys nothing",
+            )
         if not 0 <= p.min_tp <= self.tp:
             raise ConfigError(
                 "policy.min_tp", f"policy.min_tp must be in [0, tp={self.tp}], got {p.min_tp}"
@@ -193,6 +238,23 @@ class SimConfig:
                 "spare_swap_seconds",
             ),
         )
+        _at_most(
+            p,
+            "policy.",
+            {
+                "restart_minutes": 1440 * MAX_DAYS,
+                "checkpoint_interval_minutes": 1440 * MAX_DAYS,
+                "reconfigure_seconds": 86_400 * MAX_DAYS,
+                "spare_swap_seconds": 86_400 * MAX_DAYS,
+            },
+        )
+        total = self.gpus + self.spare_groups * self.tp
+        if total > MAX_GPUS:
+            raise ConfigError(
+                "policy.spare_domains",
+                f"policy.spare_domains {p.spare_domains:,} x {self.domain_size} GPUs and the "
+                f"job's {self.gpus:,} make {total:,} GPUs; at most {MAX_GPUS:,} together",
+            )
         return self
 
 
@@ -204,6 +266,19 @@ def _positive(section: object, prefix: str, names: tuple[str, ...]) -> None:
             raise ConfigError(
                 prefix + name, f"{prefix}{name} must be positive and finite, got {value!r}"
             )
+
+
+def _at_most(section: object, prefix: str, bounds: dict[str, float]) -> None:
+    for name, bound in bounds.items():
+        value = getattr(section, name)
+        if value > bound:
+            raise ConfigError(
+                prefix + name, f"{prefix}{name} must be at most {_num(bound)}, got {value!r}"
+            )
+
+
+def _num(x: float) -> str:
+    return f"{x:,}" if isinstance(x, int) else f"{x:,g}"
 
 
 def _non_negative(section: object, prefix: str, names: tuple[str, ...]) -> None:

@@ -37,6 +37,8 @@ class TraceResult:
     # Per policy: throughput-days lost to whole-job pauses (restarts, reconfigurations).
     stall_loss: np.ndarray
     days: float
+    # Failure events from day 0 on, a failure on a block already down included.
+    failures: int
 
     def goodput(self) -> np.ndarray:
         """Per policy: useful work over the trace as a share of the healthy job's."""
@@ -51,9 +53,18 @@ class TraceResult:
         return float(self.length @ condition) / self.days
 
 
-def _record(columns: dict[str, np.ndarray], row: int, capacities: list[Capacity]) -> None:
+def _evaluate(
+    policies: Sequence[Policy],
+    survivors: np.ndarray,
+    cfg: SimConfig,
+    columns: dict[str, np.ndarray],
+    row: int,
+) -> list[np.ndarray]:
+    """Record every policy's capacity in `row` of `columns`; each policy's groups in use."""
+    results = [p.evaluate(survivors, cfg.dp, cfg.pp) for p in policies]
     for name, column in columns.items():
-        column[row] = [getattr(c, name) for c in capacities]
+        column[row] = [getattr(capacity, name) for capacity, _ in results]
+    return [in_use for _, in_use in results]
 
 
 class _ClusterState:
@@ -82,21 +93,27 @@ class _ClusterState:
 
 
 def _pauses_charged(
-    policies: Sequence[Policy], job_groups: int, changed: list[tuple[int, int]], now: np.ndarray
+    policies: Sequence[Policy],
+    changed: list[tuple[int, int]],
+    now: np.ndarray,
+    used_before: list[np.ndarray],
+    used_after: list[np.ndarray],
 ) -> np.ndarray:
-    """Per policy: whether the event changed the layout of a group it uses (then it reconfigures).
+    """Per policy: whether the event changed the layout of a group it uses, before or after the
+    event (then it reconfigures).
 
     A second failure in a group the policy already dropped, or repairing one of two failures in
-    it, changes nothing for uniform TP and costs it no pause; NTP reshards at every change.
+    it, changes nothing for uniform TP and costs it no pause; NTP reshards at every change. A
+    group serving in no replica (an idle standby domain, an intact group left over from
+    regrouping) changes no replica: its failure costs nothing.
     """
     return np.array(
         [
             any(
-                p.layout(old) != p.layout(now[g])
+                p.layout(old) != p.layout(now[g]) and (before[g] or after[g])
                 for g, old in changed
-                if g < job_groups or p.uses_spares
             )
-            for p in policies
+            for p, before, after in zip(policies, used_before, used_after, strict=True)
         ],
         dtype=bool,
     )
@@ -146,16 +163,17 @@ def run_trace(
         -1: np.array([p.repair_stall_s for p in policies]) / SECONDS_PER_DAY,
     }
     pauses: list[tuple[list[float], list[float]]] = [([], []) for _ in policies]
-    for i in range(n):
-        if i > 0:
-            day, kind, block = events[first + i - 1]
-            changed = state.apply(kind, block)
-            # 3. A policy whose groups changed pauses whole while it reconfigures.
-            charged = _pauses_charged(policies, topo.job_groups, changed, state.survivors)
-            for j in np.flatnonzero(charged & (pause_s[kind] > 0)):
-                pauses[j][0].append(day)
-                pauses[j][1].append(day + pause_s[kind][j])
-        _record(columns, i, [p.evaluate(state.survivors, cfg.dp, cfg.pp) for p in policies])
+    used = _evaluate(policies, state.survivors, cfg, columns, 0)
+    failed[0] = state.failed_gpus / topo.gpus
+    for i in range(1, n):
+        day, kind, block = events[first + i - 1]
+        changed = state.apply(kind, block)
+        used_before, used = used, _evaluate(policies, state.survivors, cfg, columns, i)
+        # 3. A policy whose groups changed pauses whole while it reconfigures.
+        charged = _pauses_charged(policies, changed, state.survivors, used_before, used)
+        for j in np.flatnonzero(charged & (pause_s[kind] > 0)):
+            pauses[j][0].append(day)
+            pauses[j][1].append(day + pause_s[kind][j])
         failed[i] = state.failed_gpus / topo.gpus
     start = np.array(times)
     length = np.diff(np.append(start, trace.days))
@@ -172,6 +190,7 @@ def run_trace(
         stall_loss=(paused * columns["throughput"]).sum(axis=0),
         **columns,
         days=trace.days,
+        failures=sum(1 for _, kind, _ in events[first:] if kind > 0),
     )
 
 
@@ -187,5 +206,5 @@ def snapshot(
     columns = {name: np.empty((trials, len(policies))) for name in _CAPACITY_FIELDS}
     for t in range(trials):
         survivors = topo.survivors(sample_down_blocks(topo, blocks, rng))
-        _record(columns, t, [p.evaluate(survivors, cfg.dp, cfg.pp) for p in policies])
+        _evaluate(policies, survivors, cfg, columns, t)
     return columns

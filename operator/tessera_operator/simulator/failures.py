@@ -1,7 +1,9 @@
 """Failure traces and failed-GPU snapshots, and what they leave of each TP group.
 
 A failure takes out one aligned block of `blast_radius` GPUs until it is repaired. Arrivals are
-Poisson with the same rate on every GPU; the trace starts warm (failures from before t=0 that are
+Poisson with the same rate on every block: the per-GPU rate, since a GPU goes down exactly when its
+block does (so a larger blast radius means fewer, larger events and the same failed share on
+average). The trace starts warm (failures from before t=0 that are
 still under repair are in it) so that day 0 already looks like a cluster in steady state.
 """
 
@@ -88,20 +90,31 @@ class FailureTrace:
         return sorted(starts + ends)
 
 
+def warmup_days(cfg: SimConfig) -> float:
+    """How far before day 0 a trace draws failures: whichever repair is slower sets how far back
+    a failure can still be down at day 0."""
+    f = cfg.failures
+    slower = max(f.hardware_repair_days, f.software_repair_hours / 24.0)
+    return slower * (_EXPONENTIAL_WARMUP_MEANS if f.repair_distribution == "exponential" else 1.0)
+
+
+def failures_per_day(cfg: SimConfig, topo: Topology) -> float:
+    """Expected failure events per day: one per block at the per-GPU rate."""
+    return cfg.failures.rate_per_gpu_day * topo.blocks
+
+
 def sample_trace(cfg: SimConfig, topo: Topology, rng: np.random.Generator) -> FailureTrace:
     """Draw one failure trace over `cfg.days` (plus a warm-up) for every GPU of `topo`."""
     f = cfg.failures
     hw_repair = f.hardware_repair_days
     sw_repair = f.software_repair_hours / 24.0
-    exponential = f.repair_distribution == "exponential"
-    # Whichever repair is slower sets how far back a failure can still be down at day 0.
-    warmup = max(hw_repair, sw_repair) * (_EXPONENTIAL_WARMUP_MEANS if exponential else 1.0)
-    events_per_day = f.rate_per_gpu_day * topo.gpus
-    n = int(rng.poisson(events_per_day * (cfg.days + warmup)))
+    warmup = warmup_days(cfg)
+    n = int(rng.poisson(failures_per_day(cfg, topo) * (cfg.days + warmup)))
     start = np.sort(rng.uniform(-warmup, cfg.days, n))
     block = rng.integers(0, topo.blocks, n)
     hardware = rng.random(n) < f.hardware_share
     mean_repair = np.where(hardware, hw_repair, sw_repair)
+    exponential = f.repair_distribution == "exponential"
     repair = rng.exponential(mean_repair) if exponential else mean_repair
     end = start + repair
     # Warm-up failures already repaired by day 0 cannot affect the trace.

@@ -5,7 +5,9 @@ Every policy reduces to two choices, evaluated on the survivors of each TP group
 - how groups form DP replicas: replicas keep their groups while all of them are usable; the
   usable groups of broken replicas (plus spares, for the spares policy) regroup into new
   replicas, in their order (`fixed`) or sorted by speed so partially failed groups share as few
-  replicas as possible (`packed`, Tessera's placement).
+  replicas as possible (`packed`, Tessera's placement), or stay idle (`regroup` off: a broken
+  replica is dropped whole). Regrouping ignores pipeline stages unless `stage_aware`: then a new
+  replica takes exactly one group of each stage (spare groups may take any stage).
 A replica runs at the speed of its slowest group (pipeline stages advance in lockstep); the job's
 throughput is the sum of its at most DP best replicas, normalised to DP healthy replicas.
 """
@@ -20,7 +22,9 @@ from power_controller.perf_model import PAPER, PerfModel
 from tessera_operator import planner
 from tessera_operator.simulator.config import SimConfig
 
-POLICY_NAMES: tuple[str, ...] = ("ckpt-restart", "dp-drop", "spares", "ntp", "ntp-pw", "tessera")
+POLICY_NAMES: tuple[str, ...] = (
+    "ckpt-restart", "dp-drop", "dp-drop-unpacked", "spares", "ntp", "ntp-pw", "tessera",
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -51,6 +55,10 @@ class Policy:
     # power[s]: power ratio (vs the baseline cap) its survivors run at.
     power: np.ndarray
     packed: bool = False
+    # Whether the usable groups of broken replicas form new replicas at all.
+    regroup: bool = True
+    # Whether a regrouped replica must take one group of each pipeline stage.
+    stage_aware: bool = False
     uses_spares: bool = False
     # Whether a usable group runs at its survivors' TP degree (NTP) rather than only at full TP.
     reshapes: bool = False
@@ -64,37 +72,84 @@ class Policy:
             return 0
         return survivors if self.reshapes else len(self.speed) - 1
 
-    def evaluate(self, survivors: np.ndarray, dp: int, pp: int) -> Capacity:
-        """Throughput for per-group survivor counts (job groups first, then spare groups)."""
+    def evaluate(self, survivors: np.ndarray, dp: int, pp: int) -> tuple[Capacity, np.ndarray]:
+        """Throughput for per-group survivor counts (job groups first, then spare groups), and
+        which groups (over all of them) serve in a formed replica."""
         job = dp * pp
         tp = len(self.speed) - 1
-        used = survivors if self.uses_spares else survivors[:job]
-        speed = self.speed[used]
-        alive = used[speed > 0]
+        counted = survivors if self.uses_spares else survivors[:job]
+        speed = self.speed[counted]
+        usable = speed > 0
+        alive = counted[usable]
         boosted = alive * self.power[alive]
-        if self.packed:
-            kept = np.empty(0)
-            pool = np.sort(speed[speed > 0])[::-1]
-        else:
-            rows = speed[:job].reshape(dp, pp)
-            intact = (rows > 0).all(axis=1)
-            kept = rows[intact].min(axis=1)
-            pool = np.concatenate([rows[~intact].ravel(), speed[job:]])
-            pool = pool[pool > 0]
-        full = len(pool) // pp
-        replicas = np.concatenate([kept, pool[: full * pp].reshape(full, pp).min(axis=1)])
-        if len(replicas) > dp:
-            replicas = np.sort(replicas)[::-1][:dp]
-        formed = float(replicas.sum())
-        rest = pool[full * pp :]
-        partial = len(rest) / pp * float(rest.min()) if len(rest) and len(replicas) < dp else 0.0
+        replicas, rest = self._replicas(speed, usable, dp, pp)
+        rates = speed[replicas].min(axis=1)
+        if len(rates) > dp:
+            best = np.argsort(-rates, kind="stable")[:dp]
+            replicas, rates = replicas[best], rates[best]
+        formed = float(rates.sum())
+        incomplete = len(rest) > 0 and len(rates) < dp
+        partial = len(rest) / pp * float(speed[rest].min()) if incomplete else 0.0
         completed = min(float(dp), formed + partial)
-        return Capacity(
+        in_use = np.zeros(len(survivors), dtype=bool)
+        in_use[replicas.ravel()] = True
+        capacity = Capacity(
             throughput=formed / dp,
             deficit_groups=(dp - completed) * pp,
             extra_power=float((boosted - alive).sum()) / (job * tp),
             peak_group_power=float(boosted.max()) / tp if len(alive) else 0.0,
         )
+        return capacity, in_use
+
+    def _replicas(
+        self, speed: np.ndarray, usable: np.ndarray, dp: int, pp: int
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """(replicas as rows of `pp` group indices, usable groups left out of every replica)."""
+        job = dp * pp
+        if self.packed:
+            kept = np.empty((0, pp), dtype=int)
+            pool = np.flatnonzero(usable)
+        else:
+            rows = np.arange(job).reshape(dp, pp)
+            intact = usable[rows].all(axis=1)
+            kept = rows[intact]
+            pool = np.concatenate([rows[~intact].ravel(), np.arange(job, len(speed))])
+            pool = pool[usable[pool]]
+        if not self.regroup:
+            return kept, pool
+        if self.packed:
+            pool = pool[np.argsort(-speed[pool], kind="stable")]
+        if self.stage_aware:
+            new, rest = _stage_rows(pool, job, pp)
+        else:
+            full = len(pool) // pp
+            new, rest = pool[: full * pp].reshape(full, pp), pool[full * pp :]
+        return np.concatenate([kept, new]), rest
+
+
+def _stage_rows(pool: np.ndarray, job: int, pp: int) -> tuple[np.ndarray, np.ndarray]:
+    """Replicas of one job group per stage from `pool` (in its order of preference); spare groups
+    (index >= `job`) fill any stage a replica still lacks. Returns (replicas, groups left)."""
+    is_job = pool < job
+    mine, spare = pool[is_job], pool[~is_job]
+    stage = mine % pp
+    count = np.bincount(stage, minlength=pp)
+    # The most replicas whose stages, each short of its own groups, spares can complete.
+    sizes = np.arange(len(pool) // pp + 1)
+    short = np.maximum(sizes[:, None] - count[None, :], 0).sum(axis=1)
+    n = int(sizes[short <= len(spare)].max())
+    # Rank of each group within its stage, in the pool's order (stable sort by stage).
+    order = np.argsort(stage, kind="stable")
+    first = np.concatenate([[0], np.cumsum(count)[:-1]])
+    rank = np.empty(len(mine), dtype=int)
+    rank[order] = np.arange(len(mine)) - first[stage[order]]
+    rows = np.full((n, pp), -1, dtype=int)
+    taken = rank < n
+    rows[rank[taken], stage[taken]] = mine[taken]
+    holes = rows == -1
+    used_spares = int(holes.sum())
+    rows[holes] = spare[:used_spares]
+    return rows, np.concatenate([mine[~taken], spare[used_spares:]])
 
 
 def _boosted(
@@ -108,7 +163,7 @@ def _boosted(
 
 
 def build_policies(cfg: SimConfig, perf: PerfModel = PAPER) -> tuple[Policy, ...]:
-    """The six policies compared on the same failure trace, in POLICY_NAMES order."""
+    """The policies compared on the same failure trace, in POLICY_NAMES order."""
     tp, min_tp, p = cfg.tp, cfg.min_tp, cfg.policy
     survivors = np.arange(tp + 1)
     usable = survivors >= min_tp
@@ -122,6 +177,8 @@ def build_policies(cfg: SimConfig, perf: PerfModel = PAPER) -> tuple[Policy, ...
                              cap_ratio=1.0 + p.power_headroom, perf=perf)
         for s in range(tp + 1)
     ]
+    # A restart reloads every group from the checkpoint, so only the live policies keep stages.
+    stages = {"stage_aware": p.stage_aware_regroup}
     live = {"failure_stall_s": p.reconfigure_seconds, "repair_stall_s": p.reconfigure_seconds}
     ntp_live = {**live, "reshapes": True}
     restart = 60 * (p.restart_minutes + p.checkpoint_interval_minutes / 2)
@@ -135,9 +192,18 @@ def build_policies(cfg: SimConfig, perf: PerfModel = PAPER) -> tuple[Policy, ...
         ),
         Policy(
             "dp-drop",
-            "uniform TP; hit replicas are dropped live and their intact groups regroup",
+            "uniform TP; hit replicas are dropped live and their intact groups regroup (packed)",
             uniform,
             baseline,
+            **live,
+            **stages,
+        ),
+        Policy(
+            "dp-drop-unpacked",
+            "uniform TP; a hit replica is dropped live, whole: its intact groups stay idle",
+            uniform,
+            baseline,
+            regroup=False,
             **live,
         ),
         Policy(
@@ -147,6 +213,7 @@ def build_policies(cfg: SimConfig, perf: PerfModel = PAPER) -> tuple[Policy, ...
             baseline,
             uses_spares=True,
             failure_stall_s=p.spare_swap_seconds,
+            **stages,
         ),
         Policy(
             "ntp",
@@ -154,6 +221,7 @@ def build_policies(cfg: SimConfig, perf: PerfModel = PAPER) -> tuple[Policy, ...
             np.where(usable, survivors / tp, 0.0),
             baseline,
             **ntp_live,
+            **stages,
         ),
         Policy(
             "ntp-pw",
@@ -161,6 +229,7 @@ def build_policies(cfg: SimConfig, perf: PerfModel = PAPER) -> tuple[Policy, ...
             np.where(usable, pw_speed, 0.0),
             pw_power,
             **ntp_live,
+            **stages,
         ),
         Policy(
             "tessera",
@@ -169,5 +238,6 @@ def build_policies(cfg: SimConfig, perf: PerfModel = PAPER) -> tuple[Policy, ...
             np.array([d.power_ratio for d in tessera]),
             packed=True,
             **ntp_live,
+            **stages,
         ),
     )
