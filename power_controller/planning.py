@@ -74,11 +74,18 @@ def plan_rack(
     failed: Set[tuple[str, int]],
     boost_ratio: float,
     parked: Set[str] = frozenset(),
+    stuck: Mapping[tuple[str, int], int] | None = None,
 ) -> dict[str, PowerTarget]:
     """Targets for every node of `rack` (`nodes`: node -> GPU count; `failed`: (node, index)).
 
     `parked` names nodes of `nodes` that left the job but still hold a share in the rack: their
-    GPUs are planned at the minimum, like failed ones, without boosting anyone for it."""
+    GPUs are planned at the minimum, like failed ones, without boosting anyone for it.
+
+    `stuck` gives failed GPUs that may no longer take a limit (lost under their process: off the
+    bus, or on a node that stopped reporting) the watts their agent still counts them at, its
+    last limit: no cut can free those, so they are planned at them and the survivors are asked
+    only for what the budget holds beyond. If even that cannot fit (a budget lowered since),
+    they are planned at the minimum like any failed GPU, and the agent holds the difference."""
     if not nodes or min(nodes.values()) <= 0:
         raise ValueError(f"rack {rack!r} needs nodes with at least one GPU each, got {dict(nodes)}")
     if not parked <= nodes.keys():
@@ -92,7 +99,12 @@ def plan_rack(
         for g in gpus
     }
     rack_budget = policy.budget(len(gpus))
-    fitted = fit_budget(desired, dict.fromkeys(gpus, policy.min_w), rack_budget)
+    floors = dict.fromkeys(gpus, policy.min_w)
+    held = {g: max(policy.min_w, w) for g, w in (stuck or {}).items() if g in failed}
+    if sum((floors | held).values()) <= rack_budget:
+        floors |= held
+        desired |= held
+    fitted = fit_budget(desired, floors, rack_budget)
     # Each node's share is what its GPUs were given plus a GPU-count share of the slack, rounded
     # down, so the shares never add up to more than the rack budget.
     slack = max(0, rack_budget - sum(fitted.values()))

@@ -179,6 +179,17 @@ def render_status(
     }
 
 
+def reported_limits(obj: Mapping[str, Any]) -> dict[int, int]:
+    """GPU index -> the limit in whole watts the node's agent reports it counts (`status.gpus`),
+    for the entries that are well formed; {} without a status."""
+    gpus = (obj.get("status") or {}).get("gpus")
+    if not isinstance(gpus, list):
+        return {}
+    return {g["index"]: g["limitWatts"] for g in gpus
+            if isinstance(g, dict) and type(g.get("index")) is int
+            and type(g.get("limitWatts")) is int and g["limitWatts"] > 0}
+
+
 def budget_in_effect(obj: Mapping[str, Any]) -> bool:
     """Whether the node's agent reports its GPUs within the budget of the spec this object holds
     now (a spec written since has not been acted on yet)."""

@@ -19,7 +19,7 @@ import logging
 import threading
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import Any
 
@@ -32,7 +32,13 @@ from urllib3.exceptions import HTTPError
 from ntp import progress
 from ntp.generations import Generation, GenerationError, Gpu, Rendezvous
 from power_controller import channel
-from power_controller.targets import PowerTarget, format_time
+from power_controller.targets import (
+    InvalidTarget,
+    PowerTarget,
+    format_time,
+    parse_object,
+    reported_limits,
+)
 from tessera_operator import conditions, health, planner, workload
 from tessera_operator.workload import JOB_LABEL
 
@@ -587,8 +593,13 @@ def reconcile(memo: kopf.Memo, namespace: str, name: str, logger: logging.Logger
         in_force: Generation | None = None
         if plan is not None:
             try:
-                # The loop's ratio and the parked nodes both need the targets as they are.
-                racks = _target_racks(api, job) if plan.spec.power is not None else {}
+                # The loop's ratio, the parked nodes and the lost GPUs' watts all need the
+                # targets as they are.
+                current = _job_targets(api, job) if plan.spec.power is not None else {}
+                racks = {node: rack for node, obj in current.items()
+                         if isinstance(spec := obj.get("spec"), dict)
+                         and isinstance(rack := spec.get("rack"), str)}
+                plan = replace(plan, stuck=_counted_watts(current, lost.failed))
                 plan = planner.follow_compute(plan, reports, conditions.boosts(previous), racks)
                 targets = plan.power_targets(racks)
                 if isinstance(layout, LayoutBlocked):
@@ -663,17 +674,36 @@ def _api_message(exc: ApiException) -> str:
         return f"{exc.status} {exc.reason}"
 
 
-def _target_racks(api: client.ApiClient, job: dict[str, Any]) -> dict[str, str]:
-    """Node -> the rack the job's power target for it names (as `channel.sync_targets` finds
-    them), so that a node leaving a rack the job still plans is planned there parked."""
+def _job_targets(api: client.ApiClient, job: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Node -> the job's power target object for it (as `channel.sync_targets` finds them): the
+    rack each names, so that a node leaving a rack the job still plans is planned there parked,
+    and the limits its agent reports."""
     meta = job["metadata"]
     selector = f"{JOB_LABEL}={meta['name']},{channel.JOB_UID_LABEL}={meta['uid']}"
     listed = client.CustomObjectsApi(api).list_cluster_custom_object(
         channel.GROUP, channel.VERSION, channel.PLURAL, label_selector=selector,
         _request_timeout=API_TIMEOUT_S)["items"]
-    return {obj["metadata"]["name"]: rack for obj in listed
-            if isinstance(spec := obj.get("spec"), dict)
-            and isinstance(rack := spec.get("rack"), str)}
+    return {obj["metadata"]["name"]: obj for obj in listed}
+
+
+def _counted_watts(current: dict[str, dict[str, Any]], lost: frozenset[planner.GpuId]
+                   ) -> dict[planner.GpuId, int]:
+    """The watts each agent still counts a GPU lost under its process at: the limit it reports,
+    else what its target last asked for (no target: nothing was ever set, nothing is held)."""
+    counted = {}
+    for node, index in lost:
+        obj = current.get(node)
+        if obj is None:
+            continue
+        reported = reported_limits(obj)
+        if index in reported:
+            counted[(node, index)] = reported[index]
+            continue
+        try:
+            counted[(node, index)] = parse_object(obj, node).watts_for(index)
+        except InvalidTarget:
+            continue
+    return counted
 
 
 def _sync_power(api: client.ApiClient, job: dict[str, Any],

@@ -237,6 +237,9 @@ class JobPlan:
     # Survivors of hit groups that no replica uses (too few to run, or dropped): idle, so their
     # power pays for boosts like the failed GPUs'.
     stranded: frozenset[GpuId] = frozenset()
+    # Failed GPUs that may no longer take a limit, at the watts their agents still count them
+    # (`planning.plan_rack`'s `stuck`).
+    stuck: Mapping[GpuId, int] = field(default_factory=dict)
 
     @property
     def tp_layout(self) -> str:
@@ -312,7 +315,7 @@ class JobPlan:
             policy = replace(policy, rack_budget_w=min(policy.rack_budget_w, ceiling))
         boost = ratio if self.spec.mode == "NTP-PW" else 1.0
         try:
-            return plan_rack(policy, rack, nodes, unused, boost, parked)
+            return plan_rack(policy, rack, nodes, unused, boost, parked, self.stuck)
         except ValueError as exc:  # e.g. a rack budget below its GPUs' minimum limits
             raise SpecError("powerPolicy.rackBudgetWatts", str(exc)) from exc
 

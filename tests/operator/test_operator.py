@@ -210,6 +210,48 @@ def test_a_failed_gpu_stays_out_while_its_health_is_unknown(running_operator: Ru
                 "tessera.dev", "v1alpha1", "gpuhealths", node)
 
 
+def test_a_gpu_lost_under_its_process_is_planned_at_the_limit_its_agent_reports(
+        running_operator: RunningOperator) -> None:
+    """DCGM fails GPU 3 (XID 79): its agent can no longer cut it and counts it at the limit it
+    last set, which it reports. The operator plans it there, so node A's survivors are asked for
+    what the budget holds beyond it, not for watts that a cut to the minimum would have freed
+    (the agent could not fund those)."""
+    op, job = running_operator, "dcgm-power"
+    node_a, node_b = op.create_nodes(job, 2)
+    now = datetime.now(UTC)
+    for node in (node_a, node_b):
+        _publish_health(op, node, {}, now)
+    body = _example(job)
+    power = body["spec"]["powerPolicy"]
+    base, cap = power["baseCapWatts"], power["boostCapWatts"]
+    budget = power["rackBudgetWatts"] = 8 * base + 400  # room to boost beyond the lost GPU
+    op.create_job(body)
+    op.start_rendezvous(job)
+    op.wait(lambda: op.status(job).get("layoutGeneration"), lambda g: g == 1, "generation 1")
+    last = base + 40  # the limit node A's agent last set on GPU 3
+    client.CustomObjectsApi(op.admin).patch_cluster_custom_object_status(
+        "tessera.dev", "v1alpha1", "gpupowertargets", node_a, {"status": {"gpus": [
+            {"index": i, "limitWatts": last if i == 3 else base} for i in range(8)]}})
+    try:
+        _publish_health(op, node_a, {3: {"xids": [79]}}, now)
+        op.wait(lambda: _phase_layout(op, job), lambda s: s == ("Degraded", "7,8"), "7,8")
+        watts = op.wait(lambda: _watts(op, node_a), lambda w: w.get(3) == last,
+                        "the lost GPU planned at its reported limit")
+        survivors = {watts[i] for i in range(8) if i != 3}
+        assert survivors == {min(cap, (budget - last) // 7)}, watts
+        assert base < min(survivors) < cap  # boosted, within what the budget holds beyond it
+        assert sum(watts.values()) <= _budget(op, node_a) <= budget
+        assert _condition(op.status(job), "PowerBoosted")["status"] == "True"
+        # A cordon, by contrast, is cut by its agent: the drained GPU goes to the minimum.
+        assert cordon.main([node_a, "5", "--kubeconfig", str(op.admin_kubeconfig)]) == 0
+        watts = op.wait(lambda: _watts(op, node_a), lambda w: w.get(5) == 200, "5 drained")
+        assert watts[3] == last
+    finally:
+        for node in (node_a, node_b):
+            client.CustomObjectsApi(op.admin).delete_cluster_custom_object(
+                "tessera.dev", "v1alpha1", "gpuhealths", node)
+
+
 def test_a_node_that_stops_reporting_is_planned_without_at_once(running_operator: RunningOperator
                                                                 ) -> None:
     """Its kubelet silent (the node lifecycle controller's Ready Unknown, NodeStatusUnknown):
@@ -575,3 +617,4 @@ def test_a_raise_across_a_rack_waits_for_the_cut_it_needs(
     assert cut + raised <= budget
     op.wait(lambda: _condition(op.status(job), "PowerBoosted")["message"],
             lambda m: "wait" not in m, "the boost no longer said to wait")
+

@@ -16,10 +16,12 @@ from power_controller.planning import (
     ratio_for_tp,
     stage,
 )
+from power_controller.policy import DeviceView, decide
 from power_controller.sim_backend import SimBackend
 from power_controller.targets import PowerTarget, to_object
 
 pytestmark = pytest.mark.power
+W = 1000  # milliwatts per watt: the policy's unit
 
 
 def test_paper_calibration_of_the_simulated_gpu() -> None:
@@ -223,3 +225,38 @@ def test_a_kept_target_that_does_not_parse_still_holds_its_racks_raises() -> Non
     assert sync == SyncPlan({}, (), ("a",))  # b is neither rewritten nor deleted
     del objects[1]["spec"]["rack"]  # naming no rack, it cannot be counted in one
     assert plan_sync(objects, [_share("a", 4400)]) == SyncPlan({"a": _share("a", 4400)}, ("b",), ())
+
+
+@pytest.mark.parametrize("last_w", [500, 640, 700])
+def test_a_gpu_lost_under_its_process_is_planned_at_the_limit_its_agent_counts(
+        last_w: int) -> None:
+    """A GPU off the bus keeps its last limit: the agent counts it there and funds the others
+    from the rest. Planned at that limit, the survivors' targets are exactly what the agent
+    (the policy's own `decide`, fed the GPU as uncontrollable) sets; planned at the minimum, they
+    would ask for watts the agent cannot give."""
+    policy = PowerPolicy(base_w=500, boost_cap_w=700, rack_budget_w=2200)
+    lost = ("a", 2)
+    target = plan_rack(policy, "r", {"a": 4}, {lost}, 1.3, stuck={lost: last_w})["a"]
+    assert target.watts_for(2) == last_w
+    survivors = [i for i in range(4) if i != 2]
+    assert sum(target.watts_for(i) for i in range(4)) <= 2200
+    views = [DeviceView(i, 200 * W, 700 * W, 500 * W) for i in survivors] + [
+        DeviceView(2, 0, 0, last_w * W, controllable=False)]
+    goals = decide(views, target, step_mw=1000 * W).goals
+    assert {i: goals[i] // W for i in survivors} == {i: target.watts_for(i) for i in survivors}
+    assert min(target.watts_for(i) for i in survivors) == min(650, (2200 - last_w) // 3)
+
+
+def test_a_lost_gpu_that_no_longer_fits_the_budget_is_planned_at_the_minimum() -> None:
+    """A budget lowered below what the lost GPU holds plus the others' minimum: planning it at its
+    limit would give shares over the budget, so it is planned like any failed GPU."""
+    policy = PowerPolicy(base_w=500, boost_cap_w=700, rack_budget_w=1200)
+    lost = ("a", 0)
+    target = plan_rack(policy, "r", {"a": 4}, {lost}, 1.3, stuck={lost: 700})["a"]
+    assert target.watts_for(0) == 200 and target.budget_w <= 1200
+
+
+def test_stuck_watts_of_a_gpu_that_has_not_failed_change_nothing() -> None:
+    policy = PowerPolicy(base_w=500, boost_cap_w=700, rack_budget_w=2200)
+    plain = plan_rack(policy, "r", {"a": 4}, {("a", 1)}, 1.3)
+    assert plan_rack(policy, "r", {"a": 4}, {("a", 1)}, 1.3, stuck={("a", 3): 700}) == plain
