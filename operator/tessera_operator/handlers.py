@@ -18,7 +18,7 @@ import json
 import logging
 import threading
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import Any
@@ -93,7 +93,7 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     memo.locks_guard = threading.Lock()  # guards locks, pending and nodes
     memo.placing = threading.Lock()  # one job's placement at a time
     memo.pending = set()  # jobs with a watch-triggered reconcile that has not started yet
-    memo.nodes = {}  # node name -> what placement and health read of it, last seen
+    memo.nodes = {}  # node name -> (resourceVersion, what placement and health read of it)
     memo.node_jobs = defaultdict(set)  # node name -> keys of the jobs placed on it
     memo.unplaced = set()  # jobs waiting for nodes: any node change may let them be placed
     memo.pods = {}  # (namespace, pod) -> (phase, pod IP) last seen, for the jobs' pods
@@ -154,11 +154,15 @@ async def on_node(
     node updates (a thousand nodes marked unreachable at once) then costs no thread hand-off
     each, and a cordon behind it waits for little more than its own reconcile."""
     name = body.metadata.name
+    version = _version(body)
     seen = None if type == "DELETED" else _node_facts(body)
     with memo.locks_guard:
-        before = memo.nodes.pop(name, None)
+        before_version, before = memo.nodes.get(name, (None, None))
+        if version is not None and before_version is not None and version < before_version:
+            return  # older than what a reconcile read from the API meanwhile
+        memo.nodes.pop(name, None)
         if seen is not None:
-            memo.nodes[name] = seen
+            memo.nodes[name] = (version, seen)
         if seen == before:
             return
         keys = set(memo.node_jobs.get(name, ())) | set(memo.unplaced)
@@ -166,12 +170,22 @@ async def on_node(
         await asyncio.to_thread(_reconcile_once, memo, key, logger)
 
 
-def _node_facts(body: kopf.Body) -> tuple[Any, ...]:
-    allocatable = (body.get("status") or {}).get("allocatable") or {}
-    return (dict(body.metadata.labels or {}),
-            (body.metadata.annotations or {}).get(health.CORDON_ANNOTATION),
-            allocatable.get(workload.GPU_RESOURCE), bool(body.spec.get("unschedulable")),
-            health.node_lost(body))
+def _node_facts(node: Mapping[str, Any]) -> tuple[Any, ...]:
+    """What placement and health read of a node (a watch event's body or an API read)."""
+    meta = node["metadata"]
+    allocatable = (node.get("status") or {}).get("allocatable") or {}
+    return (dict(meta.get("labels") or {}),
+            (meta.get("annotations") or {}).get(health.CORDON_ANNOTATION),
+            allocatable.get(workload.GPU_RESOURCE),
+            bool((node.get("spec") or {}).get("unschedulable")), health.node_lost(node))
+
+
+def _version(node: Mapping[str, Any]) -> int | None:
+    """The object's resourceVersion as a number, to tell a watch event older than an API read.
+    The API server's are etcd revisions, which only grow; one that is not a number (another
+    storage) is not compared, and the event is taken as it comes."""
+    version = node["metadata"].get("resourceVersion")
+    return int(version) if isinstance(version, str) and version.isdecimal() else None
 
 
 @kopf.on.event("", "v1", "pods", labels={JOB_LABEL: kopf.PRESENT})
@@ -314,21 +328,24 @@ def _job_pods(api: client.ApiClient, job: dict[str, Any]) -> list[dict[str, Any]
 def _nodes_named(api: client.ApiClient, memo: kopf.Memo, names: list[str]
                  ) -> list[dict[str, Any]]:
     """The nodes as the node watch last saw them (what planning reads of them); a node the
-    watch has not delivered yet (the operator just started) is read from the API."""
+    watch has not delivered yet (just created, or the operator just started) is read from the
+    API, and kept, so that the watch's older events of it (its creation, delivered after the
+    read) cannot take the plan back to a state the node has left."""
     with memo.locks_guard:
-        seen = {n: memo.nodes.get(n) for n in names}
+        seen = {n: memo.nodes.get(n, (None, None))[1] for n in names}
     found = []
     for name, facts in seen.items():
-        if facts is not None:
-            found.append(_node_view(name, facts))
-            continue
-        try:
-            node = client.CoreV1Api(api).read_node(name, _request_timeout=API_TIMEOUT_S)
-        except ApiException as exc:
-            if exc.status != 404:
-                raise
-            continue  # gone: its GPUs are not the job's any more
-        found.append(api.sanitize_for_serialization(node))
+        if facts is None:
+            try:
+                node = api.sanitize_for_serialization(
+                    client.CoreV1Api(api).read_node(name, _request_timeout=API_TIMEOUT_S))
+            except ApiException as exc:
+                if exc.status != 404:
+                    raise
+                continue  # gone: its GPUs are not the job's any more
+            with memo.locks_guard:  # a watch event that came meanwhile is newer: it stays
+                _, facts = memo.nodes.setdefault(name, (_version(node), _node_facts(node)))
+        found.append(_node_view(name, facts))
     return found
 
 
