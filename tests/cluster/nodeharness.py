@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import secrets
+import select
 import subprocess
 import sys
 import time
@@ -163,3 +165,16 @@ def events(api: client.ApiClient, namespace: str, pod: str) -> set[tuple[str, st
 
 def last_json_line(text: str) -> dict[str, Any]:
     return json.loads(text.strip().splitlines()[-1])
+
+
+def exited_within(pid: int, seconds: float) -> bool:
+    """Whether process `pid` (not necessarily our child) exits within `seconds` (a pidfd
+    becomes readable when it does)."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return True
+    try:
+        return bool(select.select([fd], [], [], max(0.0, seconds))[0])
+    finally:
+        os.close(fd)

@@ -5,7 +5,6 @@ and every mistake gets one line and exit 1 (usage: exit 2)."""
 from __future__ import annotations
 
 import os
-import select
 import signal
 import subprocess
 import sys
@@ -14,6 +13,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from nodeharness import exited_within
 
 from power_controller.devices import GpuLost
 from power_controller.sim_backend import SimBackend
@@ -76,18 +76,6 @@ def _holder(spawn, path: Path, with_child: bool = False) -> tuple[subprocess.Pop
     return proc, pids
 
 
-def _exited_within(pid: int, seconds: float) -> bool:
-    """Whether process `pid` (not necessarily our child) exits within `seconds`."""
-    try:
-        fd = os.pidfd_open(pid)
-    except ProcessLookupError:
-        return True
-    try:
-        return bool(select.select([fd], [], [], max(0.0, seconds))[0])
-    finally:
-        os.close(fd)
-
-
 def _tessera(capsys, *argv: str) -> tuple[int, str, str]:
     code = cli.main(list(argv))
     out, err = capsys.readouterr()
@@ -103,7 +91,7 @@ def test_fail_gpu_kills_what_holds_the_gpu_within_a_second(data_dir, spawn, caps
                               "--data-dir", str(data_dir))
     # "the process using it dies at once": the bound is the behaviour
     holder.wait(timeout=max(0.0, 1.0 - (time.monotonic() - start)))
-    assert _exited_within(grandchild, 1.0 - (time.monotonic() - start))
+    assert exited_within(grandchild, 1.0 - (time.monotonic() - start))
     assert (code, err) == (0, "")
     assert holder.returncode == -signal.SIGKILL
     assert f"{pid} (python" in out and f"{grandchild} (python" in out and "XID 79" in out

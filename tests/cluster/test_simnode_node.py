@@ -3,8 +3,6 @@ command line, and its pods' processes dying with it."""
 
 from __future__ import annotations
 
-import os
-import select
 import signal
 import subprocess
 import urllib.request
@@ -14,6 +12,7 @@ import pytest
 from kubernetes import client
 from nodeharness import (
     container_status,
+    exited_within,
     node_argv,
     phase_in,
     pod_manifest,
@@ -116,18 +115,6 @@ time.sleep(3600)
 """
 
 
-def _wait_exit(pid: int, timeout: float) -> bool:
-    """Whether process pid ended within timeout (a pidfd becomes readable when it does)."""
-    try:
-        fd = os.pidfd_open(pid)
-    except ProcessLookupError:
-        return True
-    try:
-        return bool(select.select([fd], [], [], timeout)[0])
-    finally:
-        os.close(fd)
-
-
 def test_pod_processes_die_with_the_node(control_plane: launcher.ControlPlane,
                                          admin_api: client.ApiClient, namespace: str,
                                          tmp_path: Path) -> None:
@@ -151,6 +138,6 @@ def test_pod_processes_die_with_the_node(control_plane: launcher.ControlPlane,
         node.proc.send_signal(signal.SIGKILL)  # what `tessera fail-node` does
         node.proc.wait()
         # the kernel ends the container's PID namespace with the node, grandchildren included
-        assert all(_wait_exit(pid, timeout=10) for pid in pids)
+        assert all(exited_within(pid, 10) for pid in pids)
     finally:
         stop_node(node)
