@@ -51,14 +51,21 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch.distributed as dist
 
 from ntp import metrics
-from ntp.distributed import FAILED, connect, end_generation, end_key, generation_of, report_death
+from ntp.distributed import (
+    FAILED,
+    FINISHED,
+    connect,
+    end_generation,
+    generation_of,
+    report_death,
+    wait_for_end,
+)
 from ntp.generations import Generation, GenerationError, Gpu
 from ntp.goodput import Ledger, Phase
 from ntp.progress import NodeReport, State, report_key
@@ -69,7 +76,6 @@ log = logging.getLogger("ntp.agent")
 # How often the agent looks for a new generation: a file has no change events, and a rank
 # waits for the agent's mirror, so this adds to every reconfiguration.
 POLL_S = 0.02
-FINISHED = "finished"  # the end reason a job's last generation gets (ntp.train.Trainer.finish)
 # Trainer options the agent sets for every rank itself.
 _AGENT_OPTIONS = ("--layout", "--layout-dir", "--steps", "--until-step", "--join")
 _PR_SET_PDEATHSIG = 1
@@ -556,7 +562,7 @@ class NodeAgent:
                 # The document has a process on this GPU carry on, but there is none (it died
                 # after the document was written, or this agent started late): the survivors
                 # would wait for it in vain.
-                reason = f"failed: {self.node}: no process on {gpu} to carry on as rank {rank}"
+                reason = f"{FAILED}: {self.node}: no process on {gpu} to carry on as rank {rank}"
                 assert self.store is not None
                 end_generation(self.store, number, reason)
                 log.warning("%s: generation %d %s", self.node, number, reason)
@@ -589,26 +595,18 @@ class NodeAgent:
 
     def mirror(self, number: int, document: Mapping[str, Any]) -> None:
         """Write `gen{N}.json` for the ranks, atomically: a rank never reads half of it."""
-        partial = self.work_dir / f".gen{number}.json.partial"
-        partial.write_text(json.dumps(document))
-        os.replace(partial, self.layout_path(number))
+        _write_atomic(self.layout_path(number), json.dumps(document))
 
     def layout_path(self, number: int) -> Path:
         return self.work_dir / f"gen{number}.json"
 
     def watch_end(self, generation: Generation) -> None:
         """A thread waiting, on its own store connection, for the generation's end reason."""
-        store, key = self.connect(generation), end_key(generation.generation)
+        store = self.connect(generation)
 
         def wait() -> None:
             try:
-                while True:
-                    try:
-                        store.wait([key], timedelta(days=1))
-                        break
-                    except dist.DistStoreError:
-                        continue  # still running after a day
-                reason = store.get(key).decode()
+                reason = wait_for_end(store, generation.generation)
             except dist.DistNetworkError as exc:
                 self.events.put(("lost", str(exc).splitlines()[0]))
                 return
@@ -620,7 +618,7 @@ class NodeAgent:
         log.info("%s: generation %d ended: %s", self.node, number, reason)
         if reason == FINISHED:
             self.finished = True
-        elif reason.startswith("failed") and number >= self.progress.generation:
+        elif reason.startswith(FAILED) and number >= self.progress.generation:
             self.progress.interrupted(f"generation {number} {reason}")
 
     # -- ranks ---------------------------------------------------------------------------------
@@ -714,7 +712,7 @@ class NodeAgent:
             rank = later.rank_of(process.gpu)
             if rank is not None and later.origin[rank] is not None:
                 end_generation(self.store, later.generation,
-                               f"failed: process {socket.gethostname()}/{pid} {why} before "
+                               f"{FAILED}: process {socket.gethostname()}/{pid} {why} before "
                                f"joining as rank {rank}")
                 log.warning("%s: generation %d failed too: it counted on pid %d", self.node,
                             later.generation, pid)
@@ -770,11 +768,16 @@ def report_file(directory: Path) -> Callable[[NodeReport], None]:
 
     def write(report: NodeReport) -> None:
         directory.mkdir(parents=True, exist_ok=True)
-        partial = directory / f".{report_key(report.node)}.partial"
-        partial.write_text(report.to_json())
-        os.replace(partial, directory / report_key(report.node))
+        _write_atomic(directory / report_key(report.node), report.to_json())
 
     return write
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    """Write `path` through a hidden partial file beside it, so no reader sees half of it."""
+    partial = path.with_name(f".{path.name}.partial")
+    partial.write_text(text)
+    os.replace(partial, path)
 
 
 def serve_metrics(ledger: Ledger, addr: str, port: int, labels: Mapping[str, str]) -> None:

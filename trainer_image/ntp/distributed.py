@@ -105,6 +105,8 @@ def init_distributed(
 # ----------------------------------------------------------------------------------------------
 
 FAILED = "failed"  # prefix of an end reason that aborts the generation's collectives
+SUPERSEDED = "superseded"  # the end reason of a generation a later one took over
+FINISHED = "finished"  # the end reason of a job's last generation (ntp.train.Trainer.finish)
 
 
 def end_key(generation: int) -> str:
@@ -177,6 +179,18 @@ def abort_in_flight(device: str, store_port: int) -> None:
                 continue  # a listening or already closed socket
 
 
+def wait_for_end(store: dist.Store, generation: int) -> str:
+    """Block until `generation` has ended; its end reason."""
+    key = end_key(generation)
+    while True:
+        try:
+            store.wait([key], timedelta(days=1))
+            break
+        except dist.DistStoreError:
+            continue  # still running after a day
+    return store.get(key).decode()
+
+
 class FailureWatch:
     """Waits, on its own store connection, for `generation` to end; on a failure it calls
     `abort`, then (for any end) `on_end`."""
@@ -199,14 +213,7 @@ class FailureWatch:
         self._thread.start()
 
     def _watch(self) -> None:
-        key = end_key(self.generation)
-        while True:
-            try:
-                self._store.wait([key], timedelta(days=1))
-                break
-            except dist.DistStoreError:
-                continue  # still running after a day
-        self.reason = self._store.get(key).decode()
+        self.reason = wait_for_end(self._store, self.generation)
         if self.reason.startswith(FAILED):
             self._abort()
         self._on_end()

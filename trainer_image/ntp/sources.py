@@ -48,6 +48,14 @@ def assignment(document: Mapping[str, Any]) -> Assignment:
     )
 
 
+def at_step_of(document: Mapping[str, Any]) -> int | None:
+    """The step boundary a document's change is planned for (None: not planned), read without
+    planning its layout (`assignment` does that: it costs the layout's size)."""
+    if document.get("kind") == KIND or "schemaVersion" in document:
+        return Generation.from_dict(document).at_step
+    return document.get("at_step")
+
+
 class GenerationSource(Protocol):
     """The job's generation documents; `get` never blocks."""
 

@@ -22,6 +22,8 @@ from ntp.clip import clip_grad_norm_
 from ntp.data import split_inputs, synthetic_batch
 from ntp.distributed import (
     FAILED,
+    FINISHED,
+    SUPERSEDED,
     FailureWatch,
     abort_in_flight,
     collective_timeout,
@@ -42,7 +44,14 @@ from ntp.parallelize import apply_ntp
 from ntp.plan import JobLayout, PlanError, RankShard, ReplicaLayout, reshard_moves
 from ntp.reshard import LocalState, exchange_state
 from ntp.sharding import shard_tensor, spec_of
-from ntp.sources import Assignment, FileGenerationSource, GenerationSource, assignment, wait_for
+from ntp.sources import (
+    Assignment,
+    FileGenerationSource,
+    GenerationSource,
+    assignment,
+    at_step_of,
+    wait_for,
+)
 
 
 @dataclass(frozen=True)
@@ -340,7 +349,7 @@ class Trainer:
         if cur.groups.replica == 0 and cur.groups.rank == 0:
             document = self.source.get(self.generation + 1)
             # At or after: the operator plans from progress reports, which lag the ranks.
-            planned = None if document is None else assignment(document).at_step
+            planned = None if document is None else at_step_of(document)
             if planned is not None and planned <= self.step:
                 box[0] = document
         dist.broadcast_object_list(box, src=0, group=cur.groups.world)
@@ -374,7 +383,7 @@ class Trainer:
             register_process(self.store, following.generation)
         # 2. The old generation is over for everyone once anyone joins the next one; its watch
         #    stops (a failure already ended it, and the watch aborted what was in flight).
-        end_generation(self.store, self.generation, "superseded")
+        end_generation(self.store, self.generation, SUPERSEDED)
         self.watch.join()
         # 3. Leave the old groups; only an abandoned thread may still hold them.
         del self.current
@@ -495,7 +504,7 @@ class Trainer:
 
     def finish(self) -> None:
         dist.barrier()
-        end_generation(self.store, self.generation, "finished")
+        end_generation(self.store, self.generation, FINISHED)
         self.watch.join()
         dist.destroy_process_group()
 
