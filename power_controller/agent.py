@@ -590,18 +590,24 @@ def _backend(args: argparse.Namespace) -> PowerBackend:
     return backend
 
 
-def _source(args: argparse.Namespace) -> TargetSource:
+def api_client(kubeconfig: str | None) -> Any:
+    """A client of the API server from `kubeconfig` (None: the pod's service account) that
+    makes one bounded attempt per call: an agent's loop is the retry."""
     from kubernetes import client, config
 
-    from power_controller.channel import KubeTargetSource
-
     configuration = client.Configuration()
-    if args.kubeconfig:
-        config.load_kube_config(config_file=args.kubeconfig, client_configuration=configuration)
+    if kubeconfig:
+        config.load_kube_config(config_file=kubeconfig, client_configuration=configuration)
     else:
         config.load_incluster_config(client_configuration=configuration)
-    configuration.retries = 0  # one bounded attempt per step; the loop is the retry
-    return KubeTargetSource(client.ApiClient(configuration), args.node, args.api_timeout)
+    configuration.retries = 0
+    return client.ApiClient(configuration)
+
+
+def _source(args: argparse.Namespace) -> TargetSource:
+    from power_controller.channel import KubeTargetSource
+
+    return KubeTargetSource(api_client(args.kubeconfig), args.node, args.api_timeout)
 
 
 class _Unconfigured:
@@ -634,9 +640,13 @@ def _serve_metrics(args: argparse.Namespace, agent: Agent) -> Callable[[], None]
 _NODE_NAME = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
 
 
+def is_node_name(name: str) -> bool:
+    return len(name) <= 253 and _NODE_NAME.fullmatch(name) is not None
+
+
 def _bad_setting(args: argparse.Namespace) -> str | None:
     """Why the command line cannot run, naming the flag; None when it can."""
-    if len(args.node) > 253 or not _NODE_NAME.fullmatch(args.node):
+    if not is_node_name(args.node):
         return (f"--node {args.node!r} is not a Kubernetes node name (lowercase letters, digits, "
                 f"'-' and '.', at most 253 characters)")
     if not (args.interval > 0 and math.isfinite(args.interval)):

@@ -33,7 +33,7 @@ from __future__ import annotations
 import math
 import re
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Set
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
@@ -88,11 +88,11 @@ class NodeHealth:
         return frozenset(g.index for g in self.gpus if g.state is state)
 
 
-def is_fatal(xid: int, fatal_xids: Iterable[int] | None = None) -> bool:
+def is_fatal(xid: int, fatal_xids: Set[int] | None = None) -> bool:
     """Whether `xid` ends a GPU for the job: by its `fatalXIDs`, else the device plugin's rule."""
     if fatal_xids is None:
         return xid not in APPLICATION_XIDS
-    return xid in frozenset(fatal_xids)
+    return xid in fatal_xids
 
 
 def unknown(gpus: int, reason: str, problems: tuple[str, ...] = ()) -> NodeHealth:
@@ -289,7 +289,7 @@ def _gather(samples: list[Sample], gpus: int, hostname: str | None,
     return evidence, problems
 
 
-def _verdict(index: int, ev: _Evidence | None, fatal_xids: Iterable[int] | None) -> GpuHealth:
+def _verdict(index: int, ev: _Evidence | None, fatal_xids: Set[int] | None) -> GpuHealth:
     if ev is None or (ev.last_xid is None and ev.window is None and ev.totals is None
                       and not ev.health):
         return GpuHealth(index, State.UNKNOWN, "no health series for this GPU on the page")
@@ -344,7 +344,8 @@ def classify(text: str, *, gpus: int, fatal_xids: Iterable[int] | None = None,
                                  None if now is None else now * 1000)
     if not evidence:  # not an exporter page, or none of it about this node's GPUs
         return unknown(gpus, "no usable GPU health series on the page", tuple(problems))
-    return NodeHealth(tuple(_verdict(i, evidence.get(i), fatal_xids) for i in range(gpus)),
+    fatal = None if fatal_xids is None else frozenset(fatal_xids)
+    return NodeHealth(tuple(_verdict(i, evidence.get(i), fatal) for i in range(gpus)),
                       tuple(problems))
 
 

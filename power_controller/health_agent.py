@@ -27,7 +27,7 @@ from datetime import UTC, datetime
 from http.client import HTTPException
 from typing import Any
 
-from power_controller.agent import _NODE_NAME
+from power_controller.agent import api_client, is_node_name
 from power_controller.gpu_health import (
     MAX_GPUS,
     MAX_PAGE_BYTES,
@@ -107,8 +107,17 @@ def as_facts(observed: NodeHealth) -> NodeHealth:
         for g in observed.gpus))
 
 
-def _indices(gpus: tuple[GpuHealth, ...], keep: Callable[[GpuHealth], bool]) -> str:
-    return ",".join(str(g.index) for g in gpus if keep(g))
+_SUMMARY: dict[str, Callable[[GpuHealth], bool]] = {
+    "failedGPUs": lambda g: g.state is State.FAILED,
+    "xidGPUs": lambda g: bool(g.xids),
+    "unknownGPUs": lambda g: g.state is State.UNKNOWN,
+}
+
+
+def _summary(gpus: tuple[GpuHealth, ...]) -> dict[str, str]:
+    """The status' index lists: the failed GPUs, those with recent XIDs, the unknown ones."""
+    return {field: ",".join(str(g.index) for g in gpus if keep(g))
+            for field, keep in _SUMMARY.items()}
 
 
 def render(node: str, url: str, health: NodeHealth, observed_at: float) -> dict[str, Any]:
@@ -125,9 +134,7 @@ def render(node: str, url: str, health: NodeHealth, observed_at: float) -> dict[
         "status": {
             "observedAt": format_time(datetime.fromtimestamp(observed_at, UTC)),
             "exporter": exporter,
-            "failedGPUs": _indices(health.gpus, lambda g: g.state is State.FAILED),
-            "xidGPUs": _indices(health.gpus, lambda g: bool(g.xids)),
-            "unknownGPUs": _indices(health.gpus, lambda g: g.state is State.UNKNOWN),
+            **_summary(health.gpus),
             "gpus": gpus,
         },
     }
@@ -179,9 +186,7 @@ class HealthAgent:
         if key != self._published or self.monotonic() - self._published_at >= self.refresh_s:
             if key != self._published:
                 log.info("GPUs of %s: failed [%s], XIDs [%s], unknown [%s]%s", self.node,
-                         *(_indices(health.gpus, keep) for keep in (
-                             lambda g: g.state is State.FAILED, lambda g: bool(g.xids),
-                             lambda g: g.state is State.UNKNOWN)),
+                         *_summary(health.gpus).values(),
                          f" ({health.error})" if health.error else "")
             try:
                 self.publish(render(self.node, self.url, health, now))
@@ -217,18 +222,6 @@ class KubePublisher:
             _request_timeout=self._timeout)
 
 
-def _api_client(kubeconfig: str | None) -> Any:
-    from kubernetes import client, config
-
-    configuration = client.Configuration()
-    if kubeconfig:
-        config.load_kube_config(config_file=kubeconfig, client_configuration=configuration)
-    else:
-        config.load_incluster_config(client_configuration=configuration)
-    configuration.retries = 0  # one bounded attempt per step; the loop is the retry
-    return client.ApiClient(configuration)
-
-
 def _parser() -> argparse.ArgumentParser:
     host = os.environ.get("HOST_IP") or "127.0.0.1"
     p = argparse.ArgumentParser(
@@ -254,7 +247,7 @@ def _parser() -> argparse.ArgumentParser:
 def _bad_setting(args: argparse.Namespace) -> str | None:
     if not args.node:
         return "--node (or NODE_NAME) is required"
-    if len(args.node) > 253 or not _NODE_NAME.fullmatch(args.node):
+    if not is_node_name(args.node):
         return f"--node {args.node!r} is not a Kubernetes node name"
     if not args.exporter_url.startswith(("http://", "https://")):
         return f"--exporter-url must be an http(s) URL, got {args.exporter_url!r}"
@@ -275,7 +268,7 @@ def main(argv: list[str]) -> int:
         log.error("%s", bad)
         return 2
     try:
-        api_client = _api_client(args.kubeconfig)
+        api = api_client(args.kubeconfig)
     except Exception as err:  # no kubeconfig, no in-cluster environment, a malformed file
         log.error("cannot configure the API client: %s", err)
         return 1
@@ -284,7 +277,7 @@ def main(argv: list[str]) -> int:
         signal.signal(sig, lambda *_: stop.set())
     agent = HealthAgent(args.node, args.exporter_url,
                         lambda: fetch_page(args.exporter_url, args.fetch_timeout),
-                        KubePublisher(api_client, args.api_timeout), gpus=args.gpus,
+                        KubePublisher(api, args.api_timeout), gpus=args.gpus,
                         refresh_s=args.refresh)
     log.info("health agent on node %s reading %s every %g s", args.node, args.exporter_url,
              args.interval)
@@ -294,7 +287,7 @@ def main(argv: list[str]) -> int:
         except Exception:  # a bug in one read must not end the node's health reports
             log.exception("health step failed")
         stop.wait(args.interval)
-    api_client.close()
+    api.close()
     return 0
 
 

@@ -153,10 +153,14 @@ def _draw_mw(gpu: dict[str, Any]) -> int:
     return min(gpu["limit_mw"], gpu["demand_mw"])
 
 
+def _energy_mj(gpu: dict[str, Any], now: float) -> float:
+    """The energy counter at `now`, at the draw in force since its last update (mW * s = mJ)."""
+    return gpu["energy_mj"] + _draw_mw(gpu) * max(0.0, now - gpu["energy_at"])
+
+
 def _accrue(gpu: dict[str, Any], now: float) -> None:
-    """Bring the energy counter up to `now` at the draw in force since its last update; call it
-    before anything that changes the draw."""
-    gpu["energy_mj"] += _draw_mw(gpu) * max(0.0, now - gpu["energy_at"])  # mW * s = mJ
+    """Bring the energy counter up to `now`; call it before anything that changes the draw."""
+    gpu["energy_mj"] = _energy_mj(gpu, now)
     gpu["energy_at"] = now
 
 
@@ -332,7 +336,7 @@ class SimBackend:
     def _snapshot(self, index: int, gpu: dict[str, Any], now: float) -> GpuSnapshot:
         spec = SimGpuSpec(**gpu["spec"])
         draw_mw = _draw_mw(gpu)
-        energy_mj = gpu["energy_mj"] + draw_mw * max(0.0, now - gpu["energy_at"])
+        energy_mj = _energy_mj(gpu, now)
         return GpuSnapshot(
             index=index,
             uuid=gpu["uuid"],
