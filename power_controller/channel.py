@@ -62,6 +62,14 @@ class SyncResult:
         return bool(self.held)
 
 
+def list_job_targets(api_client: client.ApiClient, job_label: tuple[str, str], uid: str,
+                     timeout_s: float = DEFAULT_TIMEOUT_S) -> list[dict[str, Any]]:
+    """The job's targets as the API holds them (by `job_label` and the job's UID)."""
+    selector = f"{job_label[0]}={job_label[1]},{JOB_UID_LABEL}={uid}"
+    return _api(api_client).list_cluster_custom_object(
+        GROUP, VERSION, PLURAL, label_selector=selector, _request_timeout=timeout_s)["items"]
+
+
 def sync_targets(
     api_client: client.ApiClient,
     desired: Sequence[PowerTarget],
@@ -69,6 +77,7 @@ def sync_targets(
     job_owner: Mapping[str, Any],
     job_label: tuple[str, str],
     timeout_s: float = DEFAULT_TIMEOUT_S,
+    listed: Sequence[Mapping[str, Any]] | None = None,
 ) -> SyncResult:
     """Bring a job's targets to `desired` without taking any rack over its budget.
 
@@ -81,13 +90,13 @@ def sync_targets(
     plans the node again (parked) (`planning.plan_sync`). `desired` empty releases every
     target of the job.
     `job_owner` is the job's ownerReference (apiVersion, kind, name, uid); only its UID is
-    written (as the label `tessera.dev/job-uid`): see JOB_UID_LABEL.
+    written (as the label `tessera.dev/job-uid`): see JOB_UID_LABEL. `listed`: the job's
+    targets as the caller has just listed them (`list_job_targets`), not listed again.
     """
     api = _api(api_client)
     uid = str(job_owner["uid"])
-    selector = f"{job_label[0]}={job_label[1]},{JOB_UID_LABEL}={uid}"
-    listed = api.list_cluster_custom_object(GROUP, VERSION, PLURAL, label_selector=selector,
-                                            _request_timeout=timeout_s)["items"]
+    if listed is None:
+        listed = list_job_targets(api_client, job_label, uid, timeout_s)
     objects = {obj["metadata"]["name"]: obj for obj in listed}
     plan = plan_sync(listed, desired)
     labels = {job_label[0]: job_label[1], JOB_UID_LABEL: uid}

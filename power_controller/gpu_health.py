@@ -48,6 +48,10 @@ HEALTH_PASS, HEALTH_WARN, HEALTH_FAIL = 0, 10, 20
 XID_HEALTH_CODE = "DCGM_FR_XID_ERROR"
 # dcgm-exporter collects every 30 s by default: two collections may pass before a page is stale.
 STALE_AFTER_S = 60.0
+# A node's health agent writes its GPUHealth at least this often, changed or not; readers count
+# an object older than three refreshes as unknown: one lost write is tolerated, a dead agent not.
+REFRESH_S = 120.0
+STALE_REFRESHES = 3
 # The simulated 8-GPU page is 38 kB; a real one with every default field and pod labels a few
 # times that: 4 MiB leaves room, and bounds what a hostile page costs to read.
 MAX_PAGE_BYTES = 4 << 20

@@ -31,6 +31,7 @@ from power_controller.agent import api_client, is_node_name
 from power_controller.gpu_health import (
     MAX_GPUS,
     MAX_PAGE_BYTES,
+    REFRESH_S,
     FlapDamper,
     GpuHealth,
     NodeHealth,
@@ -44,9 +45,6 @@ log = logging.getLogger("tessera.health-agent")
 PLURAL = "gpuhealths"
 KIND = "GPUHealth"
 FIELD_MANAGER = "tessera-health-agent"
-# The operator counts an object older than three refreshes as unknown
-# (tessera_operator.health.STALE_AFTER_S): one lost write is tolerated, a dead agent is not.
-REFRESH_S = 120.0
 MAX_REASON = 1024  # the CRD's bound on a reason and on the exporter's error
 MAX_XIDS = 64  # the CRD's bound on a GPU's XIDs; more distinct recent XIDs is garbage
 MAX_LOGGED_PROBLEMS = 20  # per read: a hostile page can have a problem on every line

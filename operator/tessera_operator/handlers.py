@@ -30,7 +30,14 @@ from kubernetes.client.exceptions import ApiException
 from urllib3.exceptions import HTTPError
 
 from ntp import progress
-from ntp.generations import Generation, GenerationError, Gpu, Rendezvous
+from ntp.generations import (
+    LAYOUT_KEY,
+    Generation,
+    GenerationError,
+    Gpu,
+    Rendezvous,
+    layout_configmap,
+)
 from power_controller import channel
 from power_controller.targets import (
     InvalidTarget,
@@ -43,7 +50,6 @@ from tessera_operator import conditions, health, planner, workload
 from tessera_operator.workload import JOB_LABEL
 
 GROUP, VERSION, PLURAL = "tessera.dev", "v1alpha1", "ntptrainingjobs"
-LAYOUT_KEY = "generation.json"  # ntp.kube_source reads it there
 CONFIGMAP_MAX_BYTES = 1024 * 1024  # the API server's limit on a ConfigMap's data
 # Watches drive every change; the timer only re-observes what a watch or a failed reconcile may
 # have missed. Its cost is six reads per job per interval (five without a power policy),
@@ -467,7 +473,7 @@ def _read_layout(api: client.ApiClient, job: dict[str, Any]
     else's data is never overwritten nor adopted: an ownerReference would have the garbage
     collector delete it with the job)."""
     meta = job["metadata"]
-    name = workload.layout_name(meta["name"])
+    name = layout_configmap(meta["name"])
     try:
         current = client.CoreV1Api(api).read_namespaced_config_map(
             name, meta["namespace"], _request_timeout=API_TIMEOUT_S)
@@ -497,7 +503,7 @@ def _write_layout(api: client.ApiClient, job: dict[str, Any], current: client.V1
             f"the layout document takes {size} bytes, more than a ConfigMap holds "
             f"({CONFIGMAP_MAX_BYTES}): fewer GPUs per job, or shorter node names"))
     body = {"apiVersion": "v1", "kind": "ConfigMap",
-            "metadata": {"name": workload.layout_name(meta["name"]),
+            "metadata": {"name": layout_configmap(meta["name"]),
                          "labels": {JOB_LABEL: meta["name"]},
                          "ownerReferences": [workload.owner(job)]},
             "data": {LAYOUT_KEY: data}}
@@ -549,7 +555,7 @@ def _publish(api: client.ApiClient, job: dict[str, Any], plan: planner.JobPlan,
     published = int((job.get("status") or {}).get("layoutGeneration", 0))
     if previous is None and published:
         raise LayoutBlocked("LayoutLost", (
-            f"ConfigMap {workload.layout_name(job['metadata']['name'])} no longer holds "
+            f"ConfigMap {layout_configmap(job['metadata']['name'])} no longer holds "
             f"generation {published} (deleted or changed by someone else): the running trainers "
             "cannot follow a layout derived from nothing. Restore it, or delete the job's "
             "trainer pods and the ConfigMap's data to restart from generation 1"))
@@ -608,11 +614,17 @@ def reconcile(memo: kopf.Memo, namespace: str, name: str, logger: logging.Logger
         reports = progress.read_reports(data, sorted(set(world.placed.values())))
         step = max((r.step for r in reports.values() if r is not None), default=0)
         in_force: Generation | None = None
+        with memo.locks_guard:  # an agent's report arriving once the targets are read is not lost
+            memo.held.add(key)
+        # The loop's ratio, the parked nodes and the lost GPUs' watts all need the targets as
+        # they are; the sync then works from the same list.
+        listed = None
+        if plan is not None and plan.spec.power is not None:
+            listed = channel.list_job_targets(api, (JOB_LABEL, name), job["metadata"]["uid"],
+                                              API_TIMEOUT_S)
         if plan is not None:
             try:
-                # The loop's ratio, the parked nodes and the lost GPUs' watts all need the
-                # targets as they are.
-                current = _job_targets(api, job) if plan.spec.power is not None else {}
+                current = {obj["metadata"]["name"]: obj for obj in listed or ()}
                 racks = {node: rack for node, obj in current.items()
                          if isinstance(spec := obj.get("spec"), dict)
                          and isinstance(rack := spec.get("rack"), str)}
@@ -629,11 +641,9 @@ def reconcile(memo: kopf.Memo, namespace: str, name: str, logger: logging.Logger
             except LayoutBlocked as exc:
                 plan, problems = None, (planner.Problem(exc.reason, str(exc)), *problems)
                 targets = {}
-        with memo.locks_guard:  # an agent's report arriving during the sync is not lost
-            memo.held.add(key)
         held: tuple[str, ...] = ()
         try:
-            held = _sync_power(api, job, targets)
+            held = _sync_power(api, job, targets, listed)
         except ApiException as exc:
             if exc.status not in (400, 422):
                 raise
@@ -691,18 +701,6 @@ def _api_message(exc: ApiException) -> str:
         return f"{exc.status} {exc.reason}"
 
 
-def _job_targets(api: client.ApiClient, job: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """Node -> the job's power target object for it (as `channel.sync_targets` finds them): the
-    rack each names, so that a node leaving a rack the job still plans is planned there parked,
-    and the limits its agent reports."""
-    meta = job["metadata"]
-    selector = f"{JOB_LABEL}={meta['name']},{channel.JOB_UID_LABEL}={meta['uid']}"
-    listed = client.CustomObjectsApi(api).list_cluster_custom_object(
-        channel.GROUP, channel.VERSION, channel.PLURAL, label_selector=selector,
-        _request_timeout=API_TIMEOUT_S)["items"]
-    return {obj["metadata"]["name"]: obj for obj in listed}
-
-
 def _counted_watts(current: dict[str, dict[str, Any]], lost: frozenset[planner.GpuId]
                    ) -> dict[planner.GpuId, int]:
     """The watts each agent still counts a GPU lost under its process at: the limit it reports,
@@ -723,14 +721,12 @@ def _counted_watts(current: dict[str, dict[str, Any]], lost: frozenset[planner.G
     return counted
 
 
-def _sync_power(api: client.ApiClient, job: dict[str, Any],
-                targets: dict[str, PowerTarget]) -> tuple[str, ...]:
-    """Bring the job's power targets to `targets` (none: release them all); returns the nodes
-    not at their target yet, whose raises wait for cuts to be reported in effect (an agent's
-    status report then triggers the rest)."""
-    meta = job["metadata"]
-    owner = {"apiVersion": job["apiVersion"], "kind": job["kind"], "name": meta["name"],
-             "uid": meta["uid"]}
-    result = channel.sync_targets(api, list(targets.values()), job_owner=owner,
-                                  job_label=(JOB_LABEL, meta["name"]), timeout_s=API_TIMEOUT_S)
+def _sync_power(api: client.ApiClient, job: dict[str, Any], targets: dict[str, PowerTarget],
+                listed: list[dict[str, Any]] | None = None) -> tuple[str, ...]:
+    """Bring the job's power targets to `targets` (none: release them all), from the targets
+    `listed` (None: listed now); returns the nodes not at their target yet, whose raises wait
+    for cuts to be reported in effect (an agent's status report then triggers the rest)."""
+    result = channel.sync_targets(api, list(targets.values()), job_owner=workload.owner(job),
+                                  job_label=(JOB_LABEL, job["metadata"]["name"]),
+                                  timeout_s=API_TIMEOUT_S, listed=listed)
     return result.held

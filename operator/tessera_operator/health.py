@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from power_controller.gpu_health import is_fatal
+from power_controller.gpu_health import REFRESH_S, STALE_REFRESHES, is_fatal
 
 CORDON_ANNOTATION = "tessera.dev/cordoned-gpus"
 # No node has this many GPUs: a longer item is reported without converting it, since Python
@@ -23,9 +23,7 @@ MAX_INDEX_DIGITS = 6
 GpuId = tuple[str, int]
 
 
-# A node's health agent writes its GPUHealth at least every 120 s (power_controller.health_agent
-# REFRESH_S): one missed write is tolerated, three mean the agent (or its node) is gone.
-GPU_HEALTH_STALE_AFTER_S = 360.0
+GPU_HEALTH_STALE_AFTER_S = STALE_REFRESHES * REFRESH_S
 
 
 @dataclass(frozen=True)

@@ -54,10 +54,9 @@ from tessera_operator.health import CORDON_ANNOTATION
 P99_TARGET_S = 1.0
 MEMORY_LIMIT_MIB = 512  # manifests/operator/deployment.yaml
 PAPER_NODES = 8192
-# A reconcile that finds nothing changed, for a job with a power policy: the job, its pods,
-# layout and progress, and its targets twice (their racks for planning, then the sync); its nodes
-# come from the node watch.
-RESYNC_READS = 6
+# A reconcile that finds nothing changed: the job, its pods, layout and progress, and its targets
+# (listed once, for planning and the sync); its nodes come from the node watch.
+RESYNC_READS = 5
 # The bench's nodes never report, so the controller-manager marks each of their pods not ready,
 # rate-limited: a stream of pod updates for minutes, which the operator's pod watch receives
 # (each costs kopf an event; none changes what the operator reads of a pod).

@@ -19,7 +19,7 @@ from __future__ import annotations
 import statistics
 from collections.abc import Iterable, Mapping, Set
 from dataclasses import dataclass, field, replace
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from itertools import groupby
 from typing import Any
 
@@ -306,7 +306,7 @@ class JobPlan:
                       ) -> dict[str, PowerTarget]:
         assert self.spec.power is not None
         nodes = dict.fromkeys((*self.racks[rack], *sorted(parked)), self.spec.gpus_per_node)
-        unused = {gpu for gpu in self._idle() if gpu[0] in nodes}
+        unused = {gpu for gpu in self._idle if gpu[0] in nodes}
         policy = self.spec.power
         if policy.rack_budget_w is not None:
             # Watts beyond every GPU at the boost cap can never be drawn; left in, they would
@@ -319,6 +319,7 @@ class JobPlan:
         except ValueError as exc:  # e.g. a rack budget below its GPUs' minimum limits
             raise SpecError("powerPolicy.rackBudgetWatts", str(exc)) from exc
 
+    @cached_property
     def _idle(self) -> frozenset[GpuId]:
         return self.failed | self.stranded | {gpu for r in self.replicas for gpu in r.idle_gpus()}
 

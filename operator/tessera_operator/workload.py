@@ -24,7 +24,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ntp.generations import Generation, Gpu, Rendezvous, derive_origin
+from ntp.generations import Generation, Gpu, Rendezvous, derive_origin, layout_configmap
+from ntp.progress import progress_configmap as progress_name
 from tessera_operator.planner import JobPlan, JobSpec, Problem
 
 GPU_RESOURCE = "nvidia.com/gpu"
@@ -53,14 +54,6 @@ def _meta(job: Mapping[str, Any], name: str, role: str | None = None) -> dict[st
 def controlled_by(obj: Mapping[str, Any], job: Mapping[str, Any]) -> bool:
     refs = (obj.get("metadata") or {}).get("ownerReferences") or []
     return any(r.get("uid") == job["metadata"]["uid"] and r.get("controller") for r in refs)
-
-
-def layout_name(job: str) -> str:
-    return f"{job}-layout"
-
-
-def progress_name(job: str) -> str:
-    return f"{job}-progress"
 
 
 def identity_name(job: str) -> str:
@@ -220,7 +213,7 @@ def identity(job: Mapping[str, Any]) -> list[dict[str, Any]]:
         {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": _meta(job, name),
          "rules": [
              {"apiGroups": [""], "resources": ["configmaps"],
-              "resourceNames": [layout_name(jobname)], "verbs": ["get", "list", "watch"]},
+              "resourceNames": [layout_configmap(jobname)], "verbs": ["get", "list", "watch"]},
              {"apiGroups": [""], "resources": ["configmaps"],
               "resourceNames": [progress_name(jobname)], "verbs": ["get", "patch"]},
          ]},

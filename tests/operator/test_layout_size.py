@@ -12,7 +12,7 @@ import pytest
 import yaml
 from kubernetes import client
 
-from ntp.generations import Generation, Rendezvous
+from ntp.generations import LAYOUT_KEY, Generation, Rendezvous
 from ntp.plan import ModelShape
 from tessera_operator import conditions, handlers, paths, planner, workload
 
@@ -33,7 +33,7 @@ def _generation(nodes: int) -> Generation:
 
 
 def _size(generation: Generation) -> int:
-    return len(handlers.LAYOUT_KEY) + len(json.dumps(
+    return len(LAYOUT_KEY) + len(json.dumps(
         generation.to_dict(), separators=(",", ":")).encode())
 
 
@@ -53,7 +53,7 @@ def test_the_largest_layout_is_published_and_a_larger_one_reported(
     fits, too_big = _generation(lo), _generation(hi)
     handlers._write_layout(admin_api, job, None, fits)
     stored = client.CoreV1Api(admin_api).read_namespaced_config_map("big-layout", namespace)
-    assert Generation.from_dict(json.loads(stored.data[handlers.LAYOUT_KEY])) == fits
+    assert Generation.from_dict(json.loads(stored.data[LAYOUT_KEY])) == fits
     with pytest.raises(handlers.LayoutBlocked) as blocked:
         handlers._write_layout(admin_api, job, None, too_big)
     assert blocked.value.reason == "LayoutTooLarge" and "more than a ConfigMap holds" in str(
@@ -62,7 +62,7 @@ def test_the_largest_layout_is_published_and_a_larger_one_reported(
     data = json.dumps(too_big.to_dict(), separators=(",", ":"))
     with pytest.raises(client.ApiException) as refused:
         client.CoreV1Api(admin_api).create_namespaced_config_map(
-            namespace, {"metadata": {"name": "sent-anyway"}, "data": {handlers.LAYOUT_KEY: data}})
+            namespace, {"metadata": {"name": "sent-anyway"}, "data": {LAYOUT_KEY: data}})
     assert refused.value.status == 422
 
 

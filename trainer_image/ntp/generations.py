@@ -16,6 +16,15 @@ from ntp.plan import JobLayout, ModelShape, PlanError, plan_job
 
 SCHEMA_VERSION = 1
 KIND = "NTPGeneration"
+LAYOUT_KEY = "generation.json"  # the key of the layout ConfigMap that holds the document
+
+
+def layout_configmap(job: str) -> str:
+    """The name of the ConfigMap that holds `job`'s current generation (the operator writes it,
+    the node agents watch it)."""
+    return f"{job}-layout"
+
+
 MODES: tuple[str, ...] = ("NTP", "NTP-PW", "DROP", "SPARE")
 # How each mode splits the global batch: only NTP-PW gives every replica the same batch (its
 # reduced replicas keep pace through power); the others give replicas samples in proportion to

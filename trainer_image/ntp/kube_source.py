@@ -26,10 +26,9 @@ from typing import Any
 
 from kubernetes import client, config, watch
 
-from ntp.generations import Generation, GenerationError
+from ntp.generations import LAYOUT_KEY, Generation, GenerationError, layout_configmap
 from ntp.progress import NodeReport, progress_configmap, report_key
 
-LAYOUT_KEY = "generation.json"
 # Where a pod finds its own namespace (the service account's projected volume).
 POD_NAMESPACE_FILE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
 log = logging.getLogger(__name__)
@@ -78,11 +77,6 @@ def progress_writer(api: client.ApiClient, namespace: str, job: str
         )
 
     return write
-
-
-def layout_configmap(job: str) -> str:
-    """The name of the ConfigMap that holds `job`'s current generation."""
-    return f"{job}-layout"
 
 
 class KubeGenerationSource:
