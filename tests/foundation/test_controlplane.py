@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+import io
 import json
 import socket
 import subprocess
@@ -10,8 +12,9 @@ import uuid
 
 import pytest
 from kubernetes import client
+from rich.console import Console
 
-from tessera_operator.controlplane import probes, processes
+from tessera_operator.controlplane import cluster, probes, processes, up
 
 pytestmark = pytest.mark.foundation
 
@@ -184,3 +187,16 @@ def test_servers_of_a_killed_test_run_die_with_it(tmp_path):
         for name, pid in pids.items():
             if processes.runs(pid, name):
                 processes.stop_group(pid)
+
+
+def test_nodes_that_fail_to_start_leave_a_running_control_plane_as_it_was(control_plane,
+                                                                          admin_api, tmp_path):
+    """`tessera up` on a control plane already running (the user's objects in it) starts the
+    nodes again; when that fails, the control plane and its data stay."""
+    state = tmp_path / "state"  # no cluster recorded: every node is started again
+    state.mkdir()
+    args = argparse.Namespace(dcgm_generation="3.0", data_dir=state)
+    with pytest.raises(ValueError, match="DCGM exporter generation"):
+        up._reuse(Console(file=io.StringIO()), control_plane, args, cluster.node_specs(1, 1))
+    assert state.is_dir()
+    assert client.CoreV1Api(admin_api).list_namespace(_request_timeout=10).items

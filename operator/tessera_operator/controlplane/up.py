@@ -118,19 +118,22 @@ def main(argv: list[str] | None = None) -> int:
         raise
     console.print(f"[green]CRDs established:[/] {', '.join(names)}")
     # 6. the simulated GPU nodes, discovery and Prometheus
-    return _start_cluster(console, plane, args, specs)
+    return _start_cluster(console, plane, args, specs, started_plane=True)
 
 
 def _start_cluster(console: Console, plane: launcher.ControlPlane, args: argparse.Namespace,
-                   specs: list[cluster.NodeSpec]) -> int:
+                   specs: list[cluster.NodeSpec], *, started_plane: bool) -> int:
+    """Start the nodes and Prometheus; if that fails, a control plane this call started goes
+    with them, one that was running already (the user's objects) is left as it was."""
     started = time.monotonic()
     with console.status(f"starting {len(specs)} simulated GPU nodes and Prometheus"):
         try:
             running = cluster.Cluster.start(plane, specs, dcgm_generation=args.dcgm_generation,
                                             detached=True)
         except BaseException:
-            plane.stop()
-            launcher.remove_state_dir(args.data_dir)
+            if started_plane:
+                plane.stop()
+                launcher.remove_state_dir(args.data_dir)
             raise
         running.save()
     console.print(f"[green]{len(specs)} nodes Ready[/] and Prometheus up in "
@@ -149,4 +152,4 @@ def _reuse(console: Console, plane: launcher.ControlPlane, args: argparse.Namesp
         _announce(console, running)
         return 0
     running.stop()
-    return _start_cluster(console, plane, args, specs)
+    return _start_cluster(console, plane, args, specs, started_plane=False)
