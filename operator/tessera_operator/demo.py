@@ -34,10 +34,10 @@ from rich.console import Console
 from rich.live import Live
 
 from tessera_operator import demo_plot, paths
-from tessera_operator.controlplane import cluster, launcher, processes, up
+from tessera_operator.controlplane import cluster, launcher, probes, processes, up
 from tessera_operator.controlplane.prometheus import Prometheus
-from tessera_operator.demo_view import DRAW, Snapshot, observe, render
-from tessera_operator.workload import GPU_RESOURCE
+from tessera_operator.demo_view import DRAW, GROUP, PLURAL, VERSION, Snapshot, observe, render
+from tessera_operator.workload import GPU_RESOURCE, JOB_LABEL
 
 REPO = paths.repo_root()
 EXAMPLE = REPO / "manifests" / "examples" / "ntpjob-local.yaml"
@@ -198,10 +198,8 @@ def _operator_and_agents_running(api: client.ApiClient) -> bool:
 def _wait(console: Console, what: str, probe: Callable[[], bool], timeout: float) -> None:
     started = time.monotonic()
     with console.status(what):
-        while not probe():
-            if time.monotonic() - started > timeout:
-                raise DemoError(f"{what}: not done in {timeout:.0f} s")
-            time.sleep(REFRESH_S)
+        probes.poll_until(probe, timeout=timeout, interval=REFRESH_S,
+                          error=lambda _: DemoError(f"{what}: not done in {timeout:.0f} s"))
     console.print(f"{what}: done in {time.monotonic() - started:.0f} s")
 
 
@@ -215,7 +213,7 @@ def _job_gone(api: client.ApiClient, namespace: str, job: str) -> bool:
     except ApiException as exc:
         if exc.status != 404:
             raise
-    return not core.list_namespaced_pod(namespace, label_selector=f"tessera.dev/job={job}",
+    return not core.list_namespaced_pod(namespace, label_selector=f"{JOB_LABEL}={job}",
                                         _request_timeout=10).items
 
 
@@ -223,7 +221,7 @@ def _start_over(demo: Demo) -> None:
     """On a reused cluster: the last demo's job deleted, its GPUs given back."""
     try:
         client.CustomObjectsApi(demo.api).get_namespaced_custom_object(
-            "tessera.dev", "v1alpha1", demo.namespace, "ntptrainingjobs", demo.job,
+            GROUP, VERSION, demo.namespace, PLURAL, demo.job,
             _request_timeout=10)
     except ApiException as exc:
         if exc.status != 404:
@@ -243,7 +241,7 @@ def _start_over(demo: Demo) -> None:
 def _healthy(api: client.ApiClient) -> bool:
     """Every node's GPUHealth names no GPU failed, unknown or with a recent XID."""
     items = client.CustomObjectsApi(api).list_cluster_custom_object(
-        "tessera.dev", "v1alpha1", "gpuhealths", _request_timeout=10)["items"]
+        GROUP, VERSION, "gpuhealths", _request_timeout=10)["items"]
     return {i["metadata"]["name"] for i in items} >= set(NODES) and not any(
         (i.get("status") or {}).get(key) for i in items
         for key in ("failedGPUs", "unknownGPUs", "xidGPUs"))

@@ -30,7 +30,9 @@ from tessera_operator.controlplane.prometheus import (
     kubernetes_scrape_configs,
     rule_groups,
 )
+from tessera_operator.simnode.dcgm import GENERATIONS
 from tessera_operator.simnode.faults import node_dir
+from tessera_operator.simnode.node import EXPORTER_PORT, KUBELET_PORT
 
 CLUSTER_FILE = "cluster.json"
 NODE_PREFIX = "gpu-node-"
@@ -39,8 +41,8 @@ DEFAULT_NODES = 2
 DEFAULT_GPUS = 8
 MAX_NODES = 254  # one /24 of 127.B.0.0/16 per node
 # What every node binds on its address: the kubelet endpoint and the DCGM exporter.
-NODE_PORTS = (10250, 9400)
-DCGM_GENERATIONS = ("4.8", "4.9")
+NODE_PORTS = (KUBELET_PORT, EXPORTER_PORT)
+DCGM_GENERATIONS = GENERATIONS
 DISCOVERY_RBAC = paths.repo_root() / "manifests" / "local" / "discovery-rbac.yaml"
 DISCOVERY_USER = "tessera-discovery"
 ALERT_RULES = paths.repo_root() / "manifests" / "monitoring" / "alerts.yaml"

@@ -27,7 +27,7 @@ import urllib3
 from kubernetes.client.exceptions import ApiException
 
 from power_controller.sim_backend import SimBackend
-from tessera_operator.simnode import faults
+from tessera_operator.simnode import dcgm, faults
 from tessera_operator.simnode.containers import unshare_binary
 from tessera_operator.simnode.kube import NodeApi, now_rfc3339
 from tessera_operator.simnode.pods import GpuPool, IpPool, NodeContext, PodWorker
@@ -64,7 +64,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--domain-label", help="label naming the node's NVLink domain")
     p.add_argument("--domain", help="the node's NVLink domain (with --domain-label)")
     p.add_argument("--product", default="NVIDIA-H200", help="nvidia.com/gpu.product label")
-    p.add_argument("--dcgm-generation", default="4.9", choices=("4.8", "4.9"),
+    p.add_argument("--dcgm-generation", default="4.9", choices=dcgm.GENERATIONS,
                    help="dcgm-exporter field names and labels to serve")
     p.add_argument("--kubelet-cert", type=Path, help="serving certificate for IP:10250")
     p.add_argument("--kubelet-key", type=Path, help="its key")
@@ -172,11 +172,7 @@ class Node:
     def _healthy(self) -> set[int]:
         return {gpu.index for gpu in self.gpu_state.snapshot() if gpu.healthy}
 
-    def render_exporter(self) -> Callable[[], str] | None:
-        try:
-            from tessera_operator.simnode import dcgm
-        except ImportError:
-            return None
+    def render_exporter(self) -> Callable[[], str]:
         return lambda: dcgm.render(self.gpu_state.snapshot(), hostname=self.name,
                                    generation=self.args.dcgm_generation)
 

@@ -22,7 +22,7 @@ from typing import Any
 import urllib3
 from kubernetes.client.exceptions import ApiException
 
-from tessera_operator.simnode import podspec
+from tessera_operator.simnode import faults, podspec
 from tessera_operator.simnode.containers import Prober, Process, probe, stop_all
 from tessera_operator.simnode.kube import NodeApi, now_rfc3339
 from tessera_operator.simnode.podspec import NotYetAvailable, PodSpecError
@@ -111,7 +111,7 @@ class NodeContext:
 
     @property
     def gpu_state(self) -> Path:
-        return self.node_dir / "gpus.json"
+        return self.node_dir / faults.GPU_STATE
 
     @property
     def device_dir(self) -> Path:
@@ -389,7 +389,7 @@ class PodWorker:
         container.proc = Process.start(
             run_dir=self.dir / "run" / run, log=self.dir / "logs" / f"{run}.log", argv=argv,
             env=container.env, cwd=spec.get("workingDir") or "/", mounts=self._mounts(spec),
-            devices=[self.node.device_dir / f"nvidia{i}" for i in container.gpus],
+            devices=[faults.device_file(self.node.node_dir, i) for i in container.gpus],
             wake=self._wake)
         container.container_id = self._container_id(container)
         container.state = {"running": {"startedAt": container.proc.started_at}}

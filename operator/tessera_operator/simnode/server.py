@@ -130,12 +130,8 @@ def _healthz(handler: _Handler, _path: str, _query: dict[str, list[str]]) -> Non
     handler._send(HTTPStatus.OK, b"ok")
 
 
-def _metrics(render: Callable[[], str] | None) -> Callable[[_Handler, str,
-                                                          dict[str, list[str]]], None]:
+def _metrics(render: Callable[[], str]) -> Callable[[_Handler, str, dict[str, list[str]]], None]:
     def serve(handler: _Handler, _path: str, _query: dict[str, list[str]]) -> None:
-        if render is None:
-            handler._send(HTTPStatus.SERVICE_UNAVAILABLE, b"exporter not available\n")
-            return
         try:
             page = render()
         except Exception as exc:  # a scrape fails with the reason; the node serves on
@@ -168,8 +164,8 @@ def kubelet_endpoint(address: str, port: int, *, cert: Path, key: Path, client_c
     return _serve(server, "kubelet-endpoint")
 
 
-def exporter_endpoint(address: str, port: int, render: Callable[[], str] | None) -> _Server:
-    """Serve the DCGM exporter's /metrics (503 while no renderer is available)."""
+def exporter_endpoint(address: str, port: int, render: Callable[[], str]) -> _Server:
+    """Serve the DCGM exporter's /metrics, rendered on each scrape."""
     server = _Server((address, port), _Handler)
     server.routes = {"metrics": _metrics(render)}
     return _serve(server, "dcgm-exporter")
