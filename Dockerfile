@@ -6,7 +6,7 @@ ENV PYTHONUNBUFFERED=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=1
 WORKDIR /opt/tessera
 COPY pyproject.toml README.md ./
 COPY operator/ operator/
-COPY power_controller/ power_controller/
+COPY tessera_agents/ tessera_agents/
 COPY trainer_image/ trainer_image/
 COPY crds/ crds/
 RUN pip install -e .
@@ -26,4 +26,4 @@ FROM base AS trainer
 ENV NVIDIA_DRIVER_CAPABILITIES=compute,utility NVIDIA_VISIBLE_DEVICES=all
 USER 65532
 # the pod's node agent: one ntp.train rank per GPU of its node, following the job's generations
-ENTRYPOINT ["python", "-m", "ntp.agent"]
+ENTRYPOINT ["python", "-m", "ntp.nodeagent"]

@@ -8,7 +8,7 @@ STAMP   := $(VENV)/.tessera-installed
 .PHONY: demo test setup deps system controlplane lint
 
 demo: setup
-	$(BIN)/tessera demo
+	$(BIN)/tessera-dev demo
 
 test: setup lint
 	$(BIN)/pytest -p no:cacheprovider
@@ -31,7 +31,7 @@ system:
 
 # TESSERA_BIN_DIR: the control plane's binaries built elsewhere, used as they are.
 controlplane: deps
-	test -n "$$TESSERA_BIN_DIR" || $(BIN)/tessera build-controlplane
+	test -n "$$TESSERA_BIN_DIR" || $(BIN)/tessera-dev build-controlplane
 
 lint: deps
 	$(BIN)/ruff check .

@@ -11,10 +11,11 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 import pytest
 from kubernetes import client
 
-from tessera_operator.controlplane import cluster, crds, launcher, probes
-from tessera_operator.controlplane.prometheus import Prometheus
+from tessera_dev import probes
+from tessera_dev.controlplane import cluster, crds, launcher
+from tessera_dev.controlplane.prometheus import Prometheus
 
-# The session's local cluster: as `tessera up` makes it by default.
+# The session's local cluster: as `tessera-dev up` makes it by default.
 CLUSTER_NODES = cluster.DEFAULT_NODES
 CLUSTER_GPUS = cluster.DEFAULT_GPUS
 
@@ -27,7 +28,8 @@ def control_plane() -> Iterator[launcher.ControlPlane]:
     bins = launcher.prebuilt()
     if bins is None:
         pytest.fail("the control plane is not built: run `make setup` (or "
-                    "`tessera build-controlplane`) first, or set TESSERA_BIN_DIR", pytrace=False)
+                    "`tessera-dev build-controlplane`) first, or set TESSERA_BIN_DIR",
+                    pytrace=False)
     with launcher.ControlPlane.start(bin_dir=bins) as plane:
         yield plane
 
@@ -43,7 +45,7 @@ def tessera_crds(control_plane: launcher.ControlPlane) -> list[str]:
 def local_cluster(control_plane: launcher.ControlPlane,
                   tessera_crds: list[str]) -> Iterator[cluster.Cluster]:
     """Simulated GPU nodes (Ready, running pods), discovery and Prometheus on the session's
-    control plane: what `tessera up` starts."""
+    control plane: what `tessera-dev up` starts."""
     if shutil.which("prometheus") is None:
         pytest.fail("the prometheus binary is not on PATH: run `make setup`", pytrace=False)
     running = cluster.Cluster.start(control_plane,

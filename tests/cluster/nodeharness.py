@@ -17,14 +17,15 @@ from typing import Any
 import pytest
 from kubernetes import client, watch
 
-from tessera_operator.controlplane import kubeconfig, launcher, pki, processes
+from tessera_dev import processes
+from tessera_dev.controlplane import kubeconfig, launcher, pki
 
 WAIT_S = 60.0  # a safety bound for waits on the cluster, never the behaviour under test
 
 
 @dataclass
 class SimNode:
-    """A running `tessera sim-node` and where its state lives."""
+    """A running `tessera-dev sim-node` and where its state lives."""
 
     name: str
     address: str
@@ -39,7 +40,7 @@ class SimNode:
 
 def node_argv(plane: launcher.ControlPlane, root: Path, name: str, address: str,
               gpus: int) -> list[str]:
-    """The command line `tessera up` gives a node, with a certificate for system:node:NAME."""
+    """The command line `tessera-dev up` gives a node, with a certificate for system:node:NAME."""
     keys = plane.keys
     certs = root / "certs"
     certs.mkdir(parents=True, exist_ok=True)
@@ -49,7 +50,7 @@ def node_argv(plane: launcher.ControlPlane, root: Path, name: str, address: str,
         plane.server, keys.ca_cert, kubeconfig.certificate_user(cert, key),
         f"system:node:{name}"))
     serving, serving_key = pki.serving_certificate(keys, certs, "kubelet", (address,))
-    return [sys.executable, "-m", "tessera_operator.cli", "sim-node", "--name", name,
+    return [sys.executable, "-m", "tessera_dev.cli", "sim-node", "--name", name,
             "--dir", str(root / "node"), "--kubeconfig", str(config), "--address", address,
             "--gpus", str(gpus), "--domain-label", "nvidia.com/gpu.clique", "--domain",
             f"test.{name}", "--kubelet-cert", str(serving), "--kubelet-key", str(serving_key),
@@ -57,7 +58,7 @@ def node_argv(plane: launcher.ControlPlane, root: Path, name: str, address: str,
 
 
 def start_node(plane: launcher.ControlPlane, root: Path, gpus: int = 8) -> SimNode:
-    """Start a node on an address of its own (127.1.200-249.1: clear of `tessera up`'s nodes)
+    """Start a node on an address of its own (127.1.200-249.1: clear of `tessera-dev up`'s nodes)
     and wait until the API server says it is Ready."""
     name = f"simnode-{secrets.token_hex(4)}"
     address = f"127.1.{200 + secrets.randbelow(50)}.1"

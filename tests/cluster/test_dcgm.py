@@ -12,8 +12,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from power_controller.sim_backend import SimBackend
-from tessera_operator.simnode.dcgm import render
+from tessera_agents.power.sim_backend import SimBackend
+from tessera_dev.simnode.dcgm import render
 
 pytestmark = pytest.mark.cluster
 

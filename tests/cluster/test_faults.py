@@ -1,5 +1,5 @@
-"""Fault injection on simulated nodes: `tessera fail-gpu` kills what holds the GPU within 1 s and
-fails it as NVML sees it, `restore-gpu` brings it back, `fail-node` kills only the node process,
+"""Fault injection on simulated nodes: `tessera-dev fail-gpu` kills what holds the GPU within 1 s
+and fails it as NVML sees it, `restore-gpu` brings it back, `fail-node` kills only the node process,
 and every mistake gets one line and exit 1 (usage: exit 2)."""
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 from nodeharness import exited_within
 
-from power_controller.devices import GpuLost
-from power_controller.sim_backend import SimBackend
-from tessera_operator import cli
-from tessera_operator.simnode.faults import device_file, node_dir
+from tessera_agents.power.devices import GpuLost
+from tessera_agents.power.sim_backend import SimBackend
+from tessera_dev import cli
+from tessera_dev.simnode.faults import device_file, node_dir
 
 pytestmark = pytest.mark.cluster
 
@@ -196,7 +196,7 @@ def test_missing_or_broken_state_gets_one_line(tmp_path, capsys, state, pid, mes
 
 
 def test_usage_errors_exit_2_through_the_tessera_command(data_dir) -> None:
-    run = [sys.executable, "-m", "tessera_operator.cli"]
+    run = [sys.executable, "-m", "tessera_dev.cli"]
     for argv in (["fail-gpu", NODE], ["fail-gpu", NODE, "two"], ["restore-gpu"], ["fail-node"]):
         done = subprocess.run([*run, *argv, "--data-dir", str(data_dir)], capture_output=True,
                               text=True, timeout=60)

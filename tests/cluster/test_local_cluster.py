@@ -1,6 +1,6 @@
 """The local cluster behaves like a small GPU cluster: the real scheduler places GPU pods on the
 simulated nodes, their processes run with the identity, addresses and GPUs a kubelet gives, the
-shipped DaemonSet runs a power agent per node, faults act as hardware faults, and `tessera down`
+shipped DaemonSet runs a power agent per node, faults act as hardware faults, and `tessera-dev down`
 leaves nothing behind."""
 
 from __future__ import annotations
@@ -16,13 +16,13 @@ from typing import Any
 import pytest
 from kubernetes import client
 
-from power_controller import targets
-from tessera_operator import paths
-from tessera_operator.controlplane import cluster, launcher, probes, processes
+from tessera_contracts import powertarget as targets
+from tessera_dev import paths, probes, processes
+from tessera_dev.controlplane import cluster, launcher
 
 pytestmark = pytest.mark.cluster
 
-TESSERA = (sys.executable, "-m", "tessera_operator.cli")
+TESSERA = (sys.executable, "-m", "tessera_dev.cli")
 # A container that reports what it was given, then holds its first GPU as a CUDA process holds
 # /dev/nvidiaN, until it is killed.
 HOLD_GPU = """
@@ -255,7 +255,7 @@ def _cluster_processes(marker: str) -> list[int]:
 
 
 def test_up_then_down_leaves_no_process_and_a_killed_node_goes_not_ready(tmp_path):
-    """`tessera up` as a user runs it, in a state dir of its own; one node is failed, then
+    """`tessera-dev up` as a user runs it, in a state dir of its own; one node is failed, then
     everything is stopped and the processes that carried the state dir are counted."""
     env = {**os.environ, "TESSERA_STATE_DIR": str(tmp_path)}
     up = subprocess.run([*TESSERA, "up", "--nodes", "2", "--gpus-per-node", "2"], env=env,

@@ -23,9 +23,10 @@ from nodeharness import (
     wait_pod,
 )
 
-from power_controller.sim_backend import SimBackend
-from tessera_operator.controlplane import launcher, probes
-from tessera_operator.simnode import dcgm
+from tessera_agents.power.sim_backend import SimBackend
+from tessera_dev import probes
+from tessera_dev.controlplane import launcher
+from tessera_dev.simnode import dcgm
 
 pytestmark = pytest.mark.cluster
 
@@ -135,7 +136,7 @@ def test_pod_processes_die_with_the_node(control_plane: launcher.ControlPlane,
             stream.close()
         assert len(pids) == 2
         assert all(Path(f"/proc/{p}").exists() for p in pids)
-        node.proc.send_signal(signal.SIGKILL)  # what `tessera fail-node` does
+        node.proc.send_signal(signal.SIGKILL)  # what `tessera-dev fail-node` does
         node.proc.wait()
         # the kernel ends the container's PID namespace with the node, grandchildren included
         assert all(exited_within(pid, 10) for pid in pids)

@@ -32,8 +32,8 @@ from nodeharness import (
     wait_pod_gone,
 )
 
-from tessera_operator.controlplane import launcher, pki
-from tessera_operator.simnode.server import kubelet_endpoint
+from tessera_dev.controlplane import launcher, pki
+from tessera_dev.simnode.server import kubelet_endpoint
 
 pytestmark = pytest.mark.cluster
 

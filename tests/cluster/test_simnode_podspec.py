@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from tessera_operator.simnode import images, podspec
-from tessera_operator.simnode.podspec import NotYetAvailable, Outcome, PodSpecError
+from tessera_dev.simnode import images, podspec
+from tessera_dev.simnode.podspec import NotYetAvailable, Outcome, PodSpecError
 
 pytestmark = pytest.mark.cluster
 

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from tessera_operator.simnode.podspec import NotYetAvailable, PodSpecError
-from tessera_operator.simnode.volumes import TOKEN_REFRESH_FRACTION, PodVolumes
+from tessera_dev.simnode.podspec import NotYetAvailable, PodSpecError
+from tessera_dev.simnode.volumes import TOKEN_REFRESH_FRACTION, PodVolumes
 
 pytestmark = pytest.mark.cluster
 

@@ -2,7 +2,7 @@
 
 Tessera installed from the shipped manifests (local overlay) on a cluster of its own; the
 example job applied with kubectl; then a GPU cordoned with `tessera cordon-gpu`, another failed
-with `tessera fail-gpu` (its rank is killed, as a GPU falling off the bus kills its process),
+with `tessera-dev fail-gpu` (its rank is killed, as a GPU falling off the bus kills its process),
 the cordon lifted. Asserted: the trainer pods train; each change reaches the ranks as a new
 generation and the healthy replica's processes carry on (no new process on its node except
 on a returned GPU); the job succeeds with every step done once, and its losses equal a
@@ -31,12 +31,13 @@ import torch.distributed as dist
 import yaml
 from kubernetes import client
 
-from ntp.generations import Generation, Gpu, Rendezvous
 from ntp.launch import launch_local
-from power_controller.sim_backend import SimGpuSpec
-from power_controller.targets import parse_object
-from tessera_operator import paths, planner
-from tessera_operator.controlplane import cluster, launcher, probes
+from tessera_agents.power.sim_backend import SimGpuSpec
+from tessera_contracts.generation import Generation, Gpu, Rendezvous
+from tessera_contracts.powertarget import parse_object
+from tessera_dev import paths, probes
+from tessera_dev.controlplane import cluster, launcher
+from tessera_operator import planner
 
 pytestmark = pytest.mark.e2e
 
@@ -52,6 +53,7 @@ MIN_WATTS = SimGpuSpec().min_w  # the simulated nodes' GPUs
 PHASE_S = 180.0
 # The console script of this environment, as a user on its PATH runs it.
 TESSERA = str(Path(sys.executable).parent / "tessera")
+TESSERA_DEV = str(Path(sys.executable).parent / "tessera-dev")
 T = TypeVar("T")
 
 
@@ -80,8 +82,8 @@ class Flow:
                         str(self.plane.kubeconfig))
 
     def fault(self, command: str, node: str, gpu: int, *more: str) -> str:
-        """`tessera fail-gpu` or `restore-gpu` on this cluster's simulated node."""
-        return self.run(TESSERA, command, node, str(gpu), *more, "--data-dir",
+        """`tessera-dev fail-gpu` or `restore-gpu` on this cluster's simulated node."""
+        return self.run(TESSERA_DEV, command, node, str(gpu), *more, "--data-dir",
                         str(self.plane.data_dir))
 
     def status(self) -> dict[str, Any]:
@@ -165,7 +167,8 @@ def _switched(flow: Flow, pod: str, generation: int, since: float) -> tuple[floa
 def _received_at(flow: Flow, pod: str, generation: int) -> float:
     """When the pod's agent saw `generation` in the layout ConfigMap (its log line's time)."""
     line = next(line for line in flow.logs(pod)
-                if "ntp.kube_source" in line and line.endswith(f": generation {generation}"))
+                if "ntp.nodeagent.kube_source" in line
+                and line.endswith(f": generation {generation}"))
     # logging's asctime is local time, as a naive datetime's timestamp() reads it
     return datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
 

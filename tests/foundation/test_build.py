@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from tessera_operator.controlplane import build
+from tessera_dev.controlplane import build
 
 pytestmark = pytest.mark.foundation
 

@@ -8,34 +8,59 @@ import signal
 import subprocess
 import sys
 from collections.abc import Iterator
+from importlib import metadata
 from pathlib import Path
 
 import pytest
 
-from tessera_operator.controlplane import crds, launcher, processes
+from tessera_dev import processes
+from tessera_dev.controlplane import crds, launcher
 
 pytestmark = pytest.mark.foundation
 
-TESSERA = Path(sys.executable).parent / "tessera"
+BIN = Path(sys.executable).parent
+TESSERA, TESSERA_DEV = BIN / "tessera", BIN / "tessera-dev"
 
 
-def tessera(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([str(TESSERA), *args], capture_output=True, text=True, timeout=300,
+def run(command: Path, *args: str, env: dict[str, str] | None = None
+        ) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([str(command), *args], capture_output=True, text=True, timeout=300,
                           env=env)
 
 
-def test_help_lists_the_subcommands():
-    shown = tessera("--help")
+def tessera(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """The development command (`tessera-dev`), which most of these tests drive."""
+    return run(TESSERA_DEV, *args, env=env)
+
+
+@pytest.mark.parametrize(("command", "listed", "absent"), [
+    (TESSERA, ("operator", "power-agent", "health-agent", "cordon-gpu", "uncordon-gpu"),
+     ("up", "demo", "simulate", "bench")),
+    (TESSERA_DEV, ("build-controlplane", "up", "down", "sim-node", "fail-gpu", "restore-gpu",
+                   "fail-node", "demo", "simulate", "bench"), ("operator", "cordon-gpu")),
+])
+def test_each_command_lists_its_own_subcommands(command, listed, absent):
+    """Production verbs on `tessera`, the local cluster's and the benches' on `tessera-dev`."""
+    shown = run(command, "--help")
     assert shown.returncode == 0, shown.stderr
-    for command in ("up", "down", "demo", "operator", "cordon-gpu", "uncordon-gpu",
-                    "power-agent", "simulate", "bench"):
-        assert re.search(rf"^\s+{command}\s", shown.stdout, re.M), command
+    for name in listed:
+        assert re.search(rf"^\s+{name}\s", shown.stdout, re.M), name
+    for name in absent:
+        assert not re.search(rf"^\s+{name}\s", shown.stdout, re.M), name
 
 
-def test_unknown_subcommand_fails_with_usage():
-    shown = tessera("frobnicate")
+@pytest.mark.parametrize("command", [TESSERA, TESSERA_DEV])
+def test_version_is_the_installed_distribution(command):
+    shown = run(command, "--version")
+    assert shown.returncode == 0, shown.stderr
+    assert shown.stdout.strip() == f"{command.name} {metadata.version('tessera')}"
+
+
+@pytest.mark.parametrize("command", [TESSERA, TESSERA_DEV])
+def test_unknown_subcommand_fails_with_usage(command):
+    shown = run(command, "frobnicate")
     assert shown.returncode == 2
-    assert "unknown command 'frobnicate'" in shown.stderr
+    assert "unknown command 'frobnicate'" in shown.stderr and "usage:" in shown.stderr
 
 
 def test_bench_names_its_benchmarks_and_refuses_unknown_ones():
@@ -48,7 +73,7 @@ def test_bench_names_its_benchmarks_and_refuses_unknown_ones():
 
 @pytest.fixture
 def state_env(tmp_path) -> Iterator[dict[str, str]]:
-    """An environment whose `tessera up` state lives in tmp_path; `down` runs whatever happens."""
+    """An environment whose `tessera-dev up` state lives in tmp_path; `down` runs at the end."""
     env = dict(os.environ, TESSERA_STATE_DIR=str(tmp_path))
     yield env
     tessera("down", env=env)
@@ -85,7 +110,7 @@ def test_up_is_idempotent_and_down_stops_everything(state_env, tmp_path):
 
     # and one that answers again within the wait is reused as it is
     os.kill(pids["kube-apiserver"], signal.SIGSTOP)
-    slow = subprocess.Popen([str(TESSERA), "up"], env=state_env, stdout=subprocess.PIPE,
+    slow = subprocess.Popen([str(TESSERA_DEV), "up"], env=state_env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     said = []
     for line in slow.stderr:  # resumed only once `up` says it is waiting for the server

@@ -14,7 +14,8 @@ import pytest
 from kubernetes import client
 from rich.console import Console
 
-from tessera_operator.controlplane import cluster, probes, processes, up
+from tessera_dev import probes, processes
+from tessera_dev.controlplane import cluster, up
 
 pytestmark = pytest.mark.foundation
 
@@ -159,7 +160,7 @@ def test_a_port_taken_after_it_was_chosen_is_retried_with_fresh_ports(tmp_path):
 KEEP_SERVERS = """
 import json, sys, time
 from pathlib import Path
-from tessera_operator.controlplane import launcher, prometheus
+from tessera_dev.controlplane import launcher, prometheus
 root = Path(sys.argv[1])
 plane = launcher.ControlPlane.start(root / "cp", launcher.prebuilt())
 prom = prometheus.Prometheus.start({}, root / "prom")
@@ -191,7 +192,7 @@ def test_servers_of_a_killed_test_run_die_with_it(tmp_path):
 
 def test_nodes_that_fail_to_start_leave_a_running_control_plane_as_it_was(control_plane,
                                                                           admin_api, tmp_path):
-    """`tessera up` on a control plane already running (the user's objects in it) starts the
+    """`tessera-dev up` on a control plane already running (the user's objects in it) starts the
     nodes again; when that fails, the control plane and its data stay."""
     state = tmp_path / "state"  # no cluster recorded: every node is started again
     state.mkdir()

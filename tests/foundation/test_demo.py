@@ -1,4 +1,4 @@
-"""The README's first command: `tessera demo --yes` runs end to end on a cluster of its own, and
+"""The README's first command: `tessera-dev demo --yes` runs end to end on a cluster of its own, and
 what it shows the user holds: the figure and its data, the job reconfigured, queries that
 answer, a cluster that outlives it."""
 
@@ -17,7 +17,7 @@ import pytest
 
 pytestmark = pytest.mark.foundation
 
-TESSERA = Path(sys.executable).with_name("tessera")
+TESSERA = Path(sys.executable).with_name("tessera-dev")
 JOB = "tiny-llama"
 BASE_WATTS, BUDGET_WATTS = 500, 2200  # manifests/examples/ntpjob-local.yaml
 

@@ -12,7 +12,7 @@ import pytest
 import yaml
 from kubernetes import client
 
-from tessera_operator import paths
+from tessera_dev import paths
 
 pytestmark = pytest.mark.foundation
 

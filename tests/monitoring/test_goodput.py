@@ -9,7 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ntp.goodput import BADPUT_CATEGORIES, LOST_PROGRESS, Account, Ledger, Phase
+from tessera_contracts.vocabulary import BADPUT_CATEGORIES, LOST_PROGRESS, Phase
+from tessera_core.goodput import Account, Ledger
 
 pytestmark = pytest.mark.monitoring
 

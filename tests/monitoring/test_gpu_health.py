@@ -10,18 +10,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
-from power_controller.gpu_health import (
+from tessera_agents.health.dcgm import (
     FAMILIES,
     MAX_PAGE_BYTES,
     FlapDamper,
-    NodeHealth,
-    State,
     assess,
     classify,
     read_page,
 )
-from power_controller.sim_backend import SimBackend
-from tessera_operator.simnode.dcgm import GENERATIONS, render
+from tessera_agents.power.sim_backend import SimBackend
+from tessera_contracts.gpuhealth import NodeHealth, State
+from tessera_dev.simnode.dcgm import GENERATIONS, render
 
 pytestmark = pytest.mark.monitoring
 

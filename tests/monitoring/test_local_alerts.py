@@ -1,6 +1,6 @@
 """The local cluster's Prometheus evaluates Tessera's shipped alert rules: the groups of
 manifests/monitoring/alerts.yaml are loaded and healthy, and a GPU failed as hardware fails
-(`tessera fail-gpu`) fires TesseraGPULost until it is restored. Pods scraped through their
+(`tessera-dev fail-gpu`) fires TesseraGPULost until it is restored. Pods scraped through their
 annotations keep their exporter's own `node` label."""
 
 from __future__ import annotations
@@ -12,18 +12,19 @@ import time
 import pytest
 from kubernetes import client
 
-from tessera_operator.controlplane import cluster, probes
-from tessera_operator.controlplane.prometheus import Alert, Prometheus, rule_groups
+from tessera_dev import probes
+from tessera_dev.controlplane import cluster
+from tessera_dev.controlplane.prometheus import Alert, Prometheus, rule_groups
 
 pytestmark = [pytest.mark.monitoring, pytest.mark.cluster]
 
-TESSERA = (sys.executable, "-m", "tessera_operator.cli")
+TESSERA = (sys.executable, "-m", "tessera_dev.cli")
 # The trainer's own exporter with the labels the node agent gives it, at the port its pod's
 # annotations name.
 EXPORTER = """
 import os, time
-from ntp.goodput import Ledger
-from ntp.metrics import serve
+from tessera_core.goodput import Ledger
+from ntp.nodeagent.metrics import serve
 serve(Ledger(time.monotonic), os.environ["POD_IP"], 9300,
       {"ntpjob": "probe", "node": os.environ["NODE_NAME"]})
 time.sleep(3600)

@@ -16,15 +16,16 @@ import yaml
 from prometheus_client import start_http_server
 from prometheus_client.registry import CollectorRegistry
 
-from ntp.goodput import Ledger, Phase
-from ntp.metrics import serve
-from power_controller.metrics import AgentCollector, GpuStatus, NodeStatus
-from power_controller.sim_backend import SimBackend
+from ntp.nodeagent.metrics import serve
+from tessera_agents.power.metrics import AgentCollector, GpuStatus, NodeStatus
+from tessera_agents.power.sim_backend import SimBackend
+from tessera_contracts.vocabulary import Phase
+from tessera_core.goodput import Ledger
+from tessera_dev.controlplane.prometheus import Prometheus
+from tessera_dev.controlplane.prometheus import rule_groups as prometheus_rule_groups
+from tessera_dev.simnode.dcgm import render
+from tessera_dev.simnode.server import exporter_endpoint
 from tessera_operator import workload
-from tessera_operator.controlplane.prometheus import Prometheus
-from tessera_operator.controlplane.prometheus import rule_groups as prometheus_rule_groups
-from tessera_operator.simnode.dcgm import render
-from tessera_operator.simnode.server import exporter_endpoint
 
 pytestmark = pytest.mark.monitoring
 

@@ -7,9 +7,10 @@ from collections.abc import Iterator
 
 import pytest
 
-from ntp.goodput import Ledger, Phase
-from ntp.metrics import serve
-from tessera_operator.controlplane.prometheus import Prometheus
+from ntp.nodeagent.metrics import serve
+from tessera_contracts.vocabulary import Phase
+from tessera_core.goodput import Ledger
+from tessera_dev.controlplane.prometheus import Prometheus
 
 pytestmark = pytest.mark.monitoring
 

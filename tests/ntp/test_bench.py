@@ -1,4 +1,4 @@
-"""`tessera bench ntp` runs both layouts through the trainer and prints its ratios."""
+"""`tessera-dev bench ntp` runs both layouts through the trainer and prints its ratios."""
 
 from __future__ import annotations
 

@@ -7,8 +7,8 @@ import torch
 
 from ntp.grad_sync import DEFAULT_BUCKET_ELEMENTS, bucket_parameters
 from ntp.model import FLAVORS, Transformer
-from ntp.plan import plan_job
 from ntp.sharding import shard_tensor, spec_of
+from tessera_core.plan import plan_job
 
 
 def bucket_names_per_rank(

@@ -9,7 +9,7 @@ import torch
 
 from ntp.checkpoint import MOMENTS, load_checkpoint
 from ntp.model import FLAVORS, build_model
-from ntp.plan import plan_replica
+from tessera_core.plan import plan_replica
 
 ARGS = FLAVORS["debug"]
 SHAPE = ARGS.shape()

@@ -16,7 +16,7 @@ from ntp.distributed import (
     process_key,
     report_death,
 )
-from ntp.generations import Rendezvous
+from tessera_contracts.generation import Rendezvous
 
 # Messages as gloo 2.x and NCCL word them (captured from real runs).
 PEER_LOST = [

@@ -9,7 +9,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ntp.generations import (
+from ntp.model import FLAVORS
+from ntp.sources import assignment
+from tessera_contracts.generation import (
     Generation,
     GenerationError,
     Gpu,
@@ -17,9 +19,7 @@ from ntp.generations import (
     derive_origin,
     next_generation,
 )
-from ntp.model import FLAVORS
-from ntp.plan import plan_job
-from ntp.sources import assignment
+from tessera_core.plan import generation_layout, plan_job
 
 SHAPE = FLAVORS["debug"].shape()  # 12 query heads, 4 KV heads
 STORE = Rendezvous("10.0.0.5", 29500)
@@ -53,7 +53,7 @@ def test_the_document_round_trips_through_json_in_the_crds_words():
 
 def test_the_trainer_runs_the_layout_the_planner_gives_for_the_documents_degrees():
     # NTP splits the batch by TP degree, NTP-PW evenly: the trainer plans the same units
-    # as ntp.plan does for those degrees, so no unit list travels in the document.
+    # as tessera_core.plan does for those degrees, so no unit list travels in the document.
     replicas = (gpus("a", 4), gpus("b", 3))
     for mode, rule in (("NTP", "ntp"), ("NTP-PW", "ntp-pw"), ("DROP", "ntp"), ("SPARE", "ntp")):
         gen = Generation(1, SHAPE, 14, mode, replicas, STORE)
@@ -97,7 +97,7 @@ def test_a_bad_document_names_its_field(change, field):
 def test_a_degree_the_model_cannot_take_is_refused_when_planned():
     gen = first_generation(gpus("a", 13))  # 12 query heads: a 13th rank would hold none
     with pytest.raises(GenerationError) as err:
-        gen.layout()
+        generation_layout(gen)
     assert err.value.field == "replicas"
 
 

@@ -1,5 +1,5 @@
-"""A node's goodput from its ranks' JSON lines (`ntp.agent.NodeProgress`), on a fake clock:
-each step counts once however many ranks report it, the step's own time is training and the
+"""A node's goodput from its ranks' JSON lines (`ntp.nodeagent.agent.NodeProgress`), on a fake
+clock: each step counts once however many ranks report it, the step's own time is training and the
 time before it the phase the node was in, and productive + badput equals wall time throughout.
 Also the ledger events this needs: `at` (an event learned after the fact) and `joined`."""
 
@@ -11,11 +11,12 @@ from fractions import Fraction
 
 import pytest
 
-from ntp.agent import NodeProgress, Reporter
-from ntp.generations import Generation, Gpu, Rendezvous, next_generation
-from ntp.goodput import Ledger, Phase
 from ntp.model import FLAVORS
-from ntp.progress import NodeReport, State
+from ntp.nodeagent.agent import NodeProgress, Reporter
+from tessera_contracts.generation import Generation, Gpu, Rendezvous, next_generation
+from tessera_contracts.progress import NodeReport, State
+from tessera_contracts.vocabulary import Phase
+from tessera_core.goodput import Ledger
 
 NODE = "gpu-node-0"
 STEPS = 6
@@ -188,7 +189,7 @@ def test_a_report_is_due_on_a_change_and_otherwise_every_period():
 
 
 def test_a_failing_write_is_logged_once_and_the_next_report_retries(caplog):
-    caplog.set_level(logging.INFO, logger="ntp.agent")
+    caplog.set_level(logging.INFO, logger="ntp.nodeagent.agent")
     clock = Clock()
     progress = NodeProgress(NODE, STEPS, clock)
     tries: list[NodeReport] = []
@@ -211,7 +212,7 @@ def test_a_failing_write_is_logged_once_and_the_next_report_retries(caplog):
     reporter.close()  # the final report, written from this thread
     assert [(r.state, r.step) for r in tries] == [
         (State.STARTING, 0), (State.STARTING, 0), (State.TRAINING, 1)]
-    messages = [r.getMessage() for r in caplog.records if r.name == "ntp.agent"]
+    messages = [r.getMessage() for r in caplog.records if r.name == "ntp.nodeagent.agent"]
     assert messages == [
         "gpu-node-0: progress report not written (ConnectionError: API server unreachable); "
         "retrying with the next", "gpu-node-0: progress report written again"]

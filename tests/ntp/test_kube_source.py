@@ -17,13 +17,25 @@ import test_node_agent as node_agent
 from kubernetes import client
 from kubernetes import utils as kube_utils
 
-from ntp.generations import Generation, Gpu, Rendezvous, next_generation
-from ntp.kube_source import LAYOUT_KEY, KubeGenerationSource, layout_configmap, progress_writer
 from ntp.model import FLAVORS
-from ntp.progress import NodeReport, State, progress_configmap, read_reports, report_key
+from ntp.nodeagent.kube_source import (
+    LAYOUT_KEY,
+    KubeGenerationSource,
+    layout_configmap,
+    progress_writer,
+)
+from tessera_contracts.generation import Generation, Gpu, Rendezvous, next_generation
+from tessera_contracts.progress import (
+    NodeReport,
+    State,
+    progress_configmap,
+    read_reports,
+    report_key,
+)
+from tessera_dev import probes
+from tessera_dev.controlplane import kubeconfig
+from tessera_dev.simnode.faults import holders
 from tessera_operator import workload
-from tessera_operator.controlplane import kubeconfig, probes
-from tessera_operator.simnode.faults import holders
 
 pytestmark = pytest.mark.foundation
 
@@ -93,7 +105,7 @@ def wait_logged(caplog: pytest.LogCaptureFixture, text: str, count: int = 1) -> 
 def test_the_watch_sees_each_generation_and_skips_malformed_ones(
     trainer_api, admin_api, namespace, caplog
 ):
-    caplog.set_level(logging.DEBUG, logger="ntp.kube_source")
+    caplog.set_level(logging.DEBUG, logger="ntp.nodeagent.kube_source")
     admin = client.CoreV1Api(admin_api)
     # The server ends each watch after a second, so the source lists again many times here.
     source = KubeGenerationSource(trainer_api, namespace, JOB, watch_s=1).start()
@@ -167,7 +179,7 @@ def test_each_node_writes_its_own_key_of_the_progress_configmap(trainer_api, adm
 
 
 def test_an_unreachable_api_is_logged_and_retried(caplog):
-    caplog.set_level(logging.INFO, logger="ntp.kube_source")
+    caplog.set_level(logging.INFO, logger="ntp.nodeagent.kube_source")
     config = client.Configuration()
     config.host = "https://127.0.0.1:1"  # nothing listens on port 1
     with client.ApiClient(config) as api:
@@ -192,7 +204,7 @@ def test_an_agent_trains_from_the_configmap_and_its_ranks_die_with_it(
     (devices / "nvidia0").touch()
     log = tmp_path / "agent.log"
     agent = node_agent.spawn(
-        [sys.executable, "-m", "ntp.agent", "--node", "gpu-node-0", "--steps", "100000",
+        [sys.executable, "-m", "ntp.nodeagent", "--node", "gpu-node-0", "--steps", "100000",
          "--job", JOB, "--namespace", namespace, "--work-dir", str(tmp_path / "work"),
          "--metrics-port", "0"],
         log,

@@ -26,15 +26,15 @@ import pytest
 import torch.distributed as dist
 from prometheus_client.parser import text_string_to_metric_families
 
-from ntp.agent import AgentError, Devices, DirectorySource, NodeAgent, parse_args
 from ntp.distributed import end_generation
-from ntp.generations import Generation, Gpu, Rendezvous, next_generation
 from ntp.launch import launch_local
 from ntp.model import FLAVORS
-from ntp.progress import NodeReport, Phase, State, summarize
-from tessera_operator.controlplane import probes
-from tessera_operator.controlplane.processes import parent_death_signal
-from tessera_operator.simnode.faults import holders, kill_holders
+from ntp.nodeagent.agent import AgentError, Devices, DirectorySource, NodeAgent, parse_args
+from tessera_contracts.generation import Generation, Gpu, Rendezvous, next_generation
+from tessera_contracts.progress import NodeReport, Phase, State, summarize
+from tessera_dev import probes
+from tessera_dev.processes import parent_death_signal
+from tessera_dev.simnode.faults import holders, kill_holders
 
 pytestmark = pytest.mark.parity
 
@@ -139,7 +139,7 @@ class Job:
         # Global rank 0 runs on gpu-node-0, so its step lines are in that agent's log.
         logs = {node: tmp / f"agent-{node}.log" for node in NODES}
         agents = {node: spawn(
-            [sys.executable, "-m", "ntp.agent", "--node", node, "--steps", str(STEPS),
+            [sys.executable, "-m", "ntp.nodeagent", "--node", node, "--steps", str(STEPS),
              "--generations", str(tmp / "generations"), "--work-dir", str(tmp / "work" / node),
              "--metrics-port", "0",
              "--", "--out", str(tmp / "out"), "--reconfigure-timeout", str(PHASE_S)],
@@ -408,7 +408,7 @@ def test_an_agents_metrics_and_report_agree_with_what_its_ranks_did(tmp_path, re
         (devices / f"nvidia{i}").touch()
     log = tmp_path / "agent.log"
     agent = spawn(
-        [sys.executable, "-m", "ntp.agent", "--node", NODES[0], "--steps", str(steps),
+        [sys.executable, "-m", "ntp.nodeagent", "--node", NODES[0], "--steps", str(steps),
          "--generations", str(generations), "--work-dir", str(tmp_path / "work"),
          "--metrics-port", str(port), "--", "--out", str(tmp_path / "out"),
          "--save", str(tmp_path / "checkpoint.pt"), "--save-every", "2"],

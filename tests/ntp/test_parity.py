@@ -25,7 +25,7 @@ from adam_bound import adamw_state_bounds
 from ntp.data import split_inputs, synthetic_batch
 from ntp.launch import launch_local
 from ntp.model import FLAVORS, ModelArgs, Transformer, build_model, cross_entropy_loss
-from ntp.plan import JobLayout, RankShard, layout_from_shards, plan_job
+from tessera_core.plan import JobLayout, RankShard, layout_from_shards, plan_job
 
 pytestmark = pytest.mark.parity
 

@@ -6,12 +6,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ntp.plan import (
+from tessera_contracts.model_shape import ModelShape, PlanError
+from tessera_core.plan import (
     ASSIGNED_KINDS,
     UNIT_KINDS,
     JobLayout,
-    ModelShape,
-    PlanError,
     RankShard,
     bucket_groups,
     imbalance,

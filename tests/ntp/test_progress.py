@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ntp.agent import RECENT_STEPS, NodeProgress
-from ntp.progress import (
+from ntp.nodeagent.agent import RECENT_STEPS, NodeProgress
+from tessera_contracts.progress import (
     JobProgress,
     NodeReport,
     Phase,

@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from ntp.generations import Generation, Gpu, Rendezvous, next_generation
 from ntp.launch import LaunchReport, launch_local
 from ntp.model import FLAVORS
 from ntp.train import parse_args
+from tessera_contracts.generation import Generation, Gpu, Rendezvous, next_generation
 
 pytestmark = pytest.mark.parity
 

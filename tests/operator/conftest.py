@@ -14,8 +14,8 @@ import yaml
 from kubernetes import client
 from opharness import MANIFESTS, OPERATOR_SA, SYSTEM_NS, RunningOperator, apply_manifests
 
-from tessera_operator import paths
-from tessera_operator.controlplane import launcher, processes
+from tessera_dev import paths, processes
+from tessera_dev.controlplane import launcher
 
 GRACE_S = yaml.safe_load((paths.repo_root() / "manifests/operator/deployment.yaml").read_text())[
     "spec"]["template"]["spec"]["terminationGracePeriodSeconds"]

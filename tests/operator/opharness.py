@@ -12,8 +12,8 @@ from typing import Any, TypeVar
 import pytest
 from kubernetes import client
 
-from tessera_operator import paths, simnodes
-from tessera_operator.controlplane import manifests, probes, processes
+from tessera_dev import paths, probes, processes, simnodes
+from tessera_dev.controlplane import manifests
 from tessera_operator.handlers import RESYNC_INTERVAL_S
 
 ROOT = paths.repo_root()

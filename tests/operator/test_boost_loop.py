@@ -16,13 +16,15 @@ import yaml
 from kubernetes import client
 from opharness import ROOT, RunningOperator
 
-from ntp.plan import ModelShape
-from ntp.progress import NodeReport, State, progress_configmap, report_key
-from power_controller import channel
-from power_controller.perf_model import PAPER
-from power_controller.planning import PowerPolicy
-from tessera_operator import conditions, planner, simnodes
+from tessera_contracts.model_shape import ModelShape
+from tessera_contracts.progress import NodeReport, State, progress_configmap, report_key
+from tessera_contracts.vocabulary import FailurePolicy
+from tessera_core import group_decision
+from tessera_core.perf_model import PAPER
+from tessera_dev import simnodes
+from tessera_operator import conditions, power_targets
 from tessera_operator.planner import SETTLE_STEPS, Boost, JobPlan, JobSpec, follow_compute, plan
+from tessera_operator.power_planning import PowerPolicy
 
 LLAMA_8B = ModelShape(hidden=4096, n_heads=32, n_kv_heads=8, ffn=14336, vocab=128256)
 HEALTHY_S = 2.0  # a healthy replica's compute seconds per step
@@ -30,7 +32,7 @@ HEALTHY_S = 2.0  # a healthy replica's compute seconds per step
 
 def _plan(budget: int | None = 5600, failed: frozenset = frozenset({("a", 3)})) -> JobPlan:
     """Two HGX nodes, one replica each: a's at TP 7 (GPU 3 failed), b's healthy."""
-    spec = JobSpec(shape=LLAMA_8B, tp=8, dp=2, min_tp=6, mode="NTP-PW",
+    spec = JobSpec(shape=LLAMA_8B, tp=8, dp=2, min_tp=6, mode=FailurePolicy.NTP_PW,
                    power=PowerPolicy(base_w=500, boost_cap_w=700, rack_budget_w=budget))
     return plan(spec, {"a": "a", "b": "b"}, failed)
 
@@ -73,7 +75,7 @@ def _run_loop(p: JobPlan, slowdown: float, start: Boost, rounds: int) -> list[fl
 
 def test_the_loop_raises_an_underpowered_replica_until_it_keeps_pace() -> None:
     p = _plan()
-    slowdown = planner.planned_slowdown(LLAMA_8B, 8, 7)
+    slowdown = group_decision.planned_slowdown(LLAMA_8B, 8, 7)
     ratios = _run_loop(p, slowdown, Boost(1.0, 0), rounds=12)
     assert ratios == sorted(ratios)  # it only raises on the way up
     assert all(b - a <= 0.05 + 1e-9 for a, b in zip([1.0, *ratios], ratios, strict=False))
@@ -137,7 +139,7 @@ def test_healthy_replicas_and_other_modes_are_left_alone() -> None:
     p = _plan()
     followed = follow_compute(p, _reports(SETTLE_STEPS, HEALTHY_S * 1.2), {})
     assert followed.replicas[1] == p.replicas[1]
-    ntp = replace(p, spec=replace(p.spec, mode="NTP"))
+    ntp = replace(p, spec=replace(p.spec, mode=FailurePolicy.NTP))
     assert follow_compute(ntp, _reports(SETTLE_STEPS, HEALTHY_S * 1.2), {}) is ntp
 
 
@@ -166,7 +168,7 @@ EXAMPLE = yaml.safe_load((ROOT / "manifests/examples/ntpjob-small.yaml").read_te
 
 
 def _watts(op: RunningOperator, node: str) -> set[int]:
-    obj = channel.fetch(op.admin, node)
+    obj = power_targets.fetch(op.admin, node)
     if obj is None:
         return set()
     spec = obj["spec"]

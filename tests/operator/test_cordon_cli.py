@@ -8,9 +8,9 @@ import uuid
 import pytest
 from kubernetes import client
 
-from tessera_operator import cordon, uncordon
-from tessera_operator.controlplane import launcher
-from tessera_operator.health import CORDON_ANNOTATION
+from tessera_cli import cordon, uncordon
+from tessera_contracts.api import CORDON_ANNOTATION
+from tessera_dev.controlplane import launcher
 
 pytestmark = pytest.mark.operator
 

@@ -5,15 +5,17 @@ from __future__ import annotations
 
 import pytest
 
-from ntp.plan import ModelShape
-from power_controller.planning import PowerPolicy
+from tessera_contracts import api, cordon
+from tessera_contracts.model_shape import ModelShape
+from tessera_contracts.vocabulary import FailurePolicy
 from tessera_operator import conditions, health, planner
+from tessera_operator.power_planning import PowerPolicy
 
 pytestmark = pytest.mark.operator
 
 
 def _node(name: str, cordoned: str | None = None) -> dict:
-    annotations = {} if cordoned is None else {health.CORDON_ANNOTATION: cordoned}
+    annotations = {} if cordoned is None else {api.CORDON_ANNOTATION: cordoned}
     return {"metadata": {"name": name, "annotations": annotations}}
 
 
@@ -29,29 +31,29 @@ def _node(name: str, cordoned: str | None = None) -> dict:
     ("\u0663", set(), 1),  # an Arabic-Indic 3 is a digit to Python, not to the annotation
 ])
 def test_parse_indices(value: str, indices: set[int], problems: int) -> None:
-    got, bad = health.parse_indices(value, 8)
+    got, bad = cordon.parse_indices(value, 8)
     assert got == indices and len(bad) == problems
 
 
 def test_a_huge_item_is_reported_clipped() -> None:
-    _, (problem,) = health.parse_indices("7" * 100_000, 8)
+    _, (problem,) = cordon.parse_indices("7" * 100_000, 8)
     assert problem == "GPU 77777777...(100000 characters) does not exist (the node has GPUs 0-7)"
 
 
 def test_cordons_from_nodes_and_merge() -> None:
     signal = health.from_cordons([_node("a", "3"), _node("b"), _node("c", "x")], 8)
     assert signal.failed == {("a", 3)}
-    assert signal.problems == (f"node c: {health.CORDON_ANNOTATION}: 'x' is not a GPU index, "
+    assert signal.problems == (f"node c: {api.CORDON_ANNOTATION}: 'x' is not a GPU index, "
                                "ignored",)
     other = health.Health(frozenset({("b", 0)}), ("dcgm: stale",))
     merged = signal.merge(other)
     assert merged.failed == {("a", 3), ("b", 0)} and len(merged.problems) == 2
-    assert health.format_indices([5, 1, 5]) == "1,5"
+    assert cordon.format_indices([5, 1, 5]) == "1,5"
 
 
 SPEC = planner.JobSpec(
     shape=ModelShape(hidden=4096, n_heads=32, n_kv_heads=8, ffn=14336, vocab=128256),
-    tp=8, dp=2, min_tp=6, mode="NTP-PW",
+    tp=8, dp=2, min_tp=6, mode=FailurePolicy.NTP_PW,
     power=PowerPolicy(base_w=600, boost_cap_w=700))
 
 

@@ -8,11 +8,12 @@ from typing import Any
 
 import pytest
 
-from power_controller.gpu_health import FlapDamper, classify
-from power_controller.health_agent import as_facts, render
-from power_controller.sim_backend import SimBackend
+from tessera_agents.health.agent import as_facts, render
+from tessera_agents.health.dcgm import FlapDamper, classify
+from tessera_agents.power.sim_backend import SimBackend
+from tessera_contracts import api
+from tessera_dev.simnode import dcgm
 from tessera_operator import health
-from tessera_operator.simnode import dcgm
 
 pytestmark = pytest.mark.operator
 
@@ -113,7 +114,7 @@ def test_a_hostile_object_is_ignored_with_the_reason(mangle, problem: str | None
 
 
 def test_merged_with_the_cordons() -> None:
-    node = {"metadata": {"name": "a", "annotations": {health.CORDON_ANNOTATION: "0"}}}
+    node = {"metadata": {"name": "a", "annotations": {api.CORDON_ANNOTATION: "0"}}}
     dcgm_signal = health.from_gpu_health([published("a", {3: 79})], GPUS, CRD_DEFAULT, now=NOW,
                                          nodes=["a", "b"])
     merged = health.from_cordons([node], GPUS).merge(dcgm_signal)

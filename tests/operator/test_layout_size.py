@@ -12,9 +12,10 @@ import pytest
 import yaml
 from kubernetes import client
 
-from ntp.generations import LAYOUT_KEY, Generation, Rendezvous
-from ntp.plan import ModelShape
-from tessera_operator import conditions, handlers, paths, planner, workload
+from tessera_contracts.generation import LAYOUT_KEY, Generation, Rendezvous
+from tessera_contracts.model_shape import ModelShape
+from tessera_dev import paths
+from tessera_operator import conditions, handlers, planner, workload
 
 pytestmark = pytest.mark.operator
 
@@ -27,7 +28,7 @@ def _generation(nodes: int) -> Generation:
     # Node names of 240 characters: each GPU takes about 250 bytes of the document.
     names = [f"{'n' * 234}-{i:05d}" for i in range(nodes)]
     plan = planner.plan(replace(SPEC, dp=nodes), {n: n for n in names}, set())
-    generation = workload.next_generation(plan, 64, Rendezvous("10.0.0.1", 29400), None)
+    generation = workload.generation_for(plan, 64, Rendezvous("10.0.0.1", 29400), None)
     assert generation is not None
     return generation
 

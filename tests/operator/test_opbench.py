@@ -1,5 +1,5 @@
-"""`tessera bench operator` runs end to end on a small cluster of its own and prints its figures;
-its exit status says whether they meet the targets it prints."""
+"""`tessera-dev bench operator` runs end to end on a small cluster of its own and prints its
+figures; its exit status says whether they meet the targets it prints."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from tessera_operator import opbench
+from tessera_dev import opbench
 
 pytestmark = pytest.mark.operator
 

@@ -22,11 +22,13 @@ import yaml
 from kubernetes import client, config
 from opharness import ROOT, RunningOperator
 
-from power_controller import channel
-from power_controller.perf_model import PAPER
-from power_controller.targets import format_time, parse_object
-from tessera_operator import cordon, handlers, simnodes, uncordon
-from tessera_operator.health import CORDON_ANNOTATION, GPU_HEALTH_STALE_AFTER_S
+from tessera_cli import cordon, uncordon
+from tessera_contracts.api import CORDON_ANNOTATION
+from tessera_contracts.powertarget import format_time, parse_object
+from tessera_core.perf_model import PAPER
+from tessera_dev import simnodes
+from tessera_operator import handlers, power_targets
+from tessera_operator.health import GPU_HEALTH_STALE_AFTER_S
 
 pytestmark = pytest.mark.operator
 
@@ -57,7 +59,7 @@ def _condition(status: dict[str, Any], kind: str) -> dict[str, Any]:
 
 def _watts(op: RunningOperator, node: str) -> dict[int, int]:
     """Every GPU's target watts on `node`, as the agent would read them ({}: no target)."""
-    obj = channel.fetch(op.admin, node)
+    obj = power_targets.fetch(op.admin, node)
     if obj is None:
         return {}
     target = parse_object(obj, node)
@@ -320,7 +322,8 @@ def _children(op: RunningOperator, job: str) -> dict[str, list[str]]:
         "rolebindings": [b.metadata.name for b in rbac.list_namespaced_role_binding(
             op.namespace, label_selector=selector).items],
         "gpupowertargets": [t["metadata"]["name"] for t in client.CustomObjectsApi(
-            op.admin).list_cluster_custom_object(channel.GROUP, channel.VERSION, channel.PLURAL,
+            op.admin).list_cluster_custom_object(
+                power_targets.GROUP, power_targets.VERSION, power_targets.PLURAL,
                                                  label_selector=selector)["items"]],
     }
     return {kind: names for kind, names in found.items() if names}
@@ -383,14 +386,14 @@ def test_power_targets_are_written_only_when_they_change(running_operator: Runni
     op, job = running_operator, "unchanged"
     node, _ = op.create_nodes(job, 2)
     op.create_job(_example(job))
-    first = op.wait(lambda: channel.fetch(op.admin, node), bool, "a power target")
+    first = op.wait(lambda: power_targets.fetch(op.admin, node), bool, "a power target")
     # A reconcile that finds nothing changed (an edit of the job's annotations triggers one)
     # leaves the target as it was: no renewal traffic.
     client.CustomObjectsApi(op.admin).patch_namespaced_custom_object(
         "tessera.dev", "v1alpha1", op.namespace, "ntptrainingjobs", job,
         {"metadata": {"annotations": {"example.com/touched": "1"}}})
     op.wait(lambda: _handled(op, job), lambda h: "example.com/touched" in h, "handled")
-    after = channel.fetch(op.admin, node)
+    after = power_targets.fetch(op.admin, node)
     assert after["metadata"]["resourceVersion"] == first["metadata"]["resourceVersion"]
 
 
@@ -403,7 +406,8 @@ def test_a_node_taken_from_a_job_loses_its_target(running_operator: RunningOpera
     op.wait(lambda: _watts(op, node_a), lambda w: w.get(1, 0) > 600, "node A boosted")
     # Node A leaves the cluster while boosted: nothing asks for its boost any more.
     client.CoreV1Api(op.admin).delete_node(node_a)
-    op.wait(lambda: channel.fetch(op.admin, node_a), lambda t: t is None, "node A's target gone")
+    op.wait(lambda: power_targets.fetch(op.admin, node_a), lambda t: t is None,
+            "node A's target gone")
     op.wait(lambda: _phase_layout(op, job), lambda s: s == ("Degraded", "8"), "one replica left")
     assert set(_watts(op, node_b).values()) == {600}
 
@@ -429,7 +433,7 @@ def test_deleting_a_job_deletes_its_targets(running_operator: RunningOperator) -
     # reference); its power targets are deleted by the operator.
     op.wait(lambda: _children(op, job), lambda c: c == {}, "nothing of the job left")
     # Deleted targets: each agent settles its GPUs at the base cap inside its last share.
-    op.wait(lambda: channel.fetch(op.admin, node), lambda t: t is None, "target deleted")
+    op.wait(lambda: power_targets.fetch(op.admin, node), lambda t: t is None, "target deleted")
     # The operator's finalizer is gone with its work done: the job is really deleted.
     names = op.wait(lambda: {j["metadata"]["name"] for j in client.CustomObjectsApi(
         op.admin).list_namespaced_custom_object("tessera.dev", "v1alpha1", op.namespace,
@@ -565,14 +569,14 @@ def test_a_rack_budget_no_target_can_carry_is_published_within_reach(
     op.wait(lambda: _phase_layout(op, job), lambda s: s == ("Degraded", "7,8"), "Degraded 7,8")
     cap = body["spec"]["powerPolicy"]["boostCapWatts"]
     assert _watts(op, node) == {0: 200} | {i: cap for i in range(1, 8)}
-    assert channel.fetch(op.admin, node)["spec"]["budgetWatts"] == 8 * cap
+    assert power_targets.fetch(op.admin, node)["spec"]["budgetWatts"] == 8 * cap
 
 
 def _report_in_effect(op: RunningOperator, *nodes: str) -> None:
     """What each node's power agent reports once its GPUs are within its target's budget (the
     target as it is now; a report already made is not repeated)."""
     for node in nodes:
-        obj = channel.fetch(op.admin, node)
+        obj = power_targets.fetch(op.admin, node)
         generation = obj["metadata"]["generation"]
         if (obj.get("status") or {}).get("appliedGeneration") != generation:
             client.CustomObjectsApi(op.admin).patch_cluster_custom_object_status(
@@ -582,7 +586,7 @@ def _report_in_effect(op: RunningOperator, *nodes: str) -> None:
 
 
 def _budget(op: RunningOperator, node: str) -> int | None:
-    obj = channel.fetch(op.admin, node)
+    obj = power_targets.fetch(op.admin, node)
     return obj["spec"]["budgetWatts"] if obj else None
 
 

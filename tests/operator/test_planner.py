@@ -1,5 +1,5 @@
 """The planner's decisions on plain data: packing, the minimum TP, failure modes, spares, the
-boost against ntp.plan's real per-rank work, power targets within the rack budget."""
+boost against tessera_core.plan's real per-rank work, power targets within the rack budget."""
 
 from __future__ import annotations
 
@@ -8,16 +8,18 @@ import random
 from dataclasses import replace
 
 import pytest
-import yaml
 
-from ntp.generations import Rendezvous
-from ntp.plan import ModelShape, layer_flops, plan_replica, rank_layer_flops
-from power_controller.perf_model import PAPER
-from power_controller.planning import PowerPolicy
-from power_controller.targets import parse_object, to_object
-from tessera_operator import paths, planner
+from tessera_contracts import api
+from tessera_contracts.generation import Rendezvous
+from tessera_contracts.model_shape import ModelShape
+from tessera_contracts.powertarget import parse_object, to_object
+from tessera_contracts.vocabulary import FailurePolicy
+from tessera_core.perf_model import PAPER
+from tessera_core.plan import layer_flops, plan_replica, rank_layer_flops
+from tessera_operator import planner
 from tessera_operator.planner import JobSpec, SpecError, plan
-from tessera_operator.workload import next_generation
+from tessera_operator.power_planning import PowerPolicy
+from tessera_operator.workload import generation_for
 
 pytestmark = pytest.mark.operator
 
@@ -77,8 +79,9 @@ def test_groups_stay_inside_their_scale_up_domain() -> None:
 
 def test_uniform_modes() -> None:
     nodes = _own_domains("a", "b", "c")  # one spare domain
-    assert plan(_spec(mode="SPARE"), nodes, {("a", 3)}).tp_layout == "8,8"
-    assert plan(_spec(mode="DROP"), nodes, {("a", 3)}).tp_layout == "8"  # no spares for DROP
+    assert plan(_spec(mode=FailurePolicy.SPARE), nodes, {("a", 3)}).tp_layout == "8,8"
+    # no spares for DROP
+    assert plan(_spec(mode=FailurePolicy.DROP), nodes, {("a", 3)}).tp_layout == "8"
     # The NTP modes, too, prefer a healthy spare to a shrunk group.
     assert plan(_spec(), nodes, {("a", 3)}).tp_layout == "8,8"
 
@@ -86,13 +89,13 @@ def test_uniform_modes() -> None:
 def test_a_new_generation_follows_the_layout_only() -> None:
     nodes = _own_domains("a", "b", "c")
     healthy = plan(_spec(), nodes, set())
-    first = next_generation(healthy, 16, RENDEZVOUS, None)
+    first = generation_for(healthy, 16, RENDEZVOUS, None)
     assert first is not None and first.generation == 1
-    assert next_generation(plan(_spec(), nodes, set()), 16, RENDEZVOUS, first) is None
+    assert generation_for(plan(_spec(), nodes, set()), 16, RENDEZVOUS, first) is None
     # A failure on the idle spare domain changes nothing the trainer sees.
-    assert next_generation(plan(_spec(), nodes, {("c", 1)}), 16, RENDEZVOUS, first) is None
+    assert generation_for(plan(_spec(), nodes, {("c", 1)}), 16, RENDEZVOUS, first) is None
     hit = plan(_spec(), nodes, {("a", 1)})
-    second = next_generation(hit, 16, RENDEZVOUS, first, at_step=5)
+    second = generation_for(hit, 16, RENDEZVOUS, first, at_step=5)
     assert second is not None and (second.generation, second.at_step) == (2, 5)
     assert hit.replicas[0].index == 0  # numbered by position
 
@@ -114,7 +117,7 @@ def test_boost_makes_the_busiest_rank_keep_pace() -> None:
 
 
 def test_power_targets_boost_survivors_within_the_budget() -> None:
-    result = plan(_spec(mode="NTP-PW"), _own_domains("a", "b"), {("a", 3)})
+    result = plan(_spec(mode=FailurePolicy.NTP_PW), _own_domains("a", "b"), {("a", 3)})
     targets = result.power_targets()
     a, b = targets["a"], targets["b"]
     watts = [a.watts_for(i) for i in range(8)]
@@ -122,7 +125,7 @@ def test_power_targets_boost_survivors_within_the_budget() -> None:
     assert sum(watts) <= 4800 and a.rack_budget_w == 4800
     assert b.gpu_w == {} and b.base_w == 600
     # Plain NTP manages power too, but never boosts.
-    plain = plan(_spec(mode="NTP"), _own_domains("a", "b"), {("a", 3)}).power_targets()
+    plain = plan(_spec(mode=FailurePolicy.NTP), _own_domains("a", "b"), {("a", 3)}).power_targets()
     assert {plain["a"].watts_for(i) for i in range(8) if i != 3} == {600}
     assert plan(_spec(power=None), _own_domains("a"), set()).power_targets() == {}
 
@@ -130,7 +133,7 @@ def test_power_targets_boost_survivors_within_the_budget() -> None:
 def test_a_rack_budget_below_the_gpus_minimum_is_a_spec_error() -> None:
     # 8 GPUs cannot go below 8 x 200 W: only the observed rack size shows it, so it is the
     # planner (not the schema) that must name the field.
-    small = _spec(mode="NTP-PW", power=PowerPolicy(base_w=600, boost_cap_w=700,
+    small = _spec(mode=FailurePolicy.NTP_PW, power=PowerPolicy(base_w=600, boost_cap_w=700,
                                                     rack_budget_w=1000))
     with pytest.raises(SpecError, match="rackBudgetWatts"):
         plan(small, _own_domains("a", "b"), {("a", 3)}).power_targets()
@@ -183,7 +186,7 @@ def test_the_papers_job_fits_its_api_objects() -> None:
     assert sorted(r.tp for r in result.replicas)[:14] == [31] * 13 + [32]
     # The trainer runs PP 1: the same GPUs as TP32 x DP1024 make its generation document.
     flat = plan(replace(spec, pp=1, dp=1024), nodes, failed)
-    document = next_generation(flat, 1024, RENDEZVOUS, None)
+    document = generation_for(flat, 1024, RENDEZVOUS, None)
     assert document is not None and len(document.gpus) == 32768 - 100
     text = json.dumps(document.to_dict(), separators=(",", ":"))
     assert len(text.encode()) < 1024 * 1024 * 0.8
@@ -199,8 +202,8 @@ def test_tp_layout_runs_when_replicas_are_many() -> None:
 
 @pytest.mark.parametrize("seed", range(4))
 def test_busiest_rank_from_counts_matches_the_unit_ids(seed: int) -> None:
-    """The planner's slowdown comes from unit counts (bounded memory); ntp.plan's materialized
-    unit ids are the reference, over random GQA shapes and every degree."""
+    """The planner's slowdown comes from unit counts (bounded memory); tessera_core.plan's
+    materialized unit ids are the reference, over random GQA shapes and every degree."""
     rng = random.Random(seed)
     for _ in range(20):
         kv, group = rng.choice([1, 2, 4, 8]), rng.choice([1, 2, 3, 4])
@@ -217,7 +220,7 @@ def test_survivors_of_a_group_too_small_to_run_go_to_the_minimum() -> None:
     # 5 survivors < minimum TP 6: the group runs nothing, so its GPUs hold the minimum and the
     # rack's budget is not spent on idle GPUs.
     failed = {("a", 0), ("a", 1), ("a", 2)}
-    result = plan(_spec(mode="NTP-PW"), _own_domains("a", "b"), failed)
+    result = plan(_spec(mode=FailurePolicy.NTP_PW), _own_domains("a", "b"), failed)
     assert result.tp_layout == "8"
     a = result.power_targets()["a"]
     assert {a.watts_for(i) for i in range(8)} == {200}
@@ -227,7 +230,7 @@ def test_survivors_of_a_group_too_small_to_run_go_to_the_minimum() -> None:
 def test_a_rack_budget_beyond_every_gpu_at_the_cap_still_fits_a_target() -> None:
     # The schema allows 10 MW per rack; a GPUPowerTarget's node share only 320 kW. Watts no GPU
     # can draw are left out of the shares.
-    huge = _spec(mode="NTP-PW", power=PowerPolicy(base_w=600, boost_cap_w=700,
+    huge = _spec(mode=FailurePolicy.NTP_PW, power=PowerPolicy(base_w=600, boost_cap_w=700,
                                                    rack_budget_w=10_000_000))
     targets = plan(huge, _own_domains("a"), {("a", 3)}).power_targets()
     assert targets["a"].budget_w == 8 * 700 == targets["a"].rack_budget_w
@@ -235,8 +238,7 @@ def test_a_rack_budget_beyond_every_gpu_at_the_cap_still_fits_a_target() -> None
 
 
 def _schema() -> dict:
-    crd = yaml.safe_load((paths.repo_root() / "crds/ntptrainingjob.yaml").read_text())
-    return crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    return api.job_schema()
 
 
 def test_the_schema_and_the_planner_agree_on_every_bound() -> None:

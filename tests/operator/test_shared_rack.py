@@ -14,19 +14,20 @@ import yaml
 from kubernetes import client
 from opharness import ROOT, RunningOperator
 
-from ntp.plan import ModelShape
-from power_controller import channel
-from power_controller.planning import PowerPolicy, plan_sync
-from power_controller.targets import to_object
-from tessera_operator import simnodes
+from tessera_contracts.model_shape import ModelShape
+from tessera_contracts.powertarget import to_object
+from tessera_contracts.vocabulary import FailurePolicy
+from tessera_dev import simnodes
+from tessera_operator import power_targets
 from tessera_operator.planner import JobPlan, JobSpec, plan
+from tessera_operator.power_planning import PowerPolicy, plan_sync
 
 LLAMA_8B = ModelShape(hidden=4096, n_heads=32, n_kv_heads=8, ffn=14336, vocab=128256)
 BUDGET = 9600  # the rack of two 8-GPU nodes: 16 x the 600 W base cap
 
 
 def _plan(domains: dict[str, str], dp: int = 2) -> JobPlan:
-    spec = JobSpec(shape=LLAMA_8B, tp=8, dp=dp, min_tp=6, mode="NTP-PW",
+    spec = JobSpec(shape=LLAMA_8B, tp=8, dp=dp, min_tp=6, mode=FailurePolicy.NTP_PW,
                    power=PowerPolicy(base_w=600, boost_cap_w=700, rack_budget_w=BUDGET))
     return plan(spec, domains, {("a", 0)})
 
@@ -88,7 +89,7 @@ class Rack:
         self.reported: dict[str, int] = {}
 
     def budgets(self) -> dict[str, int | None]:
-        found = {n: channel.fetch(self.op.admin, n) for n in self.nodes}
+        found = {n: power_targets.fetch(self.op.admin, n) for n in self.nodes}
         budgets = {n: obj["spec"]["budgetWatts"] if obj else None for n, obj in found.items()}
         bound = sum(max(b or 0, self.reported.get(n, 0)) for n, b in budgets.items())
         assert bound <= BUDGET, (budgets, self.reported)
@@ -97,7 +98,7 @@ class Rack:
     def report(self, *nodes: str) -> None:
         """Each node's agent: its GPUs within its target's budget (reported once per spec)."""
         for node in nodes:
-            obj = channel.fetch(self.op.admin, node)
+            obj = power_targets.fetch(self.op.admin, node)
             generation = obj["metadata"]["generation"]
             self.reported[node] = obj["spec"]["budgetWatts"]
             if (obj.get("status") or {}).get("appliedGeneration") != generation:
@@ -108,7 +109,7 @@ class Rack:
 
 
 def _gpu_watts(op: RunningOperator, node: str) -> set[int]:
-    spec = channel.fetch(op.admin, node)["spec"]
+    spec = power_targets.fetch(op.admin, node)["spec"]
     listed = {g["index"]: g["watts"] for g in spec.get("gpus", [])}
     return {listed.get(i, spec["baseWatts"]) for i in range(8)}
 

@@ -9,7 +9,8 @@ from typing import Any
 import pytest
 import yaml
 
-from tessera_operator import paths, workload
+from tessera_dev import paths
+from tessera_operator import workload
 from tessera_operator.planner import JobSpec, Problem
 
 pytestmark = pytest.mark.operator
@@ -27,7 +28,7 @@ def _job(**spec: Any) -> dict[str, Any]:
 
 def test_the_trainer_pod_carries_the_specs_template_fields() -> None:
     toleration = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
-    job = _job(image="registry.example/trainer:7", command=["python", "-m", "ntp.agent"],
+    job = _job(image="registry.example/trainer:7", command=["python", "-m", "ntp.nodeagent"],
                args=["--lr=0.01"], env=[{"name": "NCCL_DEBUG", "value": "INFO"},
                                         {"name": "NODE_NAME", "value": "mine"}],
                tolerations=[toleration], nodeSelector={"pool": "a"},
@@ -41,7 +42,7 @@ def test_the_trainer_pod_carries_the_specs_template_fields() -> None:
     assert workload.controlled_by(pod, job)
     (container,) = spec["containers"]
     assert container["image"] == "registry.example/trainer:7"
-    assert container["command"] == ["python", "-m", "ntp.agent"]
+    assert container["command"] == ["python", "-m", "ntp.nodeagent"]
     # The agent's own options, then every rank's: the checkpoint the spec names, its args.
     assert container["args"] == [
         "--job", "tiny-llama", "--steps", "100000", "--",

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from kubernetes import client
 
-from tessera_operator.controlplane import manifests
+from tessera_dev.controlplane import manifests
 
 ROOT = Path(__file__).resolve().parents[2]
 

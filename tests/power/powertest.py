@@ -6,7 +6,7 @@ from typing import Any
 
 from kubernetes import client
 
-from power_controller.targets import GROUP, PLURAL, VERSION, PowerTarget, to_object
+from tessera_contracts.powertarget import GROUP, PLURAL, VERSION, PowerTarget, to_object
 
 
 def make_target(node: str = "node-a", **kw) -> PowerTarget:

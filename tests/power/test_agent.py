@@ -13,12 +13,12 @@ from powertest import make_target
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from power_controller.agent import Agent, _parser, main, sim_backend
-from power_controller.metrics import AgentCollector
-from power_controller.nvml_backend import NvmlBackend
-from power_controller.sim_backend import SimBackend
-from power_controller.state import ManagedGpus
-from power_controller.targets import to_object
+from tessera_agents.power.agent import Agent, _parser, main, sim_backend
+from tessera_agents.power.metrics import AgentCollector
+from tessera_agents.power.nvml_backend import NvmlBackend
+from tessera_agents.power.sim_backend import SimBackend
+from tessera_agents.power.state import ManagedGpus
+from tessera_contracts.powertarget import to_object
 
 pytestmark = pytest.mark.power
 

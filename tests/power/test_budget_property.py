@@ -14,10 +14,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from powertest import make_target
 
-from power_controller.agent import Agent
-from power_controller.sim_backend import FAULTS, OPERATIONS, SimBackend, SimGpuSpec
-from power_controller.state import ManagedGpus
-from power_controller.targets import to_object
+from tessera_agents.power.agent import Agent
+from tessera_agents.power.sim_backend import FAULTS, OPERATIONS, SimBackend, SimGpuSpec
+from tessera_agents.power.state import ManagedGpus
+from tessera_contracts.powertarget import to_object
 
 pytestmark = pytest.mark.power
 

@@ -27,14 +27,15 @@ from powertest import create_target
 from prometheus_client.parser import text_string_to_metric_families
 from tcp_proxy import Proxy
 
-from power_controller import channel
-from power_controller.agent import _parser
-from power_controller.planning import PowerPolicy, plan_rack, ratio_for_tp
-from power_controller.sim_backend import SimBackend
-from power_controller.state import ManagedGpus
-from power_controller.targets import PowerTarget, to_object
-from tessera_operator.controlplane import probes, processes
-from tessera_operator.controlplane.launcher import SERVICE_ACCOUNT_ISSUER
+from tessera_agents.power import target_source
+from tessera_agents.power.agent import _parser
+from tessera_agents.power.sim_backend import SimBackend
+from tessera_agents.power.state import ManagedGpus
+from tessera_contracts.powertarget import PowerTarget, to_object
+from tessera_dev import probes, processes
+from tessera_dev.controlplane.launcher import SERVICE_ACCOUNT_ISSUER
+from tessera_operator import power_targets
+from tessera_operator.power_planning import PowerPolicy, plan_rack, ratio_for_tp
 
 pytestmark = pytest.mark.power
 
@@ -59,9 +60,9 @@ def _owner() -> dict:
             "uid": str(uuid.uuid4())}
 
 
-def _sync(operator: client.ApiClient, owner: dict, desired: list) -> channel.SyncResult:
+def _sync(operator: client.ApiClient, owner: dict, desired: list) -> power_targets.SyncResult:
     """The operator's write of a job's targets."""
-    return channel.sync_targets(operator, desired, job_owner=owner, job_label=JOB_LABEL,
+    return power_targets.sync_targets(operator, desired, job_owner=owner, job_label=JOB_LABEL,
                                 timeout_s=10)
 
 
@@ -121,8 +122,8 @@ def test_only_the_operator_may_write_targets(power_api, namespace: str) -> None:
     create_target(operator, _targets(node, set()))
 
     agent = power_api(NS, AGENT)
-    assert channel.fetch(agent, node)["spec"]["baseWatts"] == 500
-    source = channel.KubeTargetSource(agent, node, timeout_s=5)  # what the agent watches
+    assert power_targets.fetch(agent, node)["spec"]["baseWatts"] == 500
+    source = target_source.KubeTargetSource(agent, node, timeout_s=5)  # what the agent watches
     try:
         assert source.fetch()["spec"]["baseWatts"] == 500
     finally:
@@ -133,14 +134,14 @@ def test_only_the_operator_may_write_targets(power_api, namespace: str) -> None:
     for attempt in (
         lambda: client.CustomObjectsApi(agent).patch_cluster_custom_object(
             "tessera.dev", "v1alpha1", "gpupowertargets", node, {"spec": {"baseWatts": 700}}),
-        lambda: channel.withdraw(agent, node),
+        lambda: power_targets.withdraw(agent, node),
     ):
         with pytest.raises(ApiException) as denied:
             attempt()
         assert denied.value.status == 403
-    assert channel.fetch(agent, node)["spec"]["baseWatts"] == 500
-    channel.withdraw(operator, node)
-    assert channel.fetch(agent, node) is None
+    assert power_targets.fetch(agent, node)["spec"]["baseWatts"] == 500
+    power_targets.withdraw(operator, node)
+    assert power_targets.fetch(agent, node) is None
 
 
 def _write_status(api: client.ApiClient, node: str) -> None:
@@ -158,7 +159,7 @@ def test_an_agent_may_write_only_its_own_nodes_status(
     agent = _token_client(control_plane, _node_token(admin_api, mine))
     try:
         _write_status(agent, mine)
-        assert channel.fetch(operator, mine)["status"]["state"] == "Applied"
+        assert power_targets.fetch(operator, mine)["status"]["state"] == "Applied"
         for attempt, why in (
             (lambda: _write_status(agent, other), "only the status of its own node"),
             (lambda: client.CustomObjectsApi(agent).patch_cluster_custom_object(
@@ -169,12 +170,12 @@ def test_an_agent_may_write_only_its_own_nodes_status(
             with pytest.raises(ApiException) as denied:
                 attempt()
             assert denied.value.status == 403 and why in denied.value.body
-        assert "status" not in channel.fetch(operator, other)
-        assert channel.fetch(operator, mine)["spec"]["baseWatts"] == 500
+        assert "status" not in power_targets.fetch(operator, other)
+        assert power_targets.fetch(operator, mine)["spec"]["baseWatts"] == 500
     finally:
         agent.close()
         for node in (mine, other):
-            channel.withdraw(operator, node)
+            power_targets.withdraw(operator, node)
 
 
 def test_admission_policy_refuses_writers_that_rbac_lets_through(
@@ -197,13 +198,13 @@ def test_admission_policy_refuses_writers_that_rbac_lets_through(
         except ApiException as err:
             assert err.status == 403, err
             return "only the Tessera operator" in err.body
-        channel.withdraw(power_api(NS, OPERATOR), node)
+        power_targets.withdraw(power_api(NS, OPERATOR), node)
         return False
 
     _wait("the admission policy to take effect", refused, timeout=15)
-    assert channel.fetch(editor, node) is None  # reading stays allowed by the wildcard role
+    assert power_targets.fetch(editor, node) is None  # reading stays allowed by the wildcard role
     create_target(power_api(NS, OPERATOR), _targets(node, set()))
-    channel.withdraw(power_api(NS, OPERATOR), node)
+    power_targets.withdraw(power_api(NS, OPERATOR), node)
 
 
 def test_unreachable_api_server_fails_fast_as_a_source_error() -> None:
@@ -211,13 +212,13 @@ def test_unreachable_api_server_fails_fast_as_a_source_error() -> None:
 
     config = Configuration(host=f"https://127.0.0.1:{_free_port()}")
     config.retries = 0
-    source = channel.KubeTargetSource(client.ApiClient(config), "any", timeout_s=2)
+    source = target_source.KubeTargetSource(client.ApiClient(config), "any", timeout_s=2)
     started = time.monotonic()
     try:
-        with pytest.raises(channel.SourceError, match="unreachable"):
+        with pytest.raises(target_source.SourceError, match="unreachable"):
             source.fetch()
         assert time.monotonic() - started < 3
-        with pytest.raises(channel.SourceError, match="unreachable"):
+        with pytest.raises(target_source.SourceError, match="unreachable"):
             source.fetch()  # still not known: never taken for "no target"
     finally:
         source.close()
@@ -230,15 +231,15 @@ def test_a_rewritten_target_replaces_the_whole_spec(power_api) -> None:
     boosted = replace(_targets(node, {1}), ramp_step_w=10)
     _set_target(operator, owner, boosted)
     _set_target(operator, owner, _targets(node, set()))
-    spec = channel.fetch(operator, node)["spec"]
+    spec = power_targets.fetch(operator, node)["spec"]
     assert not spec.get("gpus") and "rampStepWatts" not in spec
-    channel.withdraw(operator, node)
+    power_targets.withdraw(operator, node)
 
     create_target(operator, boosted)  # not the operator's field manager
     _set_target(operator, owner, _targets(node, set()))
-    spec = channel.fetch(operator, node)["spec"]
+    spec = power_targets.fetch(operator, node)["spec"]
     assert not spec.get("gpus") and "rampStepWatts" not in spec
-    channel.withdraw(operator, node)
+    power_targets.withdraw(operator, node)
 
 
 @pytest.mark.parametrize(
@@ -284,7 +285,7 @@ class AgentProcess:
         self.proc: subprocess.Popen | None = None
 
     def command(self, *extra: str) -> list[str]:
-        return [sys.executable, "-m", "tessera_operator.cli", "power-agent", "--node", self.node,
+        return [sys.executable, "-m", "tessera_dev.cli", "power-agent", "--node", self.node,
                 "--backend", "sim", "--sim-state", str(self.sim_state),
                 "--state-dir", str(self.state_dir), "--kubeconfig", str(self.kubeconfig),
                 "--interval", "0.2", "--step-watts", "100", "--metrics-addr", "127.0.0.1",
@@ -324,7 +325,7 @@ def agent(control_plane, power_api, tmp_path: Path) -> Iterator[AgentProcess]:
     a = AgentProcess(control_plane, tmp_path, _node())
     yield a
     a.close()
-    channel.withdraw(power_api(NS, OPERATOR), a.node)
+    power_targets.withdraw(power_api(NS, OPERATOR), a.node)
 
 
 def _in_effect(obj) -> bool:
@@ -346,10 +347,11 @@ def test_boost_release_and_sigterm_restore_through_the_api(agent: AgentProcess, 
     _wait("boost", lambda: agent.gpus.limits_mw() == [boost] * 5 + [200 * W] + [boost] * 2)
     assert sum(agent.gpus.limits_mw()) <= _policy().rack_budget_w * W
     # The agent reports what is in effect in the target's status.
-    _wait("status", lambda: (channel.fetch(operator, agent.node).get("status") or {}).get("state")
+    _wait("status", lambda: (power_targets.fetch(operator, agent.node).get("status") or {})
+          .get("state")
           == "Applied")
-    status = channel.fetch(operator, agent.node)["status"]
-    assert _in_effect(channel.fetch(operator, agent.node))
+    status = power_targets.fetch(operator, agent.node)["status"]
+    assert _in_effect(power_targets.fetch(operator, agent.node))
     assert status["limitWatts"] == sum(agent.gpus.limits_mw()) // W
     assert [g["limitWatts"] for g in status["gpus"]] == [w // W for w in agent.gpus.limits_mw()]
     # Each survivor does 8/7 of a healthy GPU's work, at the speed its SM clock allows: the
@@ -393,7 +395,7 @@ def _boosted(agent: AgentProcess, operator, owner, *args: str) -> PowerTarget:
 def test_a_deleted_target_ends_the_boost_inside_the_share(agent: AgentProcess, power_api) -> None:
     operator, owner = power_api(NS, OPERATOR), _owner()
     degraded = _boosted(agent, operator, owner)
-    channel.withdraw(operator, agent.node)  # e.g. the node left the job
+    power_targets.withdraw(operator, agent.node)  # e.g. the node left the job
     _wait("settled at the base cap", lambda: agent.gpus.limits_mw() == [500 * W] * 8)
     assert _sample(agent.metrics(), "tessera_node_power_budget_watts") == degraded.budget_w
 
@@ -405,7 +407,7 @@ def test_crashed_agent_is_undone_by_the_next_one(agent: AgentProcess, power_api)
     assert agent.gpus.limits_mw()[2] == 200 * W  # nobody restored anything
     assert len(agent.managed()) == 8
 
-    channel.withdraw(operator, agent.node)  # the node released: the new agent settles
+    power_targets.withdraw(operator, agent.node)  # the node released: the new agent settles
     agent.start()
     _wait("settled by the next agent", lambda: agent.gpus.limits_mw() == [500 * W] * 8)
     code, out = agent.stop(signal.SIGTERM)
@@ -479,7 +481,7 @@ def test_agent_rides_out_an_api_server_outage(agent: AgentProcess, power_api) ->
 
 def _report_in_effect(admin: client.ApiClient, node: str) -> None:
     """What the node's agent writes once its GPUs are within the current spec's budget."""
-    generation = channel.fetch(admin, node)["metadata"]["generation"]
+    generation = power_targets.fetch(admin, node)["metadata"]["generation"]
     client.CustomObjectsApi(admin).patch_cluster_custom_object_status(
         "tessera.dev", "v1alpha1", "gpupowertargets", node,
         {"status": {"observedGeneration": generation, "appliedGeneration": generation,
@@ -499,11 +501,11 @@ def test_sync_targets_writes_changes_only_and_raises_after_the_cuts_are_reported
     boost_on_b = plan({(a, 0)})
     first = sync(boost_on_b)
     assert first.written == tuple(sorted((a, b))) and first.pending
-    objs = {n: channel.fetch(operator, n) for n in (a, b)}
+    objs = {n: power_targets.fetch(operator, n) for n in (a, b)}
     for obj in objs.values():  # a rack of two nodes: each enters at every GPU's minimum
         assert (obj["spec"]["baseWatts"], obj["spec"]["gpus"]) == (1, [])
         assert obj["metadata"]["labels"][JOB_LABEL[0]] == JOB_LABEL[1]
-        assert obj["metadata"]["labels"][channel.JOB_UID_LABEL] == owner["uid"]
+        assert obj["metadata"]["labels"][power_targets.JOB_UID_LABEL] == owner["uid"]
         assert ("tessera-operator", "Apply") in {
             (m["manager"], m["operation"]) for m in obj["metadata"]["managedFields"]}
     assert sync(boost_on_b).written == ()  # nothing reported yet: the raises wait
@@ -511,31 +513,31 @@ def test_sync_targets_writes_changes_only_and_raises_after_the_cuts_are_reported
         _report_in_effect(admin_api, n)
     second = sync(boost_on_b)
     assert second.written == tuple(sorted((a, b))) and not second.pending
-    versions = {n: channel.fetch(operator, n)["metadata"]["resourceVersion"] for n in (a, b)}
-    assert sync(boost_on_b) == channel.SyncResult((), (), ())  # no change, no write
-    assert versions == {n: channel.fetch(operator, n)["metadata"]["resourceVersion"]
+    versions = {n: power_targets.fetch(operator, n)["metadata"]["resourceVersion"] for n in (a, b)}
+    assert sync(boost_on_b) == power_targets.SyncResult((), (), ())  # no change, no write
+    assert versions == {n: power_targets.fetch(operator, n)["metadata"]["resourceVersion"]
                         for n in (a, b)}
 
     # GPU 0 moves from a to b: a's share grows, b's shrinks; a waits for b's cut.
     for n in (a, b):
         _report_in_effect(admin_api, n)
     boost_on_a = plan({(b, 0)})
-    assert sync(boost_on_a) == channel.SyncResult((b,), (), (a,))
-    assert sync(boost_on_a) == channel.SyncResult((), (), (a,))
+    assert sync(boost_on_a) == power_targets.SyncResult((b,), (), (a,))
+    assert sync(boost_on_a) == power_targets.SyncResult((), (), (a,))
     _report_in_effect(admin_api, b)
-    assert sync(boost_on_a) == channel.SyncResult((a,), (), ())
-    specs = {n: channel.fetch(operator, n)["spec"] for n in (a, b)}
+    assert sync(boost_on_a) == power_targets.SyncResult((a,), (), ())
+    specs = {n: power_targets.fetch(operator, n)["spec"] for n in (a, b)}
     assert {n: s["budgetWatts"] for n, s in specs.items()} == {
         t.node: t.budget_w for t in boost_on_a}
 
     # a leaves the job while b stays in the rack: a keeps its share, settled (no boost), and
     # b's share cannot grow past the one planned with a; then the job ends: their targets go.
     left = sync([replace(t, budget_w=t.budget_w + 100) for t in boost_on_a if t.node == b])
-    assert left == channel.SyncResult((a,), (), (b,))
-    spec = channel.fetch(operator, a)["spec"]
+    assert left == power_targets.SyncResult((a,), (), (b,))
+    spec = power_targets.fetch(operator, a)["spec"]
     assert (spec.get("gpus", []), spec["budgetWatts"]) == ([], specs[a]["budgetWatts"])
     assert sync([]).deleted == tuple(sorted((a, b)))
-    assert channel.fetch(operator, a) is None and channel.fetch(operator, b) is None
+    assert power_targets.fetch(operator, a) is None and power_targets.fetch(operator, b) is None
 
 
 class RackSampler:
@@ -595,7 +597,7 @@ def test_a_boost_moves_across_a_racks_nodes_within_its_budget(
         assert sum(want[failed_node]) < min(sum(want[n]) for n in nodes if n != failed_node)
 
     def acted_on_its_spec(node: str) -> bool:
-        obj = channel.fetch(operator, node)
+        obj = power_targets.fetch(operator, node)
         return (obj.get("status") or {}).get("observedGeneration") == \
             obj["metadata"]["generation"]
 
@@ -607,7 +609,7 @@ def test_a_boost_moves_across_a_racks_nodes_within_its_budget(
             # Node 1's agent stalls as node 1's GPU takes the failure from node 0's: node 1
             # must cut before node 0 raises, so node 0's raise waits, whatever node 0 does.
             agents[1].proc.send_signal(signal.SIGSTOP)
-            assert sync(plan(nodes[1])) == channel.SyncResult((nodes[1],), (), (nodes[0],))
+            assert sync(plan(nodes[1])) == power_targets.SyncResult((nodes[1],), (), (nodes[0],))
             _wait("node 0's agent acting on its current spec",
                   lambda: acted_on_its_spec(nodes[0]))
             agents[1].proc.send_signal(signal.SIGCONT)

@@ -20,12 +20,13 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 from test_control_plane import AGENT, NS, OPERATOR, _node, _node_token, _token_client
 
-from power_controller import health_agent
-from power_controller.gpu_health import MAX_PAGE_BYTES, STALE_AFTER_S, NodeHealth, classify
-from power_controller.health_agent import HealthAgent, KubePublisher, fetch_page
-from power_controller.sim_backend import SimBackend
-from tessera_operator.controlplane import probes
-from tessera_operator.simnode.dcgm import GENERATIONS, render
+from tessera_agents.health import agent as health_agent
+from tessera_agents.health.agent import HealthAgent, KubePublisher, fetch_page
+from tessera_agents.health.dcgm import MAX_PAGE_BYTES, STALE_AFTER_S, classify
+from tessera_agents.power.sim_backend import SimBackend
+from tessera_contracts.gpuhealth import NodeHealth
+from tessera_dev import probes
+from tessera_dev.simnode.dcgm import GENERATIONS, render
 
 pytestmark = pytest.mark.power
 
@@ -389,14 +390,14 @@ def _health(gpus: SimBackend, node: str) -> NodeHealth:
 def test_the_agent_process_publishes_its_nodes_gpu_health(
         control_plane, admin_api: client.ApiClient, power_api, gpus: SimBackend,
         exporter: Exporter, tmp_path: Path) -> None:
-    """`python -m power_controller.health_agent` under a token bound to its node, as the
+    """`python -m tessera_agents.health.agent` under a token bound to its node, as the
     DaemonSet runs it, from its exporter to the API server; SIGTERM ends it cleanly."""
     node = exporter.hostname = _node()
     kubeconfig = tmp_path / "agent.kubeconfig"
     kubeconfig.write_text(yaml.safe_dump(control_plane.token_kubeconfig(
         _node_token(admin_api, node), f"system:serviceaccount:{NS}:{AGENT}")))
     proc = subprocess.Popen(
-        [sys.executable, "-m", "power_controller.health_agent", "--kubeconfig", str(kubeconfig),
+        [sys.executable, "-m", "tessera_agents.health.agent", "--kubeconfig", str(kubeconfig),
          "--exporter-url", exporter.url, "--interval", "0.2"],
         env={**os.environ, "NODE_NAME": node, "PYTHONUNBUFFERED": "1"},
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -7,7 +7,7 @@ import pynvml
 import pytest
 from fake_nvml import FakeGpu, FakeNvml
 
-from power_controller.devices import (
+from tessera_agents.power.devices import (
     BackendUnavailable,
     GpuId,
     GpuLost,
@@ -17,7 +17,7 @@ from power_controller.devices import (
     NotSupported,
     PowerError,
 )
-from power_controller.nvml_backend import NvmlBackend
+from tessera_agents.power.nvml_backend import NvmlBackend
 
 pytestmark = pytest.mark.power
 

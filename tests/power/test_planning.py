@@ -6,8 +6,11 @@ from __future__ import annotations
 import pytest
 from powertest import make_target
 
-from power_controller.perf_model import PAPER
-from power_controller.planning import (
+from tessera_agents.power.sim_backend import SimBackend
+from tessera_contracts.powertarget import PowerTarget, to_object
+from tessera_core.perf_model import PAPER
+from tessera_core.power_policy import DeviceView, decide
+from tessera_operator.power_planning import (
     PowerPolicy,
     SyncPlan,
     next_boost_ratio,
@@ -16,9 +19,6 @@ from power_controller.planning import (
     ratio_for_tp,
     stage,
 )
-from power_controller.policy import DeviceView, decide
-from power_controller.sim_backend import SimBackend
-from power_controller.targets import PowerTarget, to_object
 
 pytestmark = pytest.mark.power
 W = 1000  # milliwatts per watt: the policy's unit

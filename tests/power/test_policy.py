@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from powertest import make_target
 
-from power_controller.policy import DeviceView, admit_raises, decide, fit_budget
+from tessera_core.power_policy import DeviceView, admit_raises, decide, fit_budget
 
 pytestmark = pytest.mark.power
 

@@ -19,11 +19,11 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from power_controller.agent import Agent
-from power_controller.planning import PowerPolicy, plan_rack, plan_sync
-from power_controller.sim_backend import SimBackend
-from power_controller.state import ManagedGpus
-from power_controller.targets import PowerTarget, to_object
+from tessera_agents.power.agent import Agent
+from tessera_agents.power.sim_backend import SimBackend
+from tessera_agents.power.state import ManagedGpus
+from tessera_contracts.powertarget import PowerTarget, to_object
+from tessera_operator.power_planning import PowerPolicy, plan_rack, plan_sync
 
 pytestmark = pytest.mark.power
 

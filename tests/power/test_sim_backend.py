@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from power_controller.devices import BackendUnavailable, GpuLost, InvalidArgument
-from power_controller.sim_backend import SimBackend
+from tessera_agents.power.devices import BackendUnavailable, GpuLost, InvalidArgument
+from tessera_agents.power.sim_backend import SimBackend
 
 pytestmark = pytest.mark.power
 

@@ -7,7 +7,7 @@ import copy
 import pytest
 from powertest import make_target
 
-from power_controller.targets import InvalidTarget, parse_object, to_object
+from tessera_contracts.powertarget import InvalidTarget, parse_object, to_object
 
 pytestmark = pytest.mark.power
 

@@ -7,10 +7,10 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
-from tessera_operator.simulator.config import SimConfig
-from tessera_operator.simulator.engine import snapshot
-from tessera_operator.simulator.failures import Topology
-from tessera_operator.simulator.policies import POLICY_NAMES, Policy, build_policies
+from tessera_sim.config import SimConfig
+from tessera_sim.engine import snapshot
+from tessera_sim.failures import Topology
+from tessera_sim.policies import POLICY_NAMES, Policy, build_policies
 
 
 @dataclass(frozen=True)

@@ -1,19 +1,19 @@
-"""Every flag of `tessera simulate` and `tessera bench sim` is bounded: refused, flag named, exit 2,
-before the output folder exists; the bounds are the schema's and the simulator's own (README)."""
+"""Every flag of `tessera-dev simulate` and `tessera-dev bench sim` is bounded: refused, flag named,
+exit 2, before the output folder exists; the bounds are the schema's and the simulator's own
+(README)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
-import yaml
 
-from tessera_operator.cli import main as tessera
-from tessera_operator.simulator.config import MAX_DP, MAX_GPUS, MAX_MODEL, MAX_PP, MAX_TP
+from tessera_contracts import api
+from tessera_dev.cli import main as tessera
+from tessera_sim.config import MAX_DP, MAX_GPUS, MAX_MODEL, MAX_PP, MAX_TP
 
 pytestmark = pytest.mark.sim
 
-CRD = Path(__file__).resolve().parents[2] / "crds" / "ntptrainingjob.yaml"
 TOO_MANY = ",".join(["0.001"] * 1001)
 
 
@@ -90,8 +90,7 @@ def test_simulate_help_states_the_bounds(capsys) -> None:
 
 def test_job_and_model_bounds_are_the_schemas() -> None:
     # The simulator covers exactly the jobs the operator accepts.
-    crd = yaml.safe_load(CRD.read_text())
-    spec = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    spec = api.job_schema()
     fields = spec["properties"]
     model = fields["model"]["properties"]
     names = {"hidden": "hidden", "heads": "n_heads", "kvHeads": "n_kv_heads", "ffn": "ffn",

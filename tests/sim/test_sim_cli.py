@@ -1,4 +1,5 @@
-"""`tessera simulate` and `tessera bench sim` end to end, and clear errors for impossible jobs."""
+"""`tessera-dev simulate` and `tessera-dev bench sim` end to end, and clear errors for impossible
+jobs."""
 
 from __future__ import annotations
 
@@ -9,15 +10,15 @@ from pathlib import Path
 
 import pytest
 
-from tessera_operator.cli import main as tessera
-from tessera_operator.simulator.config import (
+from tessera_dev.cli import main as tessera
+from tessera_sim.config import (
     ConfigError,
     FailureConfig,
     ModelConfig,
     PolicyConfig,
     SimConfig,
 )
-from tessera_operator.simulator.policies import POLICY_NAMES
+from tessera_sim.policies import POLICY_NAMES
 
 pytestmark = pytest.mark.sim
 

@@ -7,18 +7,18 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from power_controller.perf_model import PAPER
-from tessera_operator.simulator import report
-from tessera_operator.simulator.analysis import StudySettings, loss_curve, run_study, trace_stats
-from tessera_operator.simulator.config import FailureConfig, PolicyConfig, SimConfig
-from tessera_operator.simulator.engine import SECONDS_PER_DAY, run_trace
-from tessera_operator.simulator.failures import (
+from tessera_core.perf_model import PAPER
+from tessera_sim import report
+from tessera_sim.analysis import StudySettings, loss_curve, run_study, trace_stats
+from tessera_sim.config import FailureConfig, PolicyConfig, SimConfig
+from tessera_sim.engine import SECONDS_PER_DAY, run_trace
+from tessera_sim.failures import (
     FailureTrace,
     Topology,
     sample_down_blocks,
     sample_trace,
 )
-from tessera_operator.simulator.policies import POLICY_NAMES, build_policies
+from tessera_sim.policies import POLICY_NAMES, build_policies
 
 pytestmark = pytest.mark.sim
 

@@ -13,12 +13,12 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from power_controller.perf_model import PAPER
-from tessera_operator.simulator.analysis import availability_curve, run_traces, trace_stats
-from tessera_operator.simulator.config import FailureConfig, SimConfig
-from tessera_operator.simulator.engine import snapshot
-from tessera_operator.simulator.failures import Topology
-from tessera_operator.simulator.policies import POLICY_NAMES, build_policies
+from tessera_core.perf_model import PAPER
+from tessera_sim.analysis import availability_curve, run_traces, trace_stats
+from tessera_sim.config import FailureConfig, SimConfig
+from tessera_sim.engine import snapshot
+from tessera_sim.failures import Topology
+from tessera_sim.policies import POLICY_NAMES, build_policies
 
 pytestmark = pytest.mark.sim
 

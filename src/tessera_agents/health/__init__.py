@@ -1,0 +1,1 @@
+"""The node health agent: this node's dcgm-exporter page -> its GPUHealth object."""

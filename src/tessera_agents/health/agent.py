@@ -1,0 +1,287 @@
+"""The node health agent (`tessera health-agent`): this node's dcgm-exporter page -> its GPUHealth.
+
+Every `--interval` it reads its own node's exporter, classifies the GPUs (`gpu_health.assess`),
+damps flaps and publishes the facts in the node's cluster-scoped `GPUHealth` object, named after
+the node: per GPU Healthy, Failed (a DCGM health watch failing on something other than an XID)
+or Unknown, and the recent XIDs, which each job judges by its own `fatalXIDs`
+(`tessera_operator.health.from_gpu_health`). It writes only when a GPU's state or XIDs change,
+and otherwise once per `--refresh`, so that `observedAt` tells a reader the object is current.
+docs/health.md says why each node publishes its own health; the admission policy in
+manifests/power-controller/admission.yaml lets an agent write its own node's object only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import os
+import signal
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from datetime import UTC, datetime
+from http.client import HTTPException
+from typing import Any
+
+from tessera_agents.health.dcgm import MAX_GPUS, MAX_PAGE_BYTES, FlapDamper, assess
+from tessera_agents.power.agent import api_client, is_node_name
+from tessera_contracts.gpuhealth import REFRESH_S, GpuHealth, NodeHealth, State
+from tessera_contracts.powertarget import GROUP, VERSION, format_time
+
+log = logging.getLogger("tessera.health-agent")
+
+PLURAL = "gpuhealths"
+KIND = "GPUHealth"
+FIELD_MANAGER = "tessera-health-agent"
+MAX_REASON = 1024  # the CRD's bound on a reason and on the exporter's error
+MAX_XIDS = 64  # the CRD's bound on a GPU's XIDs; more distinct recent XIDs is garbage
+MAX_LOGGED_PROBLEMS = 20  # per read: a hostile page can have a problem on every line
+STATES = {State.HEALTHY: "Healthy", State.FAILED: "Failed", State.UNKNOWN: "Unknown"}
+
+
+class FetchError(Exception):
+    """The exporter did not answer with a page."""
+
+
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    """The page comes from the node's own exporter or not at all."""
+
+    def redirect_request(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+
+# No proxy from the environment either: the exporter is on the node's own address.
+_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}), _NoRedirect())
+
+
+def fetch_page(url: str, timeout_s: float) -> str:
+    """The exporter's page, at most MAX_PAGE_BYTES + 1 bytes (so that `classify` can tell a page
+    that is too large), read within `timeout_s` in all; FetchError says why there is none."""
+    deadline = time.monotonic() + timeout_s
+    chunks: list[bytes] = []
+    size = 0
+    try:
+        with _OPENER.open(url, timeout=timeout_s) as response:
+            while size <= MAX_PAGE_BYTES:
+                if time.monotonic() > deadline:
+                    raise FetchError(f"page not read within {timeout_s:g} s")
+                chunk = response.read1(min(1 << 16, MAX_PAGE_BYTES + 1 - size))
+                if not chunk:
+                    break
+                chunks.append(chunk)
+                size += len(chunk)
+    except urllib.error.HTTPError as err:
+        raise FetchError(f"HTTP {err.code} from {url}") from err
+    except urllib.error.URLError as err:
+        raise FetchError(f"{url}: {err.reason}") from err
+    except (OSError, HTTPException, ValueError) as err:
+        raise FetchError(f"{url}: {err!r}") from err
+    return b"".join(chunks).decode("utf-8", errors="replace")
+
+
+def _clip(text: str) -> str:
+    return text if len(text) <= MAX_REASON else text[:MAX_REASON - 3] + "..."
+
+
+def as_facts(observed: NodeHealth) -> NodeHealth:
+    """`observed` as this node publishes it: classified with no XID fatal (so Failed means a
+    failure no job's list decides), each GPU's recent XIDs named for the jobs to judge."""
+    return replace(observed, gpus=tuple(
+        replace(g, reason=f"recent XID {', '.join(map(str, g.xids))}: each job's fatalXIDs "
+                          "decide")
+        if g.state is State.HEALTHY and g.xids else g
+        for g in observed.gpus))
+
+
+_SUMMARY: dict[str, Callable[[GpuHealth], bool]] = {
+    "failedGPUs": lambda g: g.state is State.FAILED,
+    "xidGPUs": lambda g: bool(g.xids),
+    "unknownGPUs": lambda g: g.state is State.UNKNOWN,
+}
+
+
+def _summary(gpus: tuple[GpuHealth, ...]) -> dict[str, str]:
+    """The status' index lists: the failed GPUs, those with recent XIDs, the unknown ones."""
+    return {field: ",".join(str(g.index) for g in gpus if keep(g))
+            for field, keep in _SUMMARY.items()}
+
+
+def render(node: str, url: str, health: NodeHealth, observed_at: float) -> dict[str, Any]:
+    """The node's GPUHealth object (for server-side apply) from its damped facts."""
+    exporter = {"url": url}
+    if health.error is not None:
+        exporter["error"] = _clip(health.error)
+    gpus = [{"index": g.index, "state": STATES[g.state], "xids": list(g.xids[:MAX_XIDS]),
+             "reason": _clip(g.reason)} for g in health.gpus]
+    return {
+        "apiVersion": f"{GROUP}/{VERSION}",
+        "kind": KIND,
+        "metadata": {"name": node},
+        "status": {
+            "observedAt": format_time(datetime.fromtimestamp(observed_at, UTC)),
+            "exporter": exporter,
+            **_summary(health.gpus),
+            "gpus": gpus,
+        },
+    }
+
+
+@dataclass
+class HealthAgent:
+    """One node's read -> classify -> damp -> publish cycle; `step()` runs one.
+
+    `gpus` is the node's GPU count, or 0 to learn it from the pages: every GPU seen on one since
+    the agent started is published (as Unknown while the page does not show it). `wall` is the
+    clock of observedAt and of the page's age, `monotonic` that of damping and refreshes."""
+
+    node: str
+    url: str
+    fetch: Callable[[], str]
+    publish: Callable[[dict[str, Any]], None]
+    gpus: int = 0
+    refresh_s: float = REFRESH_S
+    wall: Callable[[], float] = time.time
+    monotonic: Callable[[], float] = time.monotonic
+    damper: FlapDamper = field(default_factory=lambda: FlapDamper(hold_xids=True))
+    _page: str | None = None
+    _fetched_at: float | None = None
+    _known: int = 0
+    _published: tuple[Any, ...] | None = None
+    _published_at: float = -math.inf
+    _logged: frozenset[str] = frozenset()
+
+    def step(self) -> NodeHealth:
+        """Read the exporter once and publish if a GPU's state or XIDs changed, or the last
+        write is `refresh_s` old; returns what it would publish. A failed write is logged and
+        tried again at the next step."""
+        error = None
+        try:
+            self._page, self._fetched_at = self.fetch(), self.wall()
+        except FetchError as err:
+            error = str(err)
+        now = self.wall()
+        observed = as_facts(assess(self._page, fetched_at=self._fetched_at, now=now,
+                                   gpus=self.gpus or MAX_GPUS, fatal_xids=(),
+                                   hostname=self.node, error=error))
+        self._log_problems(observed.problems)
+        damped = self.damper.update(self.monotonic(), observed)
+        seen = [g.index for g in observed.gpus if g.state is not State.UNKNOWN]
+        self._known = self.gpus or max([self._known, *(i + 1 for i in seen)])
+        health = replace(damped, gpus=damped.gpus[:self._known])
+        key = (health.error is None, tuple((g.index, g.state, g.xids) for g in health.gpus))
+        if key != self._published or self.monotonic() - self._published_at >= self.refresh_s:
+            if key != self._published:
+                log.info("GPUs of %s: failed [%s], XIDs [%s], unknown [%s]%s", self.node,
+                         *_summary(health.gpus).values(),
+                         f" ({health.error})" if health.error else "")
+            try:
+                self.publish(render(self.node, self.url, health, now))
+            except Exception as err:  # unreachable, refused: the next step writes again
+                log.warning("could not publish the GPU health of %s: %s", self.node, err)
+            else:
+                self._published, self._published_at = key, self.monotonic()
+        return health
+
+    def _log_problems(self, problems: tuple[str, ...]) -> None:
+        """Each problem once while it lasts, at most MAX_LOGGED_PROBLEMS per read."""
+        new = [p for p in problems if p not in self._logged]
+        for line in new[:MAX_LOGGED_PROBLEMS]:
+            log.warning("exporter page: %s", line)
+        if len(new) > MAX_LOGGED_PROBLEMS:
+            log.warning("exporter page: %d more problems not logged",
+                        len(new) - MAX_LOGGED_PROBLEMS)
+        self._logged = frozenset(problems[:1000])
+
+
+class KubePublisher:
+    """Writes the node's GPUHealth by server-side apply (creating it the first time)."""
+
+    def __init__(self, api_client: Any, timeout_s: float) -> None:
+        from kubernetes import client
+
+        self._api, self._timeout = client.CustomObjectsApi(api_client), timeout_s
+
+    def __call__(self, body: dict[str, Any]) -> None:
+        self._api.patch_cluster_custom_object(
+            GROUP, VERSION, PLURAL, body["metadata"]["name"], body, field_manager=FIELD_MANAGER,
+            force=True, _content_type="application/apply-patch+yaml",
+            _request_timeout=self._timeout)
+
+
+def _parser() -> argparse.ArgumentParser:
+    host = os.environ.get("HOST_IP") or "127.0.0.1"
+    p = argparse.ArgumentParser(
+        prog="tessera health-agent",
+        description="Node health agent: publishes this node's GPU health, read from its own "
+                    "dcgm-exporter, as the node's GPUHealth object.")
+    p.add_argument("--node", default=os.environ.get("NODE_NAME"), help="node name (env NODE_NAME)")
+    p.add_argument("--exporter-url", default=f"http://{host}:9400/metrics",
+                   help="this node's dcgm-exporter (default on the address in env HOST_IP)")
+    p.add_argument("--interval", type=float, default=10.0, help="seconds between reads")
+    p.add_argument("--refresh", type=float, default=REFRESH_S,
+                   help="seconds after which an unchanged object is written again")
+    p.add_argument("--gpus", type=int, default=0,
+                   help="the node's GPU count (0: every GPU seen on the exporter's pages)")
+    p.add_argument("--fetch-timeout", type=float, default=5.0,
+                   help="seconds for reading one page, in all")
+    p.add_argument("--api-timeout", type=float, default=3.0, help="seconds per API server call")
+    p.add_argument("--kubeconfig", help="kubeconfig file (default: in-cluster service account)")
+    p.add_argument("--log-level", default="INFO")
+    return p
+
+
+def _bad_setting(args: argparse.Namespace) -> str | None:
+    if not args.node:
+        return "--node (or NODE_NAME) is required"
+    if not is_node_name(args.node):
+        return f"--node {args.node!r} is not a Kubernetes node name"
+    if not args.exporter_url.startswith(("http://", "https://")):
+        return f"--exporter-url must be an http(s) URL, got {args.exporter_url!r}"
+    for flag in ("interval", "refresh", "fetch_timeout", "api_timeout"):
+        value = getattr(args, flag)
+        if not (value > 0 and math.isfinite(value)):
+            return f"--{flag.replace('_', '-')} must be a positive number of seconds, got {value}"
+    if not 0 <= args.gpus <= MAX_GPUS:
+        return f"--gpus must be 0 to {MAX_GPUS}, got {args.gpus}"
+    return None
+
+
+def main(argv: list[str]) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(message)s")
+    bad = _bad_setting(args)
+    if bad:
+        log.error("%s", bad)
+        return 2
+    try:
+        api = api_client(args.kubeconfig)
+    except Exception as err:  # no kubeconfig, no in-cluster environment, a malformed file
+        log.error("cannot configure the API client: %s", err)
+        return 1
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    agent = HealthAgent(args.node, args.exporter_url,
+                        lambda: fetch_page(args.exporter_url, args.fetch_timeout),
+                        KubePublisher(api, args.api_timeout), gpus=args.gpus,
+                        refresh_s=args.refresh)
+    log.info("health agent on node %s reading %s every %g s", args.node, args.exporter_url,
+             args.interval)
+    while not stop.is_set():
+        try:
+            agent.step()
+        except Exception:  # a bug in one read must not end the node's health reports
+            log.exception("health step failed")
+        stop.wait(args.interval)
+    api.close()
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main(sys.argv[1:]))

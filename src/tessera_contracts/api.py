@@ -1,0 +1,41 @@
+"""The Kubernetes names every process agrees on: API group, kinds, labels, annotations, field
+managers, and the CRDs themselves (package data, so an installed wheel carries them)."""
+
+from __future__ import annotations
+
+from importlib import resources
+from typing import Any
+
+import yaml
+
+GROUP = "tessera.dev"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+
+JOB_KIND, JOB_PLURAL = "NTPTrainingJob", "ntptrainingjobs"
+POWER_TARGET_KIND, POWER_TARGET_PLURAL = "GPUPowerTarget", "gpupowertargets"
+GPU_HEALTH_KIND, GPU_HEALTH_PLURAL = "GPUHealth", "gpuhealths"
+
+# on every child of a job: which job (its name) and which part (trainer or rendezvous)
+JOB_LABEL = f"{GROUP}/job"
+ROLE_LABEL = f"{GROUP}/role"
+# on a Node: the indices of its GPUs that a person took out of service (`tessera cordon-gpu`)
+CORDON_ANNOTATION = f"{GROUP}/cordoned-gpus"
+
+# server-side apply field managers, one per writer, so each owns only its own fields
+OPERATOR_MANAGER = "tessera-operator"
+HEALTH_AGENT_MANAGER = "tessera-health-agent"
+
+CRD_FILES = ("ntptrainingjob.yaml", "gpupowertarget.yaml", "gpuhealth.yaml")
+
+
+def crd_documents() -> list[dict[str, Any]]:
+    """The CustomResourceDefinitions Tessera serves, read from this package's data."""
+    folder = resources.files("tessera_contracts") / "crds"
+    return [yaml.safe_load((folder / name).read_text()) for name in CRD_FILES]
+
+
+def job_schema() -> dict[str, Any]:
+    """The NTPTrainingJob's `spec` schema (openAPIV3Schema), as the API server validates it."""
+    crd = crd_documents()[0]
+    return crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]

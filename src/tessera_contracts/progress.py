@@ -1,0 +1,299 @@
+"""The trainer pods' progress reports and what the operator makes of them.
+
+Each node's agent writes one `NodeReport` as JSON into the job's ConfigMap `<job>-progress`,
+key `<node>.json` (`report_key`); the operator reads them all (`read_reports`) and sets the
+job's status from `summarize`. Pure: no I/O, no Kubernetes; a report that does not parse is a
+`ReportError` (a ValueError), never anything else.
+
+A report describes its node since its agent started: the generation its ranks run, the job's
+last step they completed, the node's goodput ledger (docs/goodput.md) and a state:
+
+| state | the node's agent |
+| --- | --- |
+| `Starting` | has not seen its ranks complete a step yet |
+| `Training` | sees its ranks complete steps (checkpoints and the time between steps included) |
+| `Reconfiguring` | a generation failed or is being switched to, or it has no rank to run |
+| `Finished` | the job has finished and its ranks have exited |
+| `Failed` | cannot go on; `message` says why |
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+from tessera_contracts.vocabulary import BADPUT_CATEGORIES
+
+
+class State(StrEnum):
+    STARTING = "Starting"
+    TRAINING = "Training"
+    RECONFIGURING = "Reconfiguring"
+    FINISHED = "Finished"
+    FAILED = "Failed"
+
+
+class Phase(StrEnum):
+    """The job's phase as the operator shows it."""
+
+    PENDING = "Pending"
+    RUNNING = "Running"
+    RECONFIGURING = "Reconfiguring"
+    SUCCEEDED = "Succeeded"
+    FAILED = "Failed"
+
+
+class ReportError(ValueError):
+    """A progress report that is not a valid `NodeReport`; the message names the field."""
+
+
+def progress_configmap(job: str) -> str:
+    """The ConfigMap that holds the progress reports of `job`'s nodes."""
+    return f"{job}-progress"
+
+
+def report_key(node: str) -> str:
+    """The key of `node`'s report in the progress ConfigMap."""
+    return f"{node}.json"
+
+
+@dataclass(frozen=True)
+class NodeReport:
+    """One node's progress (module docstring). Seconds are floats; `badput_seconds` has a
+    value for some of `goodput.BADPUT_CATEGORIES` (a missing category is 0)."""
+
+    node: str
+    generation: int  # that its ranks run; 0 before its agent has entered one
+    step: int  # the job's last step its ranks completed
+    steps: int  # the job's steps in all
+    state: State
+    message: str = ""
+    step_seconds: float | None = None  # mean of the recent steps; None before any
+    # The node's ranks' mean compute time per step (forward, backward, optimizer; not the
+    # waits in the gradient sync) over the recent steps of the generation they run; None
+    # before any. The operator's closed boost loop compares replicas by it.
+    compute_seconds: float | None = None
+    samples: int = 0  # of the job's global batches that its ranks completed
+    tokens: int = 0
+    goodput: float = 0.0
+    productive_seconds: float = 0.0
+    wall_seconds: float = 0.0
+    badput_seconds: Mapping[str, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        _check(self.to_dict())  # one validation, whoever builds the report
+        object.__setattr__(self, "state", State(self.state))
+        # a category with no time is the same report with or without it
+        object.__setattr__(self, "badput_seconds",
+                           {c: float(s) for c, s in self.badput_seconds.items() if s})
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON form; an empty message is left out (at thousands of nodes the ConfigMap's
+        1 MiB holds all reports only if each is small), as are zero badput categories."""
+        out: dict[str, Any] = {
+            "node": self.node,
+            "generation": self.generation,
+            "step": self.step,
+            "steps": self.steps,
+            "state": str(self.state),
+        }
+        if self.message:
+            out["message"] = self.message
+        if self.step_seconds is not None:
+            out["stepSeconds"] = self.step_seconds
+        if self.compute_seconds is not None:
+            out["computeSeconds"] = self.compute_seconds
+        out |= {
+            "samples": self.samples,
+            "tokens": self.tokens,
+            "goodput": self.goodput,
+            "productiveSeconds": self.productive_seconds,
+            "wallSeconds": self.wall_seconds,
+            "badputSeconds": dict(self.badput_seconds),
+        }
+        return out
+
+    @classmethod
+    def from_dict(cls, document: object) -> NodeReport:
+        """A report from its JSON form; ReportError when anything is missing or wrong."""
+        d = _check(document)
+        return cls(
+            node=d["node"],
+            generation=d["generation"],
+            step=d["step"],
+            steps=d["steps"],
+            state=State(d["state"]),
+            message=d.get("message", ""),
+            step_seconds=d.get("stepSeconds"),
+            compute_seconds=d.get("computeSeconds"),
+            samples=d.get("samples", 0),
+            tokens=d.get("tokens", 0),
+            goodput=d.get("goodput", 0.0),
+            productive_seconds=d.get("productiveSeconds", 0.0),
+            wall_seconds=d.get("wallSeconds", 0.0),
+            badput_seconds=dict(d.get("badputSeconds", {})),
+        )
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str) -> NodeReport:
+        try:
+            document = json.loads(text)
+        except (json.JSONDecodeError, TypeError) as exc:
+            raise ReportError(f"not JSON: {exc}") from None
+        return cls.from_dict(document)
+
+
+_REQUIRED = ("node", "generation", "step", "steps", "state")
+
+
+def _check(document: object) -> Mapping[str, Any]:
+    """`document` if it is a valid report's JSON form, else ReportError."""
+    if not isinstance(document, Mapping):
+        raise ReportError(f"a report is a JSON object, got {type(document).__name__}")
+    missing = [k for k in _REQUIRED if k not in document]
+    if missing:
+        raise ReportError(f"missing {', '.join(missing)}")
+    d = document
+    if not isinstance(d["node"], str) or not d["node"]:
+        raise ReportError(f"node: a non-empty string, got {d['node']!r}")
+    for key in ("generation", "step", "samples", "tokens"):
+        _count(d, key)
+    if _count(d, "steps") < 1:
+        raise ReportError(f"steps: at least 1, got {d['steps']}")
+    if d["step"] > d["steps"]:
+        raise ReportError(f"step: {d['step']} is past the job's {d['steps']} steps")
+    if d["state"] not in [s.value for s in State]:  # by equality: any JSON value may come
+        raise ReportError(f"state: one of {', '.join(State)}, got {d['state']!r}")
+    if not isinstance(d.get("message", ""), str):
+        raise ReportError(f"message: a string, got {d['message']!r}")
+    for key in ("stepSeconds", "computeSeconds"):
+        if d.get(key) is not None:
+            _seconds(d, key)
+    if not 0.0 <= _seconds(d, "goodput") <= 1.0:
+        raise ReportError(f"goodput: between 0 and 1, got {d['goodput']}")
+    _seconds(d, "productiveSeconds")
+    _seconds(d, "wallSeconds")
+    badput = d.get("badputSeconds", {})
+    if not isinstance(badput, Mapping):
+        raise ReportError(f"badputSeconds: an object, got {badput!r}")
+    for category in badput:
+        if category not in BADPUT_CATEGORIES:
+            raise ReportError(f"badputSeconds: {category!r} is not one of "
+                              f"{', '.join(BADPUT_CATEGORIES)}")
+        _seconds(badput, category, f"badputSeconds.{category}")
+    return d
+
+
+def _count(d: Mapping[str, Any], key: str) -> int:
+    value = d.get(key, 0)
+    # bool is an int in Python, never a count in a report
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ReportError(f"{key}: a non-negative integer, got {value!r}")
+    return value
+
+
+def _seconds(d: Mapping[str, Any], key: str, name: str | None = None) -> float:
+    value = d.get(key, 0.0)
+    try:
+        # an int past a double's range is an OverflowError here, and no number of seconds
+        number = float(value) if isinstance(value, int | float) else math.nan
+    except OverflowError:
+        number = math.inf
+    if isinstance(value, bool) or not math.isfinite(number) or number < 0:
+        raise ReportError(f"{name or key}: a non-negative number, got {value!r}")
+    return number
+
+
+def read_reports(data: Mapping[str, str] | None, nodes: Sequence[str]
+                 ) -> dict[str, NodeReport | None]:
+    """Each node's report from the progress ConfigMap's data; None where a node has none or
+    its report is not valid (an agent of another version, a hand edit)."""
+    reports: dict[str, NodeReport | None] = {}
+    for node in nodes:
+        text = (data or {}).get(report_key(node))
+        try:
+            reports[node] = None if text is None else NodeReport.from_json(text)
+        except ReportError:
+            reports[node] = None
+    return reports
+
+
+@dataclass(frozen=True)
+class JobProgress:
+    """What the operator puts in the job's status."""
+
+    phase: Phase
+    step: int  # the job's last completed step
+    steps: int | None  # the job's steps in all, as the reports say; None without reports
+    goodput: float | None  # None before any wall time is reported
+    message: str
+
+
+# How many node names a message lists before it says "and N more".
+_NAMED = 3
+
+
+def _names(nodes: Sequence[str], why: Mapping[str, str]) -> str:
+    named = [f"{n} ({why[n]})" for n in nodes[:_NAMED]]
+    more = len(nodes) - _NAMED
+    return ", ".join(named) + (f" and {more} more" if more > 0 else "")
+
+
+def summarize(reports: Mapping[str, NodeReport | None], published_generation: int,
+              nodes: Sequence[str]) -> JobProgress:
+    """The job's progress from its nodes' reports.
+
+    `nodes`: the nodes of the published generation; phase and step are theirs. The phase is
+    the first that holds of: Failed (one of them reports Failed), Succeeded (every one reports
+    Finished), Pending (none has a report past Starting: the job has not trained yet),
+    Reconfiguring (one has no report, is starting, reports Reconfiguring, or runs a generation
+    before `published_generation`), Running. The step is the lowest among those that have
+    trained (a node still starting has done no step yet). Goodput is the job's: productive over
+    wall seconds summed over every report given, those of nodes that left the job included
+    (their time was the job's too); weighting by wall time makes it the mean of the nodes'
+    goodput over the node-seconds they were part of the job.
+    """
+    mine = {n: reports.get(n) for n in nodes}
+    present = [r for r in mine.values() if r is not None]
+    everyone = [r for r in reports.values() if r is not None]
+    wall = sum(r.wall_seconds for r in everyone)
+    goodput = sum(r.productive_seconds for r in everyone) / wall if wall > 0 else None
+    steps = max((r.steps for r in everyone), default=None)
+    trained = [r for r in present if r.state is not State.STARTING] or present
+    step = min((r.step for r in trained), default=0)
+    of_steps = f"step {step}" + (f"/{steps}" if steps is not None else "")
+
+    failed = [r for r in present if r.state is State.FAILED]
+    if failed:
+        first = failed[0]
+        more = f" ({len(failed) - 1} more node(s) failed)" if len(failed) > 1 else ""
+        return JobProgress(Phase.FAILED, step, steps, goodput,
+                           f"{first.node} failed: {first.message or 'no reason given'}{more}")
+    if nodes and len(present) == len(nodes) and all(r.state is State.FINISHED for r in present):
+        return JobProgress(Phase.SUCCEEDED, step, steps, goodput,
+                           f"all {len(nodes)} nodes finished at {of_steps}")
+    if all(r.state is State.STARTING for r in present):
+        return JobProgress(Phase.PENDING, step, steps, goodput,
+                           f"{len(present)}/{len(nodes)} nodes started, none has trained yet")
+    why: dict[str, str] = {}
+    for node, r in mine.items():
+        if r is None:
+            why[node] = "no report"
+        elif r.generation < published_generation:
+            why[node] = f"generation {r.generation}"
+        elif r.state in (State.STARTING, State.RECONFIGURING):
+            why[node] = r.state.lower()
+    if why:
+        waiting = [n for n in nodes if n in why]
+        return JobProgress(Phase.RECONFIGURING, step, steps, goodput,
+                           f"{of_steps}, generation {published_generation}: waiting for "
+                           f"{_names(waiting, why)}")
+    return JobProgress(Phase.RUNNING, step, steps, goodput,
+                       f"{of_steps}, generation {published_generation}, {len(nodes)} nodes")

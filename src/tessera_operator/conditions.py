@@ -1,0 +1,216 @@
+"""An NTPTrainingJob's status rebuilt from a plan: phase, TP layout, replicas and Conditions.
+
+Pure: the operator passes what it observed (the plan, or why there is none; what the trainer
+pods reported and how they ended) and the previous status, and gets the whole new status back.
+A condition keeps its lastTransitionTime while its status stays the same, as metav1.Condition
+requires.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from tessera_contracts.progress import JobProgress, Phase
+from tessera_contracts.vocabulary import FailurePolicy
+from tessera_operator.planner import Boost, JobPlan, Problem, ReplicaKey, gpu_name
+
+# Far below the CRD's 32768: a status must stay small whatever the number of replicas.
+MESSAGE_MAX = 2048
+LAYOUT_IN_MESSAGE_MAX = 256
+# A status must stay well inside etcd's 1.5 MiB request limit whatever the job's size (8,192
+# replicas would take about 1 MB): past this budget replicas[] lists the reduced replicas first,
+# then the others by index, and Ready's message says how many it leaves out.
+REPLICAS_BYTES_MAX = 512 * 1024
+
+
+@dataclass(frozen=True)
+class PodOutcome:
+    """How the job's trainer pods ended: all succeeded, or one failed (the message says which
+    and why)."""
+
+    succeeded: bool
+    message: str
+
+
+@dataclass(frozen=True)
+class Condition:
+    type: str
+    status: bool
+    reason: str
+    message: str
+
+
+def _clip(message: str) -> str:
+    tail = " ... (clipped)"
+    return message if len(message) <= MESSAGE_MAX else message[: MESSAGE_MAX - len(tail)] + tail
+
+
+def _ready(plan: JobPlan | None, problems: Sequence[Problem], notes: Sequence[str]) -> Condition:
+    suffix = "".join(f"; {n}" for n in notes)
+    if plan is None or not plan.replicas:
+        first = problems[0] if problems else Problem("NoGPUNodes", "no GPU node serves this job")
+        return Condition("Ready", False, first.reason, first.message + suffix)
+    if plan.degraded:
+        layout = plan.tp_layout
+        if len(layout) > LAYOUT_IN_MESSAGE_MAX:  # tpLayout holds it; the message stays readable
+            reduced = sum(r.tp < plan.spec.tp for r in plan.replicas)
+            layout = f"{plan.spec.tp}, {reduced} of them reduced (degrees in tpLayout)"
+        return Condition("Ready", True, "RunningDegraded",
+                         f"{len(plan.replicas)} replicas at TP {layout}" + suffix)
+    return Condition("Ready", True, "AllReplicasHealthy",
+                     f"{len(plan.replicas)} replicas at TP {plan.spec.tp}" + suffix)
+
+
+def _degraded(plan: JobPlan | None) -> Condition:
+    if plan is None or not plan.replicas:
+        return Condition("Degraded", False, "NotRunning", "no replica is running")
+    reduced = [r for r in plan.replicas if r.tp < plan.spec.tp]
+    if reduced:
+        parts = [f"replica {r.index} at TP {r.tp} (failed "
+                 f"{', '.join(map(gpu_name, r.failed_gpus())) or 'none: packed with one'})"
+                 for r in reduced]
+        return Condition("Degraded", True, "ReducedTensorParallelism", "; ".join(parts))
+    if len(plan.replicas) < plan.spec.dp:
+        return Condition("Degraded", True, "ReplicasDropped",
+                         f"{len(plan.replicas)} of {plan.spec.dp} replicas running")
+    return Condition("Degraded", False, "AllReplicasHealthy", "every replica runs at full TP")
+
+
+def _power(plan: JobPlan | None, held: Sequence[str]) -> Condition:
+    if plan is None or plan.spec.power is None or plan.spec.mode is not FailurePolicy.NTP_PW:
+        return Condition("PowerBoosted", False, "NotNTPPW",
+                         "power boosts need failurePolicy.mode NTP-PW and a powerPolicy")
+    boosted = [r for r in plan.replicas if r.power_ratio > 1.0]
+    if not boosted:
+        return Condition("PowerBoosted", False, "NoReducedReplica", "every GPU at its base cap")
+    parts = [f"replica {r.index} (TP {r.tp}): x{r.power_ratio:.3f} power, capped at "
+             f"{plan.spec.power.boost_cap_w} W" for r in boosted]
+    if held:  # asked for, not in effect yet: say so rather than claim it
+        parts.append(f"raises on {', '.join(held)} wait for their racks' cuts to be reported "
+                     "in effect")
+    return Condition("PowerBoosted", True, "SurvivorsBoosted", "; ".join(parts))
+
+
+def _training(trained: JobProgress, pods: PodOutcome | None) -> Condition:
+    if pods is not None:
+        return Condition("Training", False, "Succeeded" if pods.succeeded else "TrainerFailed",
+                         pods.message)
+    active = trained.phase in (Phase.RUNNING, Phase.RECONFIGURING)
+    return Condition("Training", active, trained.phase.value, trained.message)
+
+
+def conditions(
+    plan: JobPlan | None, problems: Sequence[Problem], notes: Sequence[str] = (),
+    held: Sequence[str] = (), trained: JobProgress | None = None,
+    pods: PodOutcome | None = None,
+) -> tuple[Condition, ...]:
+    """Ready, Degraded and PowerBoosted; `notes` (ignored health input) go into Ready's message,
+    `held` (nodes whose power raise waits for a cut elsewhere in the rack) into PowerBoosted's.
+    With the trainers' progress, also Training (what the trainers did, not only the plan)."""
+    found = (_ready(plan, problems, notes), _degraded(plan), _power(plan, held))
+    return found if trained is None else (*found, _training(trained, pods))
+
+
+def phase(plan: JobPlan | None, trained: JobProgress | None = None,
+          pods: PodOutcome | None = None) -> str:
+    """Succeeded or Failed as the trainer pods ended; else Pending without a layout; else
+    what the trainers report (Pending before they train, Reconfiguring while one has not
+    reached the published generation); else Degraded or Running by the layout."""
+    if pods is not None:
+        return "Succeeded" if pods.succeeded else "Failed"
+    if plan is None or not plan.replicas:
+        return "Pending"
+    if trained is not None and trained.phase is not Phase.RUNNING:
+        return trained.phase.value
+    return "Degraded" if plan.degraded else "Running"
+
+
+def _replicas(plan: JobPlan) -> list[dict[str, Any]]:
+    """The replicas the status lists, within REPLICAS_BYTES_MAX, in index order."""
+    listed, size = [], 0
+    for r in sorted(plan.replicas, key=lambda r: (r.tp == plan.spec.tp, r.index)):
+        entry = {
+            "index": r.index,
+            "tensorParallelSize": r.tp,
+            "nodes": list(r.nodes()),
+            "failedGPUs": [gpu_name(g) for g in r.failed_gpus()],
+            "powerBoosted": plan.spec.mode is FailurePolicy.NTP_PW and r.power_ratio > 1.0,
+        }
+        # the closed loop's state
+        if plan.spec.mode is FailurePolicy.NTP_PW and r.tp < plan.spec.tp:
+            entry |= {"powerRatio": round(r.power_ratio, 4), "powerRatioStep": r.ratio_step}
+        size += len(json.dumps(entry))
+        if size > REPLICAS_BYTES_MAX:
+            break
+        listed.append(entry)
+    return sorted(listed, key=lambda e: e["index"])
+
+
+def boosts(previous: Mapping[str, Any]) -> dict[ReplicaKey, Boost]:
+    """The closed loop's boosts as `render` left them in the status (what does not read as
+    one, say a hand edit, is left out: that replica's loop starts from the open-loop seed)."""
+    found = {}
+    for entry in previous.get("replicas") or []:
+        try:
+            key = (entry["index"], entry["tensorParallelSize"], tuple(entry["nodes"]),
+                   tuple(entry["failedGPUs"]))
+            ratio, step = float(entry["powerRatio"]), int(entry["powerRatioStep"])
+        except (KeyError, TypeError, ValueError):
+            continue
+        found[key] = Boost(ratio, step)
+    return found
+
+
+def render(
+    plan: JobPlan | None,
+    problems: Sequence[Problem],
+    previous: Mapping[str, Any],
+    *,
+    now: str,
+    generation: int,
+    layout_generation: int,
+    notes: Sequence[str] = (),
+    held: Sequence[str] = (),
+    trained: JobProgress | None = None,
+    pods: PodOutcome | None = None,
+) -> dict[str, Any]:
+    """The job's whole status. `previous` is the status as observed, `now` an RFC 3339 time;
+    `trained` the trainers' progress (None: not observed), `pods` how they ended (None: not
+    yet)."""
+    before = {c.get("type"): c for c in previous.get("conditions") or []}
+    replicas = _replicas(plan) if plan else []
+    if plan and len(replicas) < len(plan.replicas):
+        notes = (*notes, f"status.replicas lists {len(replicas)} of {len(plan.replicas)} "
+                         "replicas, the reduced ones first")
+    rendered = []
+    for c in conditions(plan, problems, notes, held, trained, pods):
+        status = "True" if c.status else "False"
+        old = before.get(c.type) or {}
+        since = old.get("lastTransitionTime") if old.get("status") == status else None
+        rendered.append({"type": c.type, "status": status, "reason": c.reason,
+                         "message": _clip(c.message), "observedGeneration": generation,
+                         "lastTransitionTime": since or now})
+    status = {
+        "observedGeneration": generation,
+        "phase": phase(plan, trained, pods),
+        "layoutGeneration": layout_generation,
+        "tpLayout": plan.tp_layout if plan else "",
+        "replicas": replicas,
+        "conditions": rendered,
+    }
+    if trained is not None:
+        status["step"] = trained.step
+        if trained.goodput is not None:
+            status["goodput"] = round(trained.goodput, 4)
+    return status
+
+
+def changed(previous: Mapping[str, Any], current: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """Conditions whose status, reason or message differ from before: one Event each."""
+    before = {c.get("type"): c for c in previous.get("conditions") or []}
+    key = ("status", "reason", "message")
+    return [c for c in current["conditions"]
+            if tuple(c[k] for k in key) != tuple((before.get(c["type"]) or {}).get(k) for k in key)]

@@ -1,0 +1,233 @@
+"""GPU health from observed objects: the set of (node, GPU index) the planner must not use.
+
+Pure: it reads objects as the API returns them (plain dicts) and never raises on what a person
+typed into an annotation or a node published; a value it cannot use is ignored and reported with
+the reason. Every source (the administrative cordon on Nodes, DCGM through each node's GPUHealth)
+produces a `Health`, and `merge` combines them, so the planner sees one shape whatever the signal.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from tessera_contracts.api import CORDON_ANNOTATION
+from tessera_contracts.cordon import parse_indices, shown
+from tessera_contracts.gpuhealth import REFRESH_S, STALE_REFRESHES, is_fatal
+
+GpuId = tuple[str, int]
+
+
+GPU_HEALTH_STALE_AFTER_S = STALE_REFRESHES * REFRESH_S
+
+
+@dataclass(frozen=True)
+class Health:
+    """Failed GPUs, GPUs whose health no source could tell (neither failed nor healthy), and
+    why some input was ignored or is unknown (one human-readable line each)."""
+
+    failed: frozenset[GpuId] = frozenset()
+    problems: tuple[str, ...] = ()
+    unknown: frozenset[GpuId] = frozenset()
+
+    def merge(self, other: Health) -> Health:
+        return Health(self.failed | other.failed, self.problems + other.problems,
+                      self.unknown | other.unknown)
+
+
+def from_cordons(nodes: Iterable[Mapping[str, Any]], gpus_per_node: int) -> Health:
+    """GPUs an administrator cordoned through the node annotation."""
+    failed: set[GpuId] = set()
+    problems: list[str] = []
+    for node in nodes:
+        name = node["metadata"]["name"]
+        annotations = node["metadata"].get("annotations") or {}
+        value = annotations.get(CORDON_ANNOTATION)
+        if value is None:
+            continue
+        indices, bad = parse_indices(str(value), gpus_per_node)
+        failed.update((name, i) for i in indices)
+        problems.extend(f"node {name}: {CORDON_ANNOTATION}: {why}, ignored" for why in bad)
+    return Health(frozenset(failed), tuple(problems))
+
+
+# The node lifecycle controller's reason once a node's kubelet stops posting its status (a node
+# that never posted any gets NodeStatusNeverUpdated instead: nothing ran there to lose).
+NODE_LOST_REASON = "NodeStatusUnknown"
+
+
+def node_lost(node: Mapping[str, Any]) -> bool:
+    """The node stopped reporting: its Ready condition is Unknown because its kubelet went
+    silent (the node died whole, or its network did)."""
+    for condition in (node.get("status") or {}).get("conditions") or []:
+        if condition.get("type") == "Ready":
+            return condition.get("status") == "Unknown" and \
+                condition.get("reason") == NODE_LOST_REASON
+    return False
+
+
+def from_lost_nodes(nodes: Iterable[Mapping[str, Any]], gpus_per_node: int, *,
+                    placed: Iterable[str] = (), leaving: Iterable[str] = ()) -> Health:
+    """Every GPU of a lost node is failed: whatever ran there is out of reach, and the
+    survivors elsewhere can go on only without it. A node is lost when it stopped reporting,
+    when it is one of the job's `placed` nodes but gone from the API (`nodes` lacks it), or
+    when the job's trainer pod on it is `leaving` (being deleted).
+
+    When every node of the job stopped reporting at once, that is taken for the control
+    plane's view failing (as the node lifecycle controller takes a fully disrupted zone), not
+    for every node dying: none is lost, and the problems say so."""
+    nodes = list(nodes)
+    present = {node["metadata"]["name"] for node in nodes}
+    silent = sorted(node["metadata"]["name"] for node in nodes if node_lost(node))
+    problems: list[str] = []
+    if silent and len(silent) == len(nodes):
+        problems.append(f"every node of the job ({len(silent)}) stopped reporting at once: "
+                        "taken for the control plane's view, not as lost")
+        silent = []
+    why = {name: "its kubelet stopped reporting (Ready Unknown)" for name in silent}
+    why |= {name: "its trainer pod is being deleted" for name in sorted(set(leaving))
+            if name not in why}
+    why |= {name: "it is gone from the API" for name in sorted(set(placed) - present)}
+    failed = {(name, i) for name in why for i in range(gpus_per_node)}
+    problems += [f"node {name}: {reason}: its GPUs are lost" for name, reason in why.items()]
+    return Health(frozenset(failed), tuple(problems))
+
+
+def _timestamp(value: Any) -> float | None:
+    """Seconds since the epoch of an RFC 3339 time such as 2026-12-01T08:00:00Z; None if it is
+    not one."""
+    if not isinstance(value, str) or len(value) > 64:
+        return None
+    try:
+        parsed = datetime.fromisoformat(value)
+    except ValueError:
+        return None
+    return parsed.replace(tzinfo=parsed.tzinfo or UTC).timestamp()
+
+
+def _gpu_entries(status: Mapping[str, Any], gpus: int) -> tuple[dict[int, Mapping[str, Any]],
+                                                                 list[str]]:
+    entries: dict[int, Mapping[str, Any]] = {}
+    bad: list[str] = []
+    listed = status.get("gpus")
+    for entry in listed if isinstance(listed, list) else []:
+        index = entry.get("index") if isinstance(entry, Mapping) else None
+        if isinstance(index, bool) or not isinstance(index, int):
+            bad.append(f"an entry without a GPU index ({shown(str(entry))})")
+        elif not 0 <= index < gpus:
+            continue  # a GPU beyond the job's count per node is not the job's
+        elif index in entries:
+            bad.append(f"GPU {index} listed twice")
+        else:
+            entries[index] = entry
+    return entries, bad
+
+
+def _xids(entry: Mapping[str, Any]) -> list[int]:
+    listed = entry.get("xids")
+    return [x for x in listed if isinstance(x, int) and not isinstance(x, bool)] \
+        if isinstance(listed, list) else []
+
+
+def _ranges(indices: Iterable[int]) -> str:
+    return ", ".join(map(str, sorted(indices)))
+
+
+def from_gpu_health(objects: Iterable[Mapping[str, Any]], gpus_per_node: int,
+                    fatal_xids: Iterable[int] | None, *, now: float,
+                    nodes: Iterable[str] | None = None,
+                    max_age: float = GPU_HEALTH_STALE_AFTER_S) -> Health:
+    """GPUs that DCGM shows failed for the job, from the nodes' GPUHealth objects.
+
+    A GPU is failed when its node reports it Failed (a DCGM health watch failing on something
+    other than an XID) or lists a recent XID in `fatal_xids`, the job's `failurePolicy.fatalXIDs`
+    (None: the NVIDIA device plugin's rule, every XID but the application errors). It is unknown,
+    neither failed nor healthy, when the node reports it Unknown, does not list it, published
+    last more than `max_age` seconds before `now` (Unix seconds) or published nothing at all
+    (`nodes`: the job's nodes, when given; one without an object is unknown, and objects of
+    other nodes are not read). Each node with unknown GPUs gets one line in the problems, saying
+    which and why.
+    """
+    fatal = None if fatal_xids is None else frozenset(fatal_xids)
+    failed: set[GpuId] = set()
+    unknown: set[GpuId] = set()
+    problems: list[str] = []
+    every = range(gpus_per_node)
+    published: set[str] = set()
+    wanted = None if nodes is None else frozenset(nodes)
+
+    def not_known(node: str, indices: Iterable[int], why: str) -> None:
+        indices = sorted(indices)
+        if indices:
+            unknown.update((node, i) for i in indices)
+            problems.append(f"node {node}: GPU health unknown for GPUs {_ranges(indices)}: {why}")
+
+    for obj in objects:
+        name = (obj.get("metadata") or {}).get("name")
+        if not isinstance(name, str):
+            problems.append("a GPUHealth object without a name, ignored")
+            continue
+        if wanted is not None and name not in wanted:
+            continue
+        published.add(name)
+        status = obj.get("status")
+        status = status if isinstance(status, Mapping) else {}
+        observed = _timestamp(status.get("observedAt"))
+        if observed is None:
+            not_known(name, every, "its GPUHealth has no valid observedAt")
+            continue
+        if now - observed > max_age:
+            not_known(name, every, f"its GPUHealth was published {now - observed:.0f} s ago, "
+                                   f"over {max_age:.0f} s (is its health agent running?)")
+            continue
+        if observed - now > max_age:  # a clock this far ahead would never go stale
+            not_known(name, every, f"its GPUHealth claims to be from {observed - now:.0f} s "
+                                   "in the future")
+            continue
+        entries, bad = _gpu_entries(status, gpus_per_node)
+        problems.extend(f"node {name}: GPUHealth: {why}, ignored" for why in bad)
+        reasons: dict[str, list[int]] = {}
+        for i in every:
+            entry = entries.get(i)
+            state = entry.get("state") if entry is not None else None
+            xids = _xids(entry) if entry is not None else []
+            if state == "Failed" or any(is_fatal(x, fatal) for x in xids):
+                failed.add((name, i))
+            elif state not in ("Healthy", "Failed"):
+                why = ("not listed" if entry is None else
+                       str(entry.get("reason") or f"state {shown(str(state))}"))
+                reasons.setdefault(_shown_reason(why), []).append(i)
+        for why, indices in reasons.items():
+            not_known(name, indices, why)
+    for node in sorted((wanted or frozenset()) - published):
+        not_known(node, every, "the node published no GPUHealth")
+    return Health(frozenset(failed), tuple(problems), frozenset(unknown))
+
+
+def hold_unknown(health: Health, in_force: Iterable[GpuId] | None,
+                 reporting: Iterable[str]) -> Health:
+    """`health` with every unknown GPU kept where the generation in force has it: one out of the
+    layout (it failed, or was drained, when its health was last known) stays out until a source
+    tells again; one in it stays in (unknown is never failed).
+
+    Only GPUs of `reporting` nodes (those that published a GPUHealth, stale or not) are held: a
+    node that never published says nothing, and its cordons alone decide. With no generation in
+    force (`in_force` None) there is nothing to hold."""
+    if in_force is None:
+        return health
+    nodes, kept = frozenset(reporting), frozenset(in_force)
+    held = sorted(g for g in health.unknown - health.failed - kept if g[0] in nodes)
+    if not held:
+        return health
+    by_node: dict[str, list[int]] = {}
+    for node, index in held:
+        by_node.setdefault(node, []).append(index)
+    notes = tuple(f"node {node}: GPUs {_ranges(indices)} stay out of the layout while their "
+                  "health is unknown" for node, indices in sorted(by_node.items()))
+    return Health(health.failed | frozenset(held), health.problems + notes, health.unknown)
+
+
+def _shown_reason(reason: str) -> str:
+    return reason if len(reason) <= 200 else reason[:200] + "..."
