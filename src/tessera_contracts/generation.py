@@ -12,7 +12,7 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from tessera_contracts.model_shape import ModelShape, PlanError
+from tessera_contracts.model_shape import SPEC_FIELDS, ModelShape, PlanError
 from tessera_contracts.vocabulary import FailurePolicy
 
 SCHEMA_VERSION = 1
@@ -26,16 +26,6 @@ def layout_configmap(job: str) -> str:
     return f"{job}-layout"
 
 
-# spec.model's field names (CRD) -> ModelShape's
-_MODEL_FIELDS = {
-    "hidden": "hidden",
-    "heads": "n_heads",
-    "kvHeads": "n_kv_heads",
-    "ffn": "ffn",
-    "vocab": "vocab",
-    "layers": "n_layers",
-    "seqLen": "seq_len",
-}
 
 
 class GenerationError(ValueError):
@@ -152,7 +142,7 @@ class Generation:
             "kind": KIND,
             "schemaVersion": SCHEMA_VERSION,
             "generation": self.generation,
-            "model": {key: getattr(self.model, attr) for key, attr in _MODEL_FIELDS.items()},
+            "model": self.model.to_spec(),
             "globalBatch": self.global_batch,
             "mode": self.mode,
             "replicas": [{"gpus": [str(g) for g in r]} for r in self.replicas],
@@ -177,10 +167,10 @@ class Generation:
                 "schemaVersion", f"this trainer reads version {SCHEMA_VERSION}, got {version!r}"
             )
         model = _mapping(data, "model")
-        for key in _MODEL_FIELDS:
+        for key in SPEC_FIELDS:
             _check_int(f"model.{key}", model.get(key), 1)
         try:
-            shape = ModelShape(**{attr: model[key] for key, attr in _MODEL_FIELDS.items()})
+            shape = ModelShape.from_spec(model)
         except PlanError as exc:
             raise GenerationError("model", str(exc)) from exc
         replicas = data.get("replicas")

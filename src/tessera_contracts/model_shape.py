@@ -3,7 +3,20 @@ it by: query heads, KV heads, MLP columns and vocabulary rows."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
+
+# spec.model's field names (the CRD's, and the generation document's) -> ModelShape's
+SPEC_FIELDS = {
+    "hidden": "hidden",
+    "heads": "n_heads",
+    "kvHeads": "n_kv_heads",
+    "ffn": "ffn",
+    "vocab": "vocab",
+    "layers": "n_layers",
+    "seqLen": "seq_len",
+}
 
 
 class PlanError(ValueError):
@@ -35,6 +48,14 @@ class ModelShape:
             raise PlanError(
                 f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})"
             )
+
+    @classmethod
+    def from_spec(cls, model: Mapping[str, Any]) -> ModelShape:
+        """From `spec.model` (KeyError names a missing field, PlanError a bad value)."""
+        return cls(**{attr: model[key] for key, attr in SPEC_FIELDS.items()})
+
+    def to_spec(self) -> dict[str, int]:
+        return {key: getattr(self, attr) for key, attr in SPEC_FIELDS.items()}
 
     @property
     def head_dim(self) -> int:

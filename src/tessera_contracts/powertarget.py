@@ -15,10 +15,8 @@ from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Any
 
-GROUP = "tessera.dev"
-VERSION = "v1alpha1"
-KIND = "GPUPowerTarget"
-PLURAL = "gpupowertargets"
+from tessera_contracts.api import GROUP, VERSION
+from tessera_contracts.api import POWER_TARGET_KIND as KIND
 
 # Sanity bounds, far outside any real GPU (the device's own [min, max] is applied later): they
 # exist to reject garbage, e.g. a watts value given in milliwatts.

@@ -24,38 +24,31 @@ from functools import cached_property
 from itertools import groupby
 from typing import Any
 
+from tessera_contracts.jobspec import SpecError, defaulted, schema_default
+from tessera_contracts.model_shape import ModelShape, PlanError
 from tessera_contracts.powertarget import PowerTarget
 from tessera_contracts.progress import NodeReport, State
 from tessera_contracts.vocabulary import FailurePolicy
-from tessera_core import plan as core_plan
 from tessera_core.group_decision import GroupDecision, decide_group
 from tessera_operator.power_planning import PowerPolicy, next_boost_ratio, plan_rack
 
-DEFAULT_DOMAIN_LABEL = "nvidia.com/gpu.clique"
+DEFAULT_DOMAIN_LABEL: str = schema_default("scaleUpDomainLabel")
 TP_LAYOUT_MAX = 4096  # status.tpLayout's maxLength in the CRD
 
 GpuId = tuple[str, int]
 ReplicaKey = tuple[int, int, tuple[str, ...], tuple[str, ...]]
 
 
-class SpecError(ValueError):
-    """A job spec the planner cannot use; `field` is the spec path to fix."""
-
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(f"spec.{field}: {message}")
-        self.field = field
-
-
 @dataclass(frozen=True)
 class JobSpec:
     """The parts of an NTPTrainingJob spec that planning needs."""
 
-    shape: core_plan.ModelShape
+    shape: ModelShape
     tp: int
     dp: int
-    pp: int = 1
-    gpus_per_node: int = 8
-    mode: FailurePolicy = FailurePolicy.NTP
+    pp: int = schema_default("pipelineParallelSize")
+    gpus_per_node: int = schema_default("gpusPerNode")
+    mode: FailurePolicy = FailurePolicy(schema_default("failurePolicy.mode"))
     min_tp: int = 0  # 0: half the healthy TP, as in the simulator
     domain_label: str = DEFAULT_DOMAIN_LABEL
     power: PowerPolicy | None = None
@@ -67,28 +60,26 @@ class JobSpec:
     @classmethod
     def from_spec(cls, spec: Mapping[str, Any]) -> JobSpec:
         """Read the API object's spec (defaults as in the CRD); SpecError names the bad field."""
+        spec = defaulted(spec)
         model = spec.get("model") or {}
         try:
-            shape = core_plan.ModelShape(
-                hidden=model["hidden"], n_heads=model["heads"], n_kv_heads=model["kvHeads"],
-                ffn=model["ffn"], vocab=model["vocab"], n_layers=model["layers"],
-                seq_len=model["seqLen"])
+            shape = ModelShape.from_spec(model)
         except KeyError as exc:
             raise SpecError(f"model.{exc.args[0]}", "is required") from exc
-        except core_plan.PlanError as exc:
+        except PlanError as exc:
             raise SpecError("model", str(exc)) from exc
-        failure = spec.get("failurePolicy") or {}
-        mode = failure.get("mode", FailurePolicy.NTP)
+        failure = spec["failurePolicy"]
+        mode = failure["mode"]
         if mode not in FailurePolicy.__members__.values():
             raise SpecError("failurePolicy.mode",
                             f"{mode!r} is not one of {', '.join(FailurePolicy)}")
         try:
             job = cls(
                 shape=shape, tp=int(spec["tensorParallelSize"]),
-                dp=int(spec["dataParallelReplicas"]), pp=int(spec.get("pipelineParallelSize", 1)),
-                gpus_per_node=int(spec.get("gpusPerNode", 8)), mode=FailurePolicy(mode),
+                dp=int(spec["dataParallelReplicas"]), pp=int(spec["pipelineParallelSize"]),
+                gpus_per_node=int(spec["gpusPerNode"]), mode=FailurePolicy(mode),
                 min_tp=int(failure.get("minTensorParallelSize", 0)),
-                domain_label=spec.get("scaleUpDomainLabel", DEFAULT_DOMAIN_LABEL),
+                domain_label=spec["scaleUpDomainLabel"],
                 power=_power_policy(spec.get("powerPolicy")))
         except KeyError as exc:
             raise SpecError(str(exc.args[0]), "is required") from exc
@@ -106,7 +97,7 @@ def _power_policy(power: Mapping[str, Any] | None) -> PowerPolicy | None:
         return PowerPolicy(
             base_w=int(power["baseCapWatts"]), boost_cap_w=int(power["boostCapWatts"]),
             rack_budget_w=power.get("rackBudgetWatts"),
-            ramp_step_w=(power.get("ramp") or {}).get("stepWatts"))
+            ramp_step_w=power["ramp"]["stepWatts"])
     except KeyError as exc:
         raise SpecError(f"powerPolicy.{exc.args[0]}", "is required") from exc
     except ValueError as exc:

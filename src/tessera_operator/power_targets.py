@@ -18,11 +18,10 @@ from typing import Any
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
+from tessera_contracts.api import GROUP, VERSION
+from tessera_contracts.api import POWER_TARGET_PLURAL as PLURAL
 from tessera_contracts.powertarget import (
-    GROUP,
     OPTIONAL_FIELDS,
-    PLURAL,
-    VERSION,
     PowerTarget,
     to_object,
 )

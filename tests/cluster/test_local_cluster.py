@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 from kubernetes import client
 
-from tessera_contracts import powertarget as targets
+from tessera_contracts import api, powertarget
 from tessera_dev import paths, probes, processes
 from tessera_dev.controlplane import cluster, launcher
 
@@ -189,10 +189,10 @@ def test_the_shipped_manifests_run_the_operator_and_a_power_agent_per_node(insta
     # 2. a power target per node (what the operator publishes): every GPU to 600 W
     custom = client.CustomObjectsApi(admin_api)
     for node in nodes:
-        target = targets.PowerTarget(node=node, rack=node, budget_w=8 * 600, base_w=600,
-                                     rack_budget_w=8 * 600)
-        custom.create_cluster_custom_object(targets.GROUP, targets.VERSION, targets.PLURAL,
-                                            targets.to_object(target))
+        target = powertarget.PowerTarget(node=node, rack=node, budget_w=8 * 600, base_w=600,
+                                         rack_budget_w=8 * 600)
+        custom.create_cluster_custom_object(api.GROUP, api.VERSION, api.POWER_TARGET_PLURAL,
+                                            powertarget.to_object(target))
     # 3. the limit shows in both the node's DCGM exporter and the agent's metrics, as scraped
     #    by Prometheus from targets it discovered through the API
     prometheus = own.prometheus

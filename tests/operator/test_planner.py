@@ -11,13 +11,14 @@ import pytest
 
 from tessera_contracts import api
 from tessera_contracts.generation import Rendezvous
+from tessera_contracts.jobspec import SpecError
 from tessera_contracts.model_shape import ModelShape
 from tessera_contracts.powertarget import parse_object, to_object
 from tessera_contracts.vocabulary import FailurePolicy
 from tessera_core.perf_model import PAPER
 from tessera_core.plan import layer_flops, plan_replica, rank_layer_flops
 from tessera_operator import planner
-from tessera_operator.planner import JobSpec, SpecError, plan
+from tessera_operator.planner import JobSpec, plan
 from tessera_operator.power_planning import PowerPolicy
 from tessera_operator.workload import generation_for
 

@@ -6,7 +6,9 @@ from typing import Any
 
 from kubernetes import client
 
-from tessera_contracts.powertarget import GROUP, PLURAL, VERSION, PowerTarget, to_object
+from tessera_contracts.api import GROUP, VERSION
+from tessera_contracts.api import POWER_TARGET_PLURAL as PLURAL
+from tessera_contracts.powertarget import PowerTarget, to_object
 
 
 def make_target(node: str = "node-a", **kw) -> PowerTarget:

@@ -10,7 +10,8 @@ from typing import Any
 from kubernetes import client, watch
 from kubernetes.client.exceptions import ApiException
 
-from tessera_contracts.powertarget import GROUP, PLURAL, VERSION
+from tessera_contracts.api import GROUP, VERSION
+from tessera_contracts.api import POWER_TARGET_PLURAL as PLURAL
 
 # How long one watch request of an agent lasts before it is renewed (from where it left off):
 # one request per node per WATCH_TIMEOUT_S, instead of one per node per agent step.
