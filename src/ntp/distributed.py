@@ -14,7 +14,9 @@ import re
 import socket
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
+from enum import StrEnum
 
 import torch
 import torch.distributed as dist
@@ -104,14 +106,44 @@ def init_distributed(
 # Failure notices
 # ----------------------------------------------------------------------------------------------
 
-FAILED = "failed"  # prefix of an end reason that aborts the generation's collectives
-SUPERSEDED = "superseded"  # the end reason of a generation a later one took over
-FINISHED = "finished"  # the end reason of a job's last generation (ntp.train.Trainer.finish)
+
+class End(StrEnum):
+    """How a generation ended."""
+
+    FAILED = "failed"  # a rank died or a collective failed: its collectives are aborted
+    SUPERSEDED = "superseded"  # a later generation took over (a rank has joined it)
+    FINISHED = "finished"  # the job's last step is done (ntp.train.Trainer.finish)
+
+
+@dataclass(frozen=True)
+class EndReason:
+    """Why a generation ended, as its end key holds it: the kind, then for a failure what
+    failed (`failed: rank 2: ...`)."""
+
+    kind: End
+    detail: str = ""
+
+    @property
+    def failed(self) -> bool:
+        return self.kind is End.FAILED
+
+    def encode(self) -> str:
+        return f"{self.kind}: {self.detail}" if self.detail else str(self.kind)
+
+    @classmethod
+    def decode(cls, text: str) -> EndReason:
+        """The reason an end key holds; ValueError for a text no trainer process writes."""
+        kind, _, detail = text.partition(": ")
+        if kind not in [k.value for k in End]:
+            raise ValueError(f"not a generation's end reason: {text[:200]!r}")
+        return cls(End(kind), detail)
+
+    def __str__(self) -> str:
+        return self.encode()
 
 
 def end_key(generation: int) -> str:
-    """Set once, by the first to know, when `generation` is over: `failed: ...`, `superseded`
-    (its ranks have all joined the next one) or `finished`."""
+    """Set once, by the first to know, when `generation` is over (its `EndReason`)."""
     return f"gen{generation}/end"
 
 
@@ -120,10 +152,10 @@ def process_key(host: str, pid: int) -> str:
     return f"process/{host}/{pid}"
 
 
-def end_generation(store: dist.Store, generation: int, reason: str) -> str:
+def end_generation(store: dist.Store, generation: int, reason: EndReason) -> EndReason:
     """End `generation` with `reason` unless it has ended already; returns the reason that
     stands (the first writer's)."""
-    return store.compare_set(end_key(generation), "", reason).decode()
+    return EndReason.decode(store.compare_set(end_key(generation), "", reason.encode()).decode())
 
 
 def register_process(store: dist.Store, generation: int) -> None:
@@ -141,7 +173,7 @@ def report_death(store: dist.Store, host: str, pid: int, first_generation: int, 
     if it never joined any). Returns that generation."""
     joined = generation_of(store, host, pid)
     generation = first_generation if joined is None else joined
-    end_generation(store, generation, f"{FAILED}: process {host}/{pid} {why}")
+    end_generation(store, generation, EndReason(End.FAILED, f"process {host}/{pid} {why}"))
     return generation
 
 
@@ -179,7 +211,7 @@ def abort_in_flight(device: str, store_port: int) -> None:
                 continue  # a listening or already closed socket
 
 
-def wait_for_end(store: dist.Store, generation: int) -> str:
+def wait_for_end(store: dist.Store, generation: int) -> EndReason:
     """Block until `generation` has ended; its end reason."""
     key = end_key(generation)
     while True:
@@ -188,7 +220,7 @@ def wait_for_end(store: dist.Store, generation: int) -> str:
             break
         except dist.DistStoreError:
             continue  # still running after a day
-    return store.get(key).decode()
+    return EndReason.decode(store.get(key).decode())
 
 
 class FailureWatch:
@@ -203,7 +235,7 @@ class FailureWatch:
         on_end: Callable[[], None],
     ):
         self.generation = generation
-        self.reason: str | None = None
+        self.reason: EndReason | None = None
         self._store = connect(rendezvous)
         self._abort = abort
         self._on_end = on_end
@@ -214,11 +246,11 @@ class FailureWatch:
 
     def _watch(self) -> None:
         self.reason = wait_for_end(self._store, self.generation)
-        if self.reason.startswith(FAILED):
+        if self.reason.failed:
             self._abort()
         self._on_end()
 
-    def join(self) -> str:
+    def join(self) -> EndReason:
         """Once the generation has ended: why (after any abort has completed)."""
         self._thread.join()
         assert self.reason is not None

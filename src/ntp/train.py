@@ -21,9 +21,8 @@ from ntp.checkpoint import MOMENTS, DenseState, gather_checkpoint, load_checkpoi
 from ntp.clip import clip_grad_norm_
 from ntp.data import split_inputs, synthetic_batch
 from ntp.distributed import (
-    FAILED,
-    FINISHED,
-    SUPERSEDED,
+    End,
+    EndReason,
     FailureWatch,
     abort_in_flight,
     collective_timeout,
@@ -51,7 +50,9 @@ from ntp.sources import (
     wait_for,
 )
 from tessera_contracts.generation import Rendezvous
+from tessera_contracts.invocation import InvocationError, RankInvocation, rank_help
 from tessera_contracts.model_shape import PlanError
+from tessera_contracts.rank_events import EventKind, RankEvent, StepRecord
 from tessera_core.plan import JobLayout, RankShard, ReplicaLayout, reshard_moves
 
 
@@ -170,7 +171,7 @@ class Trainer:
         self.step = -1  # set by materialize, restore or the survivors
         self.losses: dict[int, float] = {}  # step -> global loss (a redone step overwrites)
         self.step_ends: dict[int, float] = {}  # steps done -> wall-clock time
-        self.events: list[dict] = []
+        self.events: list[RankEvent] = []
         self.generation = -1
         self.first_generation: int | None = None  # the one this process started in
         # Guards what a step changes (weights, moments, step, losses) against abandonment.
@@ -359,7 +360,9 @@ class Trainer:
     def recover(self, error: str) -> bool:
         """The generation failed: end it (if nobody has), abort what is in flight, and go on in
         the next one. Returns False when this process has no place in it."""
-        end_generation(self.store, self.generation, f"{FAILED}: rank {dist.get_rank()}: {error}")
+        end_generation(
+            self.store, self.generation, EndReason(End.FAILED, f"rank {dist.get_rank()}: {error}")
+        )
         self.watch.join()  # its abort has failed whatever was still in flight
         following = wait_for(self.source, self.generation + 1, self.reconfigure_timeout_s)
         if following is None:
@@ -384,7 +387,7 @@ class Trainer:
             register_process(self.store, following.generation)
         # 2. The old generation is over for everyone once anyone joins the next one; its watch
         #    stops (a failure already ended it, and the watch aborted what was in flight).
-        end_generation(self.store, self.generation, SUPERSEDED)
+        end_generation(self.store, self.generation, EndReason(End.SUPERSEDED))
         self.watch.join()
         # 3. Leave the old groups; only an abandoned thread may still hold them.
         del self.current
@@ -393,7 +396,7 @@ class Trainer:
             return False
         self.join(following, following.origin.index(old_rank))
         self._adopt(following.layout, old.layout, old.shard, state, following.origin)
-        self.event("reconfigured")
+        self.event(EventKind.RECONFIGURED)
         return True
 
     def _adopt(
@@ -446,19 +449,33 @@ class Trainer:
         checkpoint, else what it started from; the steps since are redone."""
         save, init = self.checkpointing.save, self.checkpointing.init
         path = save if save is not None and save.exists() else init
-        self.event("restoring", layout, checkpoint=None if path is None else str(path), why=why)
+        checkpoint = None if path is None else str(path)
+        self.event(EventKind.RESTORING, layout, checkpoint=checkpoint, why=why)
         self.materialize(layout, load_dense(path))
-        self.event("restored", checkpoint=None if path is None else str(path), why=why)
+        self.event(EventKind.RESTORED, checkpoint=checkpoint, why=why)
 
-    def event(self, kind: str, layout: JobLayout | None = None, **details: object) -> None:
+    def event(
+        self,
+        kind: EventKind,
+        layout: JobLayout | None = None,
+        checkpoint: str | None = None,
+        why: str = "",
+    ) -> None:
         """Record an event, and print it as a JSON line (every rank: each node's agent keeps
         its own goodput ledger from its ranks' lines). `layout`: the one the event is about,
         when the rank holds none (between two layouts); else the rank's own."""
-        record = {"event": kind, "generation": self.generation, "step": self.step}
-        degrees = (layout or self.layout).tp_degrees
-        record |= {"tp_degrees": list(degrees), "time": time.time(), **details}
+        record = RankEvent(
+            kind,
+            dist.get_rank(),
+            self.generation,
+            self.step,
+            (layout or self.layout).tp_degrees,
+            time.time(),
+            checkpoint,
+            why,
+        )
         self.events.append(record)
-        print(json.dumps(record | {"rank": dist.get_rank()}), flush=True)
+        print(record.to_line(), flush=True)
 
     # -- checkpoint and finish -----------------------------------------------------------------
 
@@ -499,13 +516,13 @@ class Trainer:
             "first_generation": self.first_generation,
             "losses": [self.losses[s] for s in sorted(self.losses)],
             "step_ends": self.step_ends,
-            "events": self.events,
+            "events": [e.to_dict() for e in self.events],
             **vars(self.times),
         }
 
     def finish(self) -> None:
         dist.barrier()
-        end_generation(self.store, self.generation, FINISHED)
+        end_generation(self.store, self.generation, EndReason(End.FINISHED))
         self.watch.join()
         dist.destroy_process_group()
 
@@ -534,11 +551,11 @@ class Trainer:
             self.wake.wait()
             if not outcome:
                 reason = self.watch.join()
-                if reason.startswith(FAILED):
+                if reason.failed:
                     with self._lock:
                         cur.abandoned = True
                     worker.join(LEAVE_GRACE_S)
-                    outcome.append(("failed", reason))
+                    outcome.append(("failed", str(reason)))
                 else:  # peers passed the same boundary first: this thread finishes it too
                     worker.join()
             kind, detail = outcome[0]
@@ -573,9 +590,9 @@ class Trainer:
                 if self.checkpointing.save is not None and (
                     self.step == target or (every and self.step % every == 0)
                 ):
-                    self.event("saving_checkpoint")
+                    self.event(EventKind.SAVING_CHECKPOINT)
                     self.save_checkpoint(cur)
-                    self.event("checkpointed")
+                    self.event(EventKind.CHECKPOINTED)
                 if following is not None:
                     outcome.append(("switch", following))
                     return
@@ -595,55 +612,40 @@ class Trainer:
 def log_step(trainer: Trainer) -> None:
     """One JSON line per step on stdout from every rank, for whoever supervises the job (each
     node's agent counts the step when the first of its ranks reports it)."""
-    cur = trainer.current
-    record = {
-        "step": trainer.step,
-        "rank": dist.get_rank(),
-        "loss": trainer.losses[trainer.step - 1],
-        "step_s": trainer.times.step_s[-1],
-        # this rank's own work, without the waits for other replicas (the closed boost loop)
-        "compute_s": trainer.times.compute_s[-1] + trainer.times.optimizer_s[-1],
-        "samples": cur.layout.global_batch,
-        "tokens": cur.layout.global_batch * cur.args.max_seq_len,
-        "tp_degrees": list(trainer.layout.tp_degrees),
-        "generation": trainer.generation,
-    }
-    print(json.dumps(record), flush=True)
+    cur, times = trainer.current, trainer.times
+    record = StepRecord(
+        step=trainer.step,
+        rank=dist.get_rank(),
+        generation=trainer.generation,
+        loss=trainer.losses[trainer.step - 1],
+        step_s=times.step_s[-1],
+        samples=cur.layout.global_batch,
+        tokens=cur.layout.global_batch * cur.args.max_seq_len,
+        compute_s=times.compute_s[-1] + times.optimizer_s[-1],
+        tp_degrees=trainer.layout.tp_degrees,
+    )
+    print(record.to_line(), flush=True)
 
 
-def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="ntp.train", description=__doc__)
-    parser.add_argument(
-        "--layout",
-        type=Path,
-        required=True,
-        help="generation document (kind NTPGeneration) or explicit JobLayout document",
+def parse_args(argv: list[str]) -> tuple[RankInvocation, argparse.Namespace]:
+    """The rank's invocation (what its node agent sets: tessera_contracts.invocation) and the
+    trainer's own options."""
+    parser = argparse.ArgumentParser(
+        prog="ntp.train",
+        description=__doc__,
+        epilog=rank_help(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
     )
     parser.add_argument(
         "--flavor", choices=sorted(FLAVORS), help="a named model (default: the layout's shape)"
-    )
-    length = parser.add_mutually_exclusive_group()
-    length.add_argument(
-        "--steps", type=int, help="train this many steps from where this process starts (10)"
-    )
-    length.add_argument(
-        "--until-step",
-        type=int,
-        help="train until the job has done this many steps in all, whatever step this process "
-        "starts at (a joining rank learns it from the survivors)",
     )
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--bucket-elements", type=int, default=DEFAULT_BUCKET_ELEMENTS)
     parser.add_argument("--max-grad-norm", type=float, help="clip by the global gradient norm")
     parser.add_argument("--no-overlap", action="store_true", help="sync only after backward")
-    parser.add_argument(
-        "--layout-dir", type=Path, help="where gen{N}.json of later generations appear"
-    )
     parser.add_argument("--reconfigure-timeout", type=float, default=300.0)
-    parser.add_argument(
-        "--join", action="store_true", help="join --layout's generation holding nothing"
-    )
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"])
     parser.add_argument("--init", type=Path, help="dense checkpoint to start from")
     parser.add_argument("--save", type=Path, help="write the dense checkpoint here at the end")
@@ -658,16 +660,18 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="with --out: each rank's local gradients after the first step (grads-rank{G}.pt) "
         "and its local weights and AdamW moments at the end (state-rank{G}.pt)",
     )
-    opts = parser.parse_args(argv)
-    if opts.steps is None and opts.until_step is None:
-        opts.steps = 10
-    if opts.steps is not None and opts.steps < 0:
-        parser.error(f"--steps must not be negative, got {opts.steps}")
-    if opts.until_step is not None and opts.until_step < 0:
-        parser.error(f"--until-step must not be negative, got {opts.until_step}")
+    # The trainer's own options first, so that --help needs no invocation; what is left is
+    # the invocation's, or unknown.
+    opts, rest = parser.parse_known_args(argv)
+    try:
+        invocation = RankInvocation.from_args(rest)
+    except InvocationError as exc:
+        parser.error(str(exc))
+    if invocation.options:
+        parser.error(f"unrecognized arguments: {' '.join(invocation.options)}")
     if opts.dump and opts.out is None:
         parser.error("--dump needs --out")
-    return opts
+    return invocation, opts
 
 
 def main(
@@ -675,12 +679,12 @@ def main(
 ) -> int:
     """Run one rank (RANK, WORLD_SIZE; MASTER_ADDR/PORT for explicit layouts). `before_step`
     runs at every step boundary: failure drills hook in there, outside the training loop."""
-    opts = parse_args(sys.argv[1:] if argv is None else argv)
+    invocation, opts = parse_args(sys.argv[1:] if argv is None else argv)
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1 PID` prints every thread's stack
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     # 1. The generation this process starts in, and where later ones appear.
-    first = assignment(json.loads(opts.layout.read_text()))
-    source = FileGenerationSource(opts.layout_dir or opts.layout.parent)
+    first = assignment(json.loads(invocation.layout.read_text()))
+    source = FileGenerationSource(invocation.layout_dir or invocation.layout.parent)
     if opts.resume and opts.save is not None and opts.save.exists():
         opts.init = opts.save
     config = TrainConfig(
@@ -701,9 +705,11 @@ def main(
     )
     # 2. Join it: build this rank's shard, or receive it from the survivors.
     trainer.join(first, int(os.environ["RANK"]))
-    if opts.join:
+    if invocation.join:
         if first.origin is None:
-            raise PlanError(f"--join needs a generation with an origin; {opts.layout} has none")
+            raise PlanError(
+                f"--join needs a generation with an origin; {invocation.layout} has none"
+            )
         previous = source.get(first.generation - 1)
         if previous is None:
             raise FileNotFoundError(f"--join: generation {first.generation - 1} is not published")
@@ -719,11 +725,11 @@ def main(
 
     # 3. Train across generations.
     start = trainer.step
-    until = start + opts.steps if opts.until_step is None else opts.until_step
-    dump = dump_grads if opts.dump and not opts.join else None
+    until = invocation.until(start)
+    dump = dump_grads if opts.dump and not invocation.join else None
     if not trainer.run(until, before_step, dump):
         return 0  # no place in the job's later layout: this GPU left it
-    if opts.save is not None and until <= start and not opts.join:
+    if opts.save is not None and until <= start and not invocation.join:
         # Nothing to train: the checkpoint is what was loaded, on this layout (every rank of
         # the first generation starts from the same state, so all of them gather it).
         trainer.save_checkpoint(trainer.current)

@@ -17,9 +17,9 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
+from tessera_contracts.api import GROUP, JOB_PLURAL, VERSION
 from tessera_dev.controlplane.prometheus import Prometheus, Sample
 
-GROUP, VERSION, PLURAL = "tessera.dev", "v1alpha1", "ntptrainingjobs"
 LIMIT = "tessera_gpu_power_limit_watts"
 TARGET = "tessera_gpu_power_target_watts"
 # dcgm-exporter 4.8 and 4.9 name the power draw differently
@@ -91,7 +91,7 @@ def observe(api: client.ApiClient, prometheus: Prometheus, namespace: str, job: 
     status: Mapping[str, Any] = {}
     with contextlib.suppress(ApiException):
         status = client.CustomObjectsApi(api).get_namespaced_custom_object(
-            GROUP, VERSION, namespace, PLURAL, job, _request_timeout=5).get("status") or {}
+            GROUP, VERSION, namespace, JOB_PLURAL, job, _request_timeout=5).get("status") or {}
 
     def query(promql: str) -> list[Sample]:
         try:

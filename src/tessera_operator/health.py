@@ -10,12 +10,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from typing import Any
 
+from tessera_contracts import gpuhealth
 from tessera_contracts.api import CORDON_ANNOTATION
-from tessera_contracts.cordon import parse_indices, shown
-from tessera_contracts.gpuhealth import REFRESH_S, STALE_REFRESHES, is_fatal
+from tessera_contracts.cordon import parse_indices
+from tessera_contracts.gpuhealth import REFRESH_S, STALE_REFRESHES, State, is_fatal
 
 GpuId = tuple[str, int]
 
@@ -95,47 +95,11 @@ def from_lost_nodes(nodes: Iterable[Mapping[str, Any]], gpus_per_node: int, *,
     return Health(frozenset(failed), tuple(problems))
 
 
-def _timestamp(value: Any) -> float | None:
-    """Seconds since the epoch of an RFC 3339 time such as 2026-12-01T08:00:00Z; None if it is
-    not one."""
-    if not isinstance(value, str) or len(value) > 64:
-        return None
-    try:
-        parsed = datetime.fromisoformat(value)
-    except ValueError:
-        return None
-    return parsed.replace(tzinfo=parsed.tzinfo or UTC).timestamp()
-
-
-def _gpu_entries(status: Mapping[str, Any], gpus: int) -> tuple[dict[int, Mapping[str, Any]],
-                                                                 list[str]]:
-    entries: dict[int, Mapping[str, Any]] = {}
-    bad: list[str] = []
-    listed = status.get("gpus")
-    for entry in listed if isinstance(listed, list) else []:
-        index = entry.get("index") if isinstance(entry, Mapping) else None
-        if isinstance(index, bool) or not isinstance(index, int):
-            bad.append(f"an entry without a GPU index ({shown(str(entry))})")
-        elif not 0 <= index < gpus:
-            continue  # a GPU beyond the job's count per node is not the job's
-        elif index in entries:
-            bad.append(f"GPU {index} listed twice")
-        else:
-            entries[index] = entry
-    return entries, bad
-
-
-def _xids(entry: Mapping[str, Any]) -> list[int]:
-    listed = entry.get("xids")
-    return [x for x in listed if isinstance(x, int) and not isinstance(x, bool)] \
-        if isinstance(listed, list) else []
-
-
 def _ranges(indices: Iterable[int]) -> str:
     return ", ".join(map(str, sorted(indices)))
 
 
-def from_gpu_health(objects: Iterable[Mapping[str, Any]], gpus_per_node: int,
+def from_gpu_health(objects: Iterable[object], gpus_per_node: int,
                     fatal_xids: Iterable[int] | None, *, now: float,
                     nodes: Iterable[str] | None = None,
                     max_age: float = GPU_HEALTH_STALE_AFTER_S) -> Health:
@@ -148,7 +112,8 @@ def from_gpu_health(objects: Iterable[Mapping[str, Any]], gpus_per_node: int,
     last more than `max_age` seconds before `now` (Unix seconds) or published nothing at all
     (`nodes`: the job's nodes, when given; one without an object is unknown, and objects of
     other nodes are not read). Each node with unknown GPUs gets one line in the problems, saying
-    which and why.
+    which and why; an object that does not parse (`gpuhealth.parse`) makes its node's GPUs
+    unknown, and what parsing skipped is in the problems too.
     """
     fatal = None if fatal_xids is None else frozenset(fatal_xids)
     failed: set[GpuId] = set()
@@ -165,19 +130,19 @@ def from_gpu_health(objects: Iterable[Mapping[str, Any]], gpus_per_node: int,
             problems.append(f"node {node}: GPU health unknown for GPUs {_ranges(indices)}: {why}")
 
     for obj in objects:
-        name = (obj.get("metadata") or {}).get("name")
-        if not isinstance(name, str):
-            problems.append("a GPUHealth object without a name, ignored")
+        try:
+            report = gpuhealth.parse(obj)
+        except gpuhealth.MalformedHealth as exc:
+            if exc.node is None:
+                problems.append("a GPUHealth object without a name, ignored")
+            elif wanted is None or exc.node in wanted:
+                published.add(exc.node)
+                not_known(exc.node, every, f"its GPUHealth is malformed ({exc})")
             continue
+        name, observed = report.node, report.observed_at
         if wanted is not None and name not in wanted:
             continue
         published.add(name)
-        status = obj.get("status")
-        status = status if isinstance(status, Mapping) else {}
-        observed = _timestamp(status.get("observedAt"))
-        if observed is None:
-            not_known(name, every, "its GPUHealth has no valid observedAt")
-            continue
         if now - observed > max_age:
             not_known(name, every, f"its GPUHealth was published {now - observed:.0f} s ago, "
                                    f"over {max_age:.0f} s (is its health agent running?)")
@@ -186,18 +151,19 @@ def from_gpu_health(objects: Iterable[Mapping[str, Any]], gpus_per_node: int,
             not_known(name, every, f"its GPUHealth claims to be from {observed - now:.0f} s "
                                    "in the future")
             continue
-        entries, bad = _gpu_entries(status, gpus_per_node)
-        problems.extend(f"node {name}: GPUHealth: {why}, ignored" for why in bad)
+        problems.extend(f"node {name}: GPUHealth: {why}, ignored"
+                        for why in report.health.problems)
+        # a GPU beyond the job's count per node is not the job's
+        listed = {g.index: g for g in report.health.gpus}
         reasons: dict[str, list[int]] = {}
         for i in every:
-            entry = entries.get(i)
-            state = entry.get("state") if entry is not None else None
-            xids = _xids(entry) if entry is not None else []
-            if state == "Failed" or any(is_fatal(x, fatal) for x in xids):
+            gpu = listed.get(i)
+            if gpu is not None and (gpu.state is State.FAILED or
+                                    any(is_fatal(x, fatal) for x in gpu.xids)):
                 failed.add((name, i))
-            elif state not in ("Healthy", "Failed"):
-                why = ("not listed" if entry is None else
-                       str(entry.get("reason") or f"state {shown(str(state))}"))
+            elif gpu is None or gpu.state is State.UNKNOWN:
+                why = "not listed" if gpu is None else \
+                    gpu.reason or f"state {gpuhealth.STATE_NAMES[gpu.state]}"
                 reasons.setdefault(_shown_reason(why), []).append(i)
         for why, indices in reasons.items():
             not_known(name, indices, why)

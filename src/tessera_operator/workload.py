@@ -24,6 +24,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from tessera_contracts.api import JOB_LABEL, ROLE_LABEL
 from tessera_contracts.generation import (
     Generation,
     Gpu,
@@ -31,12 +32,11 @@ from tessera_contracts.generation import (
     layout_configmap,
     next_generation,
 )
+from tessera_contracts.invocation import AgentInvocation
 from tessera_contracts.progress import progress_configmap as progress_name
 from tessera_operator.planner import JobPlan, JobSpec, Problem
 
 GPU_RESOURCE = "nvidia.com/gpu"
-JOB_LABEL = "tessera.dev/job"
-ROLE_LABEL = "tessera.dev/role"  # trainer or rendezvous
 TRAINER, RENDEZVOUS = "trainer", "rendezvous"
 RENDEZVOUS_PORT = 29400
 METRICS_PORT = 9300
@@ -103,7 +103,7 @@ def _pinned(node: str) -> dict[str, Any]:
         "nodeSelectorTerms": [term]}}}
 
 
-def _pod_node(pod: Mapping[str, Any]) -> str | None:
+def pod_node(pod: Mapping[str, Any]) -> str | None:
     """The node a pod runs on, or is pinned to before the scheduler binds it."""
     spec = pod.get("spec") or {}
     if spec.get("nodeName"):
@@ -134,7 +134,7 @@ def node_views(nodes: Iterable[Mapping[str, Any]], pods: Iterable[Mapping[str, A
     or pinned by name as this operator's are) have not taken."""
     taken: dict[str, int] = {}
     for pod in pods:
-        node = _pod_node(pod)
+        node = pod_node(pod)
         if node and (pod.get("status") or {}).get("phase") not in ("Succeeded", "Failed"):
             taken[node] = taken.get(node, 0) + _pod_gpus(pod)
     views = []
@@ -191,7 +191,7 @@ def placed_nodes(pods: Iterable[Mapping[str, Any]], job: Mapping[str, Any]) -> d
     placed = {}
     for pod in trainer_pods(pods, job):
         match = _TRAINER_POD.search((pod.get("metadata") or {}).get("name", ""))
-        node = _pod_node(pod)
+        node = pod_node(pod)
         if match and node:
             placed[int(match.group(1))] = node
     return placed
@@ -202,7 +202,7 @@ def leaving_nodes(pods: Iterable[Mapping[str, Any]], job: Mapping[str, Any]) -> 
     reporting, or deleted by someone): its ranks are on their way out."""
     return {node for pod in trainer_pods(pods, job)
             if (pod.get("metadata") or {}).get("deletionTimestamp")
-            and (node := _pod_node(pod)) is not None}
+            and (node := pod_node(pod)) is not None}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -271,17 +271,17 @@ def _pod(job: Mapping[str, Any], name: str, role: str, container: dict[str, Any]
 
 def trainer_pod(job: Mapping[str, Any], index: int, node: str) -> dict[str, Any]:
     """The node agent on `node`, with every GPU of the node: it runs one rank per GPU the
-    current generation gives it. Container args: the agent's, then `--`, then the spec's
-    `args` for every rank."""
+    current generation gives it. Container args: the agent's invocation (the job, its steps in
+    all), then `--`, then the trainer options for every rank: checkpoints, the spec's `args`."""
     spec, name = job["spec"], job["metadata"]["name"]
     resources = {k: dict(v) for k, v in (spec.get("resources") or {}).items()}
     gpus = str(spec.get("gpusPerNode", 8))
     resources.setdefault("limits", {})[GPU_RESOURCE] = gpus
     if "requests" in resources:
         resources["requests"][GPU_RESOURCE] = gpus
-    args = ["--job", name, "--steps", str(spec.get("steps", DEFAULT_STEPS)),
-            "--", *rank_args(spec), *(spec.get("args") or [])]
-    container = {"args": args, "resources": resources,
+    agent = AgentInvocation(until_step=spec.get("steps", DEFAULT_STEPS), job=name,
+                            trainer_args=(*rank_args(spec), *(spec.get("args") or [])))
+    container = {"args": agent.to_args(), "resources": resources,
                  "ports": [{"name": "metrics", "containerPort": METRICS_PORT}]}
     if spec.get("command"):
         container["command"] = list(spec["command"])

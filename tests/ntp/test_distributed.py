@@ -9,6 +9,8 @@ import pytest
 import torch.distributed as dist
 
 from ntp.distributed import (
+    End,
+    EndReason,
     FailureWatch,
     end_generation,
     end_key,
@@ -53,9 +55,12 @@ def test_a_store_network_error_is_one():
 
 def test_the_first_end_of_a_generation_stands():
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    assert end_generation(store, 3, "failed: rank 2: reset") == "failed: rank 2: reset"
-    assert end_generation(store, 3, "superseded") == "failed: rank 2: reset"
-    assert end_generation(store, 4, "superseded") == "superseded"
+    failed = EndReason(End.FAILED, "rank 2: reset")
+    assert end_generation(store, 3, failed) == failed
+    assert end_generation(store, 3, EndReason(End.SUPERSEDED)) == failed
+    assert end_generation(store, 4, EndReason(End.SUPERSEDED)) == EndReason(End.SUPERSEDED)
+    # the store holds the text every trainer process reads
+    assert store.get(end_key(3)).decode() == "failed: rank 2: reset"
 
 
 def test_a_launcher_ends_the_generation_its_dead_child_was_in():
@@ -67,7 +72,8 @@ def test_a_launcher_ends_the_generation_its_dead_child_was_in():
     assert report_death(store, "node-a", 42, first_generation=1, why="exited with 1") == 1
 
 
-@pytest.mark.parametrize(("reason", "aborted"), [("failed: x", True), ("superseded", False)])
+@pytest.mark.parametrize(("reason", "aborted"), [(EndReason(End.FAILED, "x"), True),
+                                                 (EndReason(End.SUPERSEDED), False)])
 def test_a_watch_aborts_only_a_failed_generation(reason, aborted):
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     calls: list[str] = []
@@ -82,3 +88,16 @@ def test_a_watch_aborts_only_a_failed_generation(reason, aborted):
     assert watch.join() == reason
     assert ended.is_set()
     assert calls == (["abort", "end"] if aborted else ["end"])
+
+
+@pytest.mark.parametrize("reason", [EndReason(End.FAILED, "process node-a/41 exited with -9"),
+                                    EndReason(End.FAILED), EndReason(End.SUPERSEDED),
+                                    EndReason(End.FINISHED)])
+def test_an_end_reason_reads_back_as_written(reason):
+    assert EndReason.decode(reason.encode()) == reason
+
+
+@pytest.mark.parametrize("text", ["", "done", "Failed: x", "finished!"])
+def test_a_text_no_trainer_writes_is_no_end_reason(text):
+    with pytest.raises(ValueError, match="not a generation's end reason"):
+        EndReason.decode(text)

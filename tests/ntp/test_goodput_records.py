@@ -15,6 +15,7 @@ from ntp.model import FLAVORS
 from ntp.nodeagent.agent import NodeProgress, Reporter
 from tessera_contracts.generation import Generation, Gpu, Rendezvous, next_generation
 from tessera_contracts.progress import NodeReport, State
+from tessera_contracts.rank_events import RankEvent, StepRecord
 from tessera_contracts.vocabulary import Phase
 from tessera_core.goodput import Ledger
 
@@ -32,14 +33,14 @@ class Clock:
         return self.now
 
 
-def step(n: int, rank: int, *, generation: int = 1, step_s: float = 1.0) -> dict:
-    """The line `ntp.train.log_step` prints."""
-    return {"step": n, "rank": rank, "loss": 1.0, "step_s": step_s, "samples": 8,
-            "tokens": 8 * 64, "tp_degrees": [2], "generation": generation}
+def step(n: int, rank: int, *, generation: int = 1, step_s: float = 1.0) -> StepRecord:
+    """What `ntp.train.log_step` prints."""
+    return StepRecord(step=n, rank=rank, generation=generation, loss=1.0, step_s=step_s,
+                      samples=8, tokens=8 * 64, tp_degrees=(2,))
 
 
-def event(kind: str, n: int, rank: int, generation: int = 1) -> dict:
-    return {"event": kind, "generation": generation, "step": n, "rank": rank, "tp_degrees": [2]}
+def event(kind: str, n: int, rank: int, generation: int = 1) -> RankEvent:
+    return RankEvent(kind, rank, generation, n, (2,), 100.0)
 
 
 def balanced(report: NodeReport) -> float:
@@ -159,11 +160,16 @@ def test_a_node_whose_ranks_join_mid_job_counts_only_its_own_steps():
 
 def test_garbage_lines_are_not_counted(caplog):
     progress = NodeProgress(NODE, STEPS, Clock())
-    progress.record({"step": "one", "loss": 1.0})
-    progress.record(step(1, 0) | {"samples": -1})
-    progress.record({"event": "restored"})
+    progress.read(b'{"step": "one", "loss": 1.0}\n')
+    progress.read(step(1, 0).to_line().replace('"samples": 8', '"samples": -1').encode())
+    progress.read(b'{"event": "restored"}\n')
+    # a rank's other output is no record, and not a problem
+    progress.read(b"{not json, a log line}\n")
+    progress.read(b"loss 1.0 at step 1\n")
     assert progress.report().step == 0
     assert sum("not counted" in r.getMessage() for r in caplog.records) == 3
+    progress.read(step(1, 0).to_line().encode())
+    assert progress.report().step == 1
 
 
 def test_a_report_is_due_on_a_change_and_otherwise_every_period():

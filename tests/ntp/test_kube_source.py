@@ -204,7 +204,7 @@ def test_an_agent_trains_from_the_configmap_and_its_ranks_die_with_it(
     (devices / "nvidia0").touch()
     log = tmp_path / "agent.log"
     agent = node_agent.spawn(
-        [sys.executable, "-m", "ntp.nodeagent", "--node", "gpu-node-0", "--steps", "100000",
+        [sys.executable, "-m", "ntp.nodeagent", "--node", "gpu-node-0", "--until-step", "100000",
          "--job", JOB, "--namespace", namespace, "--work-dir", str(tmp_path / "work"),
          "--metrics-port", "0"],
         log,

@@ -26,7 +26,7 @@ import pytest
 import torch.distributed as dist
 from prometheus_client.parser import text_string_to_metric_families
 
-from ntp.distributed import end_generation
+from ntp.distributed import End, EndReason, end_generation, end_key
 from ntp.launch import launch_local
 from ntp.model import FLAVORS
 from ntp.nodeagent.agent import AgentError, Devices, DirectorySource, NodeAgent, parse_args
@@ -139,7 +139,7 @@ class Job:
         # Global rank 0 runs on gpu-node-0, so its step lines are in that agent's log.
         logs = {node: tmp / f"agent-{node}.log" for node in NODES}
         agents = {node: spawn(
-            [sys.executable, "-m", "ntp.nodeagent", "--node", node, "--steps", str(STEPS),
+            [sys.executable, "-m", "ntp.nodeagent", "--node", node, "--until-step", str(STEPS),
              "--generations", str(tmp / "generations"), "--work-dir", str(tmp / "work" / node),
              "--metrics-port", "0",
              "--", "--out", str(tmp / "out"), "--reconfigure-timeout", str(PHASE_S)],
@@ -176,9 +176,9 @@ class Job:
         store = dist.TCPStore("127.0.0.1", self.first.rendezvous.port, is_master=False)
         [(killed, _)] = kill_holders(self.devices[gpu.node] / f"nvidia{gpu.index}")
         dead = time.monotonic()  # kill_holders returns once the process is gone
-        store.wait(["gen1/end"], timedelta(seconds=PHASE_S))
+        store.wait([end_key(1)], timedelta(seconds=PHASE_S))
         notice_s = time.monotonic() - dead
-        assert store.get("gen1/end").decode().startswith("failed")
+        assert EndReason.decode(store.get(end_key(1)).decode()).failed
         return killed, notice_s
 
     def finish(self) -> dict[int, dict]:
@@ -317,8 +317,9 @@ def test_a_node_lost_whole_is_left_by_the_others_as_soon_as_the_next_generation_
         os.kill(rank0, signal.SIGCONT)
         publish(job.generations, next_generation(job.first, (GPUS[NODES[0]],),
                                                  lost=set(GPUS[NODES[1]])))
-        store.wait(["gen1/end"], timedelta(seconds=PHASE_S))
-        assert store.get("gen1/end").decode() == "failed: generation 2 follows a loss"
+        store.wait([end_key(1)], timedelta(seconds=PHASE_S))
+        assert EndReason.decode(store.get(end_key(1)).decode()) == EndReason(
+            End.FAILED, "generation 2 follows a loss")
         assert job.agents[NODES[0]].wait(timeout=PHASE_S) == 0, \
             job.logs[NODES[0]].read_text()[-4000:]
     finally:
@@ -339,7 +340,7 @@ def test_a_malformed_generation_is_logged_and_waited_out(tmp_path, caplog):
     work.mkdir()
     first = Generation(1, SHAPE, 8, "NTP", (GPUS[NODES[0]],), Rendezvous("127.0.0.1", 29500))
     (generations / "gen1.json").write_text(json.dumps(first.to_dict() | {"mode": "FAST"}))
-    agent = NodeAgent(NODES[0], DirectorySource(generations), work, steps=4)
+    agent = NodeAgent(NODES[0], DirectorySource(generations), work, until_step=4)
     agent.follow()
     agent.follow()  # still bad: logged once
     assert agent.current is None and not (work / "gen1.json").exists()
@@ -356,7 +357,7 @@ def test_what_the_agent_cannot_run_stops_it_with_the_reason(tmp_path):
     # The generation puts a rank on GPU 1 of this node, but the pod was given GPU 0 only.
     first = Generation(1, SHAPE, 8, "NTP", (GPUS[NODES[0]],), Rendezvous("127.0.0.1", store.port))
     publish(generations, first)
-    agent = NodeAgent(NODES[0], DirectorySource(generations), work, steps=4,
+    agent = NodeAgent(NODES[0], DirectorySource(generations), work, until_step=4,
                       devices=Devices(visible=(0,), sim_dir=tmp_path))
     (tmp_path / "nvidia0").touch()
     try:
@@ -365,7 +366,7 @@ def test_what_the_agent_cannot_run_stops_it_with_the_reason(tmp_path):
         # the rank it had started on GPU 0 went with it
         assert [r.proc.returncode for r in agent.ranks.values()] == [-signal.SIGKILL]
     finally:
-        end_generation(store, 1, "finished")  # lets the agent's watch thread end
+        end_generation(store, 1, EndReason(End.FINISHED))  # lets the agent's watch thread end
     # A simulated node without the GPU's device file.
     with pytest.raises(AgentError, match="cannot open the simulated GPU 3"):
         Devices(sim_dir=tmp_path).bind(3)
@@ -373,7 +374,8 @@ def test_what_the_agent_cannot_run_stops_it_with_the_reason(tmp_path):
 
 def test_the_agent_refuses_trainer_options_it_sets_itself(capsys):
     with pytest.raises(SystemExit) as exit_:
-        parse_args(["--node", "n", "--steps", "3", "--generations", "g", "--", "--steps", "4"])
+        parse_args(["--node", "n", "--until-step", "3", "--generations", "g", "--", "--steps",
+                    "4"])
     assert exit_.value.code == 2
     assert "the agent sets --steps for each rank itself" in capsys.readouterr().err
 
@@ -408,7 +410,7 @@ def test_an_agents_metrics_and_report_agree_with_what_its_ranks_did(tmp_path, re
         (devices / f"nvidia{i}").touch()
     log = tmp_path / "agent.log"
     agent = spawn(
-        [sys.executable, "-m", "ntp.nodeagent", "--node", NODES[0], "--steps", str(steps),
+        [sys.executable, "-m", "ntp.nodeagent", "--node", NODES[0], "--until-step", str(steps),
          "--generations", str(generations), "--work-dir", str(tmp_path / "work"),
          "--metrics-port", str(port), "--", "--out", str(tmp_path / "out"),
          "--save", str(tmp_path / "checkpoint.pt"), "--save-every", "2"],

@@ -203,11 +203,11 @@ def test_job_goodput_weights_each_node_by_its_wall_time_including_nodes_that_lef
                      2, NODES[:1]).goodput is None
 
 
-def step_line(step: int, rank: int, compute_s: float | None, generation: int = 1) -> dict:
+def step_line(step: int, rank: int, compute_s: float | None, generation: int = 1) -> bytes:
     """A rank's step line as ntp.train.log_step prints it."""
     line = {"step": step, "rank": rank, "loss": 2.0, "step_s": 1.0, "samples": 64,
             "generation": generation}
-    return line if compute_s is None else line | {"compute_s": compute_s}
+    return json.dumps(line if compute_s is None else line | {"compute_s": compute_s}).encode()
 
 
 def test_a_nodes_report_carries_its_ranks_mean_compute_time_in_the_generation_they_run():
@@ -216,15 +216,15 @@ def test_a_nodes_report_carries_its_ranks_mean_compute_time_in_the_generation_th
     for step in range(1, RECENT_STEPS + 6):
         # the first steps were slower: only the recent ones count
         slow = 1.0 if step <= 5 else 0.0
-        node.record(step_line(step, 0, 0.5 + slow))
-        node.record(step_line(step, 1, 0.7 + slow))  # every rank counts, not only the first
+        node.read(step_line(step, 0, 0.5 + slow))
+        node.read(step_line(step, 1, 0.7 + slow))  # every rank counts, not only the first
     assert node.report().compute_seconds == 0.6
-    node.record(step_line(RECENT_STEPS + 6, 0, 0.9, generation=2))  # a new layout: afresh
-    node.record(step_line(RECENT_STEPS + 6, 1, 9.0, generation=1))  # a late line of the old one
-    node.record(step_line(RECENT_STEPS + 6, 2, float("nan"), generation=2))
+    node.read(step_line(RECENT_STEPS + 6, 0, 0.9, generation=2))  # a new layout: afresh
+    node.read(step_line(RECENT_STEPS + 6, 1, 9.0, generation=1))  # a late line of the old one
+    node.read(step_line(RECENT_STEPS + 6, 2, float("nan"), generation=2))
     assert node.report().compute_seconds == 0.9
     assert NodeReport.from_json(node.report().to_json()).compute_seconds == 0.9
     assert NodeProgress("n", 10).report().to_dict().get("computeSeconds") is None
     older = NodeProgress("gpu-node-1", steps=1000, clock=lambda: 0.0)
-    older.record(step_line(1, 0, None))  # a trainer that does not measure it
+    older.read(step_line(1, 0, None))  # a trainer that does not measure it
     assert older.report().compute_seconds is None and older.report().step == 1

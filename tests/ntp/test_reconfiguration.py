@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import shutil
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,7 @@ from ntp.launch import LaunchReport, launch_local
 from ntp.model import FLAVORS
 from ntp.train import parse_args
 from tessera_contracts.generation import Generation, Gpu, Rendezvous, next_generation
+from tessera_contracts.invocation import RankInvocation
 
 pytestmark = pytest.mark.parity
 
@@ -199,5 +201,24 @@ def test_a_run_length_is_given_one_way(capsys):
     assert "--until-step: not allowed with argument --steps" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         parse_args(["--layout", "gen1.json", "--until-step", "-1"])
-    assert "--until-step must not be negative, got -1" in capsys.readouterr().err
-    assert parse_args(["--layout", "gen1.json"]).steps == 10
+    assert "--until-step must be at least 0, got -1" in capsys.readouterr().err
+    invocation, _ = parse_args(["--layout", "gen1.json"])
+    assert invocation.until(start=4) == 14  # 10 steps from where the process starts
+
+
+def test_a_rank_reads_the_command_line_its_agent_writes_and_its_own_options(capsys):
+    written = RankInvocation(Path("gen3.json"), Path("work"), until_step=12, join=True,
+                             options=("--out", "o", "--save", "c.pt", "--save-every=2", "--lr",
+                                      "0.01"))
+    invocation, opts = parse_args(written.to_args())
+    assert invocation == replace(written, options=())
+    assert (opts.out, opts.save, opts.save_every, opts.lr) == (Path("o"), Path("c.pt"), 2, 0.01)
+    with pytest.raises(SystemExit):
+        parse_args([*written.to_args(), "--bogus"])
+    assert "unrecognized arguments: --bogus" in capsys.readouterr().err
+    # The help names both: the invocation's options and the trainer's own.
+    with pytest.raises(SystemExit) as helped:
+        parse_args(["--help"])
+    assert helped.value.code == 0
+    shown = capsys.readouterr().out
+    assert "--until-step K" in shown and "--save-every" in shown

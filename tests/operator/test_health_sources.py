@@ -8,10 +8,11 @@ from typing import Any
 
 import pytest
 
-from tessera_agents.health.agent import as_facts, render
+from tessera_agents.health.agent import as_facts
 from tessera_agents.health.dcgm import FlapDamper, classify
 from tessera_agents.power.sim_backend import SimBackend
 from tessera_contracts import api
+from tessera_contracts.gpuhealth import PublishedHealth, render
 from tessera_dev.simnode import dcgm
 from tessera_operator import health
 
@@ -31,8 +32,8 @@ def published(node: str, fail: dict[int, int] = {}, *, at: float = NOW,  # noqa:
     text = page if page is not None else dcgm.render(gpus.snapshot(), hostname=node,
                                                      generation="4.9")
     observed = as_facts(classify(text, gpus=GPUS, fatal_xids=(), hostname=node, now=at))
-    return render(node, "http://10.0.0.1:9400/metrics",
-                  FlapDamper(hold_xids=True).update(0, observed), at)
+    return render(PublishedHealth(node, "http://10.0.0.1:9400/metrics", at,
+                                  FlapDamper(hold_xids=True).update(0, observed)))
 
 
 def test_an_xid_fails_the_gpu_only_when_it_is_in_the_jobs_fatal_list() -> None:
@@ -88,14 +89,17 @@ def test_an_unreachable_exporter_makes_its_nodes_gpus_unknown() -> None:
 
 
 @pytest.mark.parametrize(("mangle", "problem"), [
-    (lambda o: o.pop("status"), "no valid observedAt"),
-    (lambda o: o["status"].update(observedAt="yesterday"), "no valid observedAt"),
-    (lambda o: o["status"].update(observedAt=12), "no valid observedAt"),
+    (lambda o: o.pop("status"), "its GPUHealth is malformed (status: missing)"),
+    (lambda o: o["status"].update(observedAt="yesterday"),
+     "its GPUHealth is malformed (status.observedAt: not an RFC 3339 time: yesterday)"),
+    (lambda o: o["status"].update(observedAt=12), "malformed (status.observedAt: not an RFC"),
+    (lambda o: o["status"].update(observedAt=10**5000), "malformed (status.observedAt: not an"),
     (lambda o: o["status"].update(gpus="all"), "GPUs 0, 1, 2, 3, 4, 5, 6, 7: not listed"),
     (lambda o: o["status"]["gpus"].append({"index": 3, "state": "Failed"}), "GPU 3 listed twice"),
     (lambda o: o["status"]["gpus"].append({"index": "3"}), "without a GPU index"),
     (lambda o: o["status"]["gpus"].append({"index": True}), "without a GPU index"),
     (lambda o: o["status"]["gpus"].append(["x"] * 10_000), "without a GPU index"),
+    (lambda o: o["status"]["gpus"].append({"index": 10**5000}), "with GPU index <int>"),
     (lambda o: o["status"]["gpus"][2].update(state="Broken"), "GPUs 2: state Broken"),
     (lambda o: o["status"]["gpus"][2].update(xids=["79", None, True, 2**80]), None),
     (lambda o: o["status"]["gpus"].append({"index": 99, "state": "Failed"}), None),
@@ -103,9 +107,10 @@ def test_an_unreachable_exporter_makes_its_nodes_gpus_unknown() -> None:
 def test_a_hostile_object_is_ignored_with_the_reason(mangle, problem: str | None) -> None:
     obj = published("a", {5: 79})
     mangle(obj)
-    got = health.from_gpu_health([obj, {"metadata": {}}], GPUS, CRD_DEFAULT, now=NOW)
-    assert ("a", 2) not in got.failed and "a GPUHealth object without a name, ignored" in \
-        got.problems
+    got = health.from_gpu_health([obj, {"metadata": {}}, ["not", "an", "object"]], GPUS,
+                                 CRD_DEFAULT, now=NOW)
+    assert ("a", 2) not in got.failed
+    assert got.problems.count("a GPUHealth object without a name, ignored") == 2
     if problem is not None:
         assert any(problem in line for line in got.problems), got.problems
         assert all(len(line) < 400 for line in got.problems)

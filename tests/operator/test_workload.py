@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import yaml
 
+from tessera_contracts.invocation import AgentInvocation
 from tessera_dev import paths
 from tessera_operator import workload
 from tessera_operator.planner import JobSpec, Problem
@@ -45,8 +46,12 @@ def test_the_trainer_pod_carries_the_specs_template_fields() -> None:
     assert container["command"] == ["python", "-m", "ntp.nodeagent"]
     # The agent's own options, then every rank's: the checkpoint the spec names, its args.
     assert container["args"] == [
-        "--job", "tiny-llama", "--steps", "100000", "--",
+        "--job", "tiny-llama", "--until-step", "100000", "--",
         "--save", "/ckpt/run/dense.pt", "--resume", "--save-every", "50", "--lr=0.01"]
+    # what the node agent reads from them: the job, its steps in all, every rank's options
+    assert AgentInvocation.from_args(container["args"]) == AgentInvocation(
+        until_step=100_000, job="tiny-llama", trainer_args=(
+            "--save", "/ckpt/run/dense.pt", "--resume", "--save-every", "50", "--lr=0.01"))
     # All the node's GPUs, as a limit and (requests being given) a request.
     assert container["resources"] == {
         "requests": {"cpu": "4", "memory": "8Gi", "nvidia.com/gpu": "4"},

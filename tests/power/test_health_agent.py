@@ -24,7 +24,9 @@ from tessera_agents.health import agent as health_agent
 from tessera_agents.health.agent import HealthAgent, KubePublisher, fetch_page
 from tessera_agents.health.dcgm import MAX_PAGE_BYTES, STALE_AFTER_S, classify
 from tessera_agents.power.sim_backend import SimBackend
-from tessera_contracts.gpuhealth import NodeHealth
+from tessera_contracts.api import GPU_HEALTH_PLURAL, GROUP, VERSION
+from tessera_contracts.gpuhealth import NodeHealth, PublishedHealth
+from tessera_contracts.gpuhealth import render as render_health
 from tessera_dev import probes
 from tessera_dev.simnode.dcgm import GENERATIONS, render
 
@@ -321,7 +323,7 @@ def test_the_shipped_daemonset_runs_the_health_agent_as_configured() -> None:
 def _read(admin: client.ApiClient, node: str) -> dict[str, Any] | None:
     try:
         return client.CustomObjectsApi(admin).get_cluster_custom_object(
-            "tessera.dev", "v1alpha1", "gpuhealths", node)
+            GROUP, VERSION, GPU_HEALTH_PLURAL, node)
     except ApiException as err:
         if err.status == 404:
             return None
@@ -335,12 +337,12 @@ def test_an_agent_may_write_only_its_own_nodes_gpu_health(
     agent_api = _token_client(control_plane, _node_token(admin_api, mine))
     try:
         publish = KubePublisher(agent_api, timeout_s=10)
-        healthy = health_agent.render(mine, "http://x/metrics", _health(gpus, mine), clock.now)
+        healthy = _body(mine, _health(gpus, mine), clock.now)
         publish(healthy)  # created
         gpus.fail(2, xid=79)
-        publish(health_agent.render(mine, "http://x/metrics", _health(gpus, mine), clock.now))
+        publish(_body(mine, _health(gpus, mine), clock.now))
         assert _read(admin_api, mine)["status"]["xidGPUs"] == "2"  # updated
-        forged = health_agent.render(other, "http://x/metrics", _health(gpus, other), clock.now)
+        forged = _body(other, _health(gpus, other), clock.now)
 
         def refused() -> bool:
             try:
@@ -359,7 +361,7 @@ def test_an_agent_may_write_only_its_own_nodes_gpu_health(
             (lambda: KubePublisher(power_api(NS, OPERATOR), 10)(forged), ""),  # no RBAC
             (lambda: KubePublisher(power_api(namespace, "trainer"), 10)(forged), ""),
             (lambda: client.CustomObjectsApi(agent_api).delete_cluster_custom_object(
-                "tessera.dev", "v1alpha1", "gpuhealths", mine), ""),
+                GROUP, VERSION, GPU_HEALTH_PLURAL, mine), ""),
         ]
         for attempt, why in attempts:
             with pytest.raises(ApiException) as denied:
@@ -376,10 +378,14 @@ def test_an_agent_may_write_only_its_own_nodes_gpu_health(
 def _delete(admin: client.ApiClient, node: str) -> None:
     try:
         client.CustomObjectsApi(admin).delete_cluster_custom_object(
-            "tessera.dev", "v1alpha1", "gpuhealths", node)
+            GROUP, VERSION, GPU_HEALTH_PLURAL, node)
     except ApiException as err:
         if err.status != 404:
             raise
+
+
+def _body(node: str, health: NodeHealth, at: float) -> dict[str, Any]:
+    return render_health(PublishedHealth(node, "http://x/metrics", at, health))
 
 
 def _health(gpus: SimBackend, node: str) -> NodeHealth:
@@ -429,8 +435,7 @@ def test_the_agent_process_publishes_its_nodes_gpu_health(
 def test_api_server_rejects_out_of_schema_gpu_health(
         admin_api: client.ApiClient, power_api, clock: Clock, gpu: dict, status: dict) -> None:
     node = _node()
-    body = health_agent.render(node, "http://x/metrics", health_agent.as_facts(
-        classify("", gpus=1)), clock.now)
+    body = _body(node, health_agent.as_facts(classify("", gpus=1)), clock.now)
     body["status"].update(status, gpus=[gpu])
     with pytest.raises(ApiException) as refused:
         KubePublisher(admin_api, 10)(body)

@@ -11,14 +11,15 @@ the current generation lists:
   itself; a GPU the next generation adds (`origin` null: a GPU back) gets a new rank with
   `--join`, which learns the step it joins at from the survivors (a planned generation's
   `atStep`, or the step a failure interrupted); every rank trains until the job's last step
-  (`--until-step`), whatever step it starts at;
+  (the agent's `--until-step`, which it gives each rank), whatever step it starts at. The
+  command lines are `tessera_contracts.invocation`'s;
 - a rank that dies (its GPU failed) ends the generation it was in on the job's store (the
   failure notice every survivor watches); the other ranks keep running;
 - each rank holds its GPU: `CUDA_VISIBLE_DEVICES` on a real node; on the local cluster's
   simulated nodes the device file `$TESSERA_SIM_DEVICES/nvidia<INDEX>`, open for the rank's
   lifetime as a CUDA process holds /dev/nvidia<INDEX>, so `tessera-dev fail-gpu` kills exactly it;
 - ranks die with the agent (PR_SET_PDEATHSIG). The agent exits 0 once the job has finished
-  (a generation ended `finished` on the store) and its ranks have exited, non-zero with one
+  (a generation ended `End.FINISHED` on the store) and its ranks have exited, non-zero with one
   line saying why when it cannot go on;
 - the ranks' stdout passes through the agent's unchanged; their JSON lines (`ntp.train`'s step
   records and events, printed by every rank) feed this node's goodput ledger
@@ -32,12 +33,10 @@ The TCPStore lives in a rendezvous process of its own (`ntp.rendezvous`), never 
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import ctypes
 import json
 import logging
-import math
 import os
 import queue
 import re
@@ -57,8 +56,8 @@ from typing import Any, Protocol
 import torch.distributed as dist
 
 from ntp.distributed import (
-    FAILED,
-    FINISHED,
+    End,
+    EndReason,
     connect,
     end_generation,
     generation_of,
@@ -68,7 +67,20 @@ from ntp.distributed import (
 from ntp.nodeagent import metrics
 from ntp.sources import FileGenerationSource
 from tessera_contracts.generation import Generation, GenerationError, Gpu
+from tessera_contracts.invocation import (
+    AgentInvocation,
+    InvocationError,
+    RankInvocation,
+    agent_parser,
+)
 from tessera_contracts.progress import NodeReport, State, report_key
+from tessera_contracts.rank_events import (
+    EventKind,
+    RankEvent,
+    RecordError,
+    StepRecord,
+    parse_line,
+)
 from tessera_contracts.vocabulary import Phase
 from tessera_core.goodput import Ledger
 
@@ -77,8 +89,6 @@ log = logging.getLogger("ntp.nodeagent.agent")
 # How often the agent looks for a new generation: a file has no change events, and a rank
 # waits for the agent's mirror, so this adds to every reconfiguration.
 POLL_S = 0.02
-# Trainer options the agent sets for every rank itself.
-_AGENT_OPTIONS = ("--layout", "--layout-dir", "--steps", "--until-step", "--join")
 _PR_SET_PDEATHSIG = 1
 # The report's step time is the mean of this many recent steps, and its compute time that of
 # every rank of the node over as many recent steps of the generation they run.
@@ -94,6 +104,7 @@ JOB_WRITES_PER_S = 20.0
 # How long a rank's exit waits for the agent to read the rest of its output (a process it
 # started could keep the pipe open).
 RELAY_GRACE_S = 5.0
+MAX_LOGGED_LINE = 300  # bytes of a rank's line quoted in a warning
 
 
 class AgentError(RuntimeError):
@@ -193,8 +204,9 @@ class RankProcess:
 
 
 class NodeProgress:
-    """This node's goodput ledger and progress report, from its ranks' JSON lines (`record`)
-    and what the agent itself sees (`entered`, `interrupted`, `idle`, `finished`, `failed`).
+    """This node's goodput ledger and progress report, from its ranks' JSON lines (`read`:
+    `tessera_contracts.rank_events`) and what the agent itself sees (`entered`,
+    `interrupted`, `idle`, `finished`, `failed`).
 
     Every rank prints the same step lines: a step counts when the first rank of this node
     reports it. A step line carries the step's duration, so the step's time is training and
@@ -218,33 +230,43 @@ class NodeProgress:
         self._compute: deque[tuple[int, int, float]] = deque()
         self._lock = threading.Lock()  # records come from one reader thread per rank
 
-    def record(self, record: Mapping[str, Any]) -> None:
-        """One JSON line a rank printed (`ntp.train.log_step`, `Trainer.event`)."""
+    def read(self, line: bytes) -> None:
+        """One line a rank printed: its step records and events count, other output not."""
+        try:
+            record = parse_line(line)
+        except RecordError as exc:
+            log.warning("%s: a rank's line not counted (%s): %s", self.node, exc,
+                        line[:MAX_LOGGED_LINE])
+            return
+        if record is not None:
+            self.record(record)
+
+    def record(self, record: StepRecord | RankEvent) -> None:
+        """A step a rank completed (`ntp.train.log_step`), or an event (`Trainer.event`)."""
         at = self.clock()
         with self._lock:
             try:
-                if "event" in record:
-                    self._event(str(record["event"]), record, at)
-                elif "loss" in record:
+                if isinstance(record, RankEvent):
+                    self._event(record, at)
+                else:
                     self._step(record, at)
-            except (KeyError, TypeError, ValueError) as exc:
-                log.warning("%s: a rank's line not counted (%s): %s", self.node, exc, record)
+            except ValueError as exc:  # the ledger refuses a record out of order
+                log.warning("%s: a rank's record not counted (%s): %s", self.node, exc, record)
 
-    def _step(self, record: Mapping[str, Any], at: float) -> None:
-        step, ledger = int(record["step"]), self.ledger
-        self.generation = max(self.generation, int(record["generation"]))
-        self._computed(int(record["generation"]), step, record.get("compute_s"))
+    def _step(self, record: StepRecord, at: float) -> None:
+        step, ledger = record.step, self.ledger
+        self.generation = max(self.generation, record.generation)
+        if record.compute_s is not None:  # a trainer that does not measure it: the report has none
+            self._computed(record.generation, step, record.compute_s)
         if step <= ledger.step:
             return  # another rank of this node reported it first
         if step > ledger.step + 1:  # this node's ranks joined the job after step - 1
             ledger.joined(step - 1)
-        seconds = float(record["step_s"])
         if ledger.phase is not Phase.TRAINING:
-            ledger.enter(Phase.TRAINING, at=at - seconds)
-        ledger.step_done(step, samples=int(record["samples"]),
-                         tokens=int(record.get("tokens", 0)), at=at)
-        ledger.set_layout(dict(enumerate(record.get("tp_degrees", ()))))
-        self._recent.append(seconds)
+            ledger.enter(Phase.TRAINING, at=at - record.step_s)
+        ledger.step_done(step, samples=record.samples, tokens=record.tokens, at=at)
+        ledger.set_layout(dict(enumerate(record.tp_degrees)))
+        self._recent.append(record.step_s)
         self._set(State.TRAINING, "")
         if step >= self.steps:
             ledger.enter(Phase.OTHER, at=at)  # the ranks write their results and leave
@@ -253,34 +275,32 @@ class NodeProgress:
             self._set(State.RECONFIGURING,
                       f"switching to generation {self._switch[1]} after step {step}")
 
-    def _computed(self, generation: int, step: int, seconds: object) -> None:
-        if not isinstance(seconds, int | float) or not math.isfinite(seconds) or seconds < 0:
-            return  # a trainer that does not measure it: the report has none
+    def _computed(self, generation: int, step: int, seconds: float) -> None:
         compute = self._compute
         if compute and generation > compute[-1][0]:
             compute.clear()
         elif compute and generation < compute[-1][0]:
             return  # a line of a generation already left
-        compute.append((generation, step, float(seconds)))
+        compute.append((generation, step, seconds))
         newest = max(s for _, s, _ in compute)
         while compute[0][1] <= newest - RECENT_STEPS:
             compute.popleft()
 
-    def _event(self, kind: str, record: Mapping[str, Any], at: float) -> None:
-        ledger, step = self.ledger, int(record["step"])
-        if kind == "reconfigured":
-            self.generation = max(self.generation, int(record["generation"]))
+    def _event(self, record: RankEvent, at: float) -> None:
+        ledger, step, kind = self.ledger, record.step, record.kind
+        if kind is EventKind.RECONFIGURED:
+            self.generation = max(self.generation, record.generation)
             if ledger.phase is Phase.TRAINING:  # a change this agent did not see coming
                 ledger.enter(Phase.RECONFIGURATION, at=at)
-        elif kind == "restoring" and ledger.phase is not Phase.CHECKPOINT_RESTORE:
+        elif kind is EventKind.RESTORING and ledger.phase is not Phase.CHECKPOINT_RESTORE:
             # live resharding cannot work: until the ranks train again, a checkpoint restore
             ledger.enter(Phase.CHECKPOINT_RESTORE, at=at)
-        elif kind == "restored" and step < ledger.step:
+        elif kind is EventKind.RESTORED and step < ledger.step:
             ledger.rollback(step)
-        elif kind == "saving_checkpoint" and step == ledger.step \
+        elif kind is EventKind.SAVING_CHECKPOINT and step == ledger.step \
                 and ledger.phase in (Phase.TRAINING, Phase.OTHER):
             ledger.enter(Phase.CHECKPOINT_SAVE, at=at)
-        elif kind == "checkpointed" and step == ledger.step:
+        elif kind is EventKind.CHECKPOINTED and step == ledger.step:
             # the save lasts, for this node, until its ranks train again (the next step line)
             ledger.checkpointed(step)
             if step >= self.steps:
@@ -440,7 +460,7 @@ class NodeAgent:
         node: str,
         source: Generations,
         work_dir: Path,
-        steps: int,
+        until_step: int,
         trainer_args: Sequence[str] = (),
         devices: Devices = Devices(),
         publish: Callable[[NodeReport], None] | None = None,
@@ -449,8 +469,8 @@ class NodeAgent:
         self.node = node
         self.source = source
         self.work_dir = work_dir
-        self.steps = steps
-        self.trainer_args = list(trainer_args)
+        self.until_step = until_step
+        self.trainer_args = tuple(trainer_args)
         self.devices = devices
         self.current: Generation | None = None
         self.ranks: dict[int, RankProcess] = {}  # running, by pid
@@ -459,7 +479,7 @@ class NodeAgent:
         self.finished = False
         self.failed_after_finish: list[str] = []
         self._unusable: set[int] = set()  # generations whose document was logged as bad
-        self.progress = NodeProgress(node, steps)
+        self.progress = NodeProgress(node, until_step)
         self.reporter = Reporter(self.progress, publish)
         self._output = threading.Lock()  # one rank's line at a time on the agent's stdout
 
@@ -563,7 +583,8 @@ class NodeAgent:
                 # The document has a process on this GPU carry on, but there is none (it died
                 # after the document was written, or this agent started late): the survivors
                 # would wait for it in vain.
-                reason = f"{FAILED}: {self.node}: no process on {gpu} to carry on as rank {rank}"
+                reason = EndReason(End.FAILED, f"{self.node}: no process on {gpu} to carry on "
+                                                f"as rank {rank}")
                 assert self.store is not None
                 end_generation(self.store, number, reason)
                 log.warning("%s: generation %d %s", self.node, number, reason)
@@ -579,8 +600,8 @@ class NodeAgent:
         joined = {generation_of(self.store, host, pid) for pid, process in self.ranks.items()
                   if process.proc.poll() is None}
         for old in sorted(g for g in joined if g is not None and g < number):
-            reason = end_generation(self.store, old, f"{FAILED}: generation {number} follows a "
-                                                     "loss")
+            reason = end_generation(self.store, old, EndReason(
+                End.FAILED, f"generation {number} follows a loss"))
             log.info("%s: generation %d ended (%s) for generation %d", self.node, old, reason,
                      number)
 
@@ -615,11 +636,11 @@ class NodeAgent:
 
         threading.Thread(target=wait, name=f"end-gen{generation.generation}", daemon=True).start()
 
-    def ended(self, number: int, reason: str) -> None:
+    def ended(self, number: int, reason: EndReason) -> None:
         log.info("%s: generation %d ended: %s", self.node, number, reason)
-        if reason == FINISHED:
+        if reason.kind is End.FINISHED:
             self.finished = True
-        elif reason.startswith(FAILED) and number >= self.progress.generation:
+        elif reason.failed and number >= self.progress.generation:
             self.progress.interrupted(f"generation {number} {reason}")
 
     # -- ranks ---------------------------------------------------------------------------------
@@ -627,7 +648,7 @@ class NodeAgent:
     def start(self, generation: Generation, rank: int, gpu: Gpu, join: bool) -> None:
         """One trainer process for global rank `rank` of `generation`, holding `gpu`."""
         if join:
-            if generation.at_step is not None and generation.at_step >= self.steps:
+            if generation.at_step is not None and generation.at_step >= self.until_step:
                 log.info("%s: generation %d adds %s after the job's last step; not started",
                          self.node, generation.generation, gpu)
                 return
@@ -636,10 +657,10 @@ class NodeAgent:
                     f"generation {generation.generation} adds {gpu}, and its joining rank needs "
                     f"generation {generation.generation - 1}, which this agent never saw"
                 )
-        argv = [sys.executable, "-m", "ntp.train",
-                "--layout", str(self.layout_path(generation.generation)),
-                "--layout-dir", str(self.work_dir), "--until-step", str(self.steps),
-                *self.trainer_args, *(["--join"] if join else [])]
+        invocation = RankInvocation(self.layout_path(generation.generation), self.work_dir,
+                                    until_step=self.until_step, join=join,
+                                    options=self.trainer_args)
+        argv = [sys.executable, "-m", "ntp.train", *invocation.to_args()]
         env, device = self.devices.bind(gpu.index)
         env |= {"RANK": str(rank), "WORLD_SIZE": str(len(generation.gpus))}
         try:
@@ -678,13 +699,7 @@ class NodeAgent:
             with self._output:
                 sys.stdout.buffer.write(line)
                 sys.stdout.buffer.flush()
-            if line.startswith(b"{"):
-                try:
-                    record = json.loads(line)
-                except ValueError:
-                    continue
-                if isinstance(record, dict):
-                    self.progress.record(record)
+            self.progress.read(line)
 
     def exited(self, process: RankProcess) -> None:
         """A rank exited: a dropped rank leaves with 0; any other exit is a death, which ends
@@ -712,9 +727,9 @@ class NodeAgent:
         if later is not None and later.generation > number and later.origin is not None:
             rank = later.rank_of(process.gpu)
             if rank is not None and later.origin[rank] is not None:
-                end_generation(self.store, later.generation,
-                               f"{FAILED}: process {socket.gethostname()}/{pid} {why} before "
-                               f"joining as rank {rank}")
+                end_generation(self.store, later.generation, EndReason(
+                    End.FAILED, f"process {socket.gethostname()}/{pid} {why} before joining as "
+                    f"rank {rank}"))
                 log.warning("%s: generation %d failed too: it counted on pid %d", self.node,
                             later.generation, pid)
 
@@ -724,44 +739,18 @@ class NodeAgent:
 # ----------------------------------------------------------------------------------------------
 
 
-def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    """The agent's options, and the trainer options after `--` (passed to every rank)."""
-    own, trainer = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) \
-        if "--" in argv else (argv, [])
-    parser = argparse.ArgumentParser(
-        prog="ntp.nodeagent",
-        description="Run this node's trainer ranks across the job's generations.",
-        epilog="Trainer options (ntp.train) go after `--`; the agent sets "
-        + ", ".join(_AGENT_OPTIONS) + " itself.",
-    )
-    parser.add_argument("--node", default=os.environ.get("NODE_NAME"),
-                        help="this node's name, as generations name GPUs (env NODE_NAME)")
-    parser.add_argument("--steps", type=int, required=True, help="the job's steps in all")
-    parser.add_argument("--work-dir", type=Path,
-                        help="where the ranks' gen{N}.json are mirrored (default: a new temp dir)")
-    parser.add_argument("--job", help="the NTPTrainingJob: the agent follows its layout "
-                        "ConfigMap and writes its progress ConfigMap")
-    parser.add_argument("--generations", type=Path,
-                        help="follow a directory of gen{N}.json instead (no Kubernetes); the "
-                        "progress report goes to DIR/../progress/<node>.json, and the job is "
-                        "--job or else named after DIR's parent")
-    parser.add_argument("--namespace", help="the job's namespace (default: the pod's own)")
-    parser.add_argument("--metrics-port", type=int, default=9300,
-                        help="serve the node's goodput metrics here, on $POD_IP if set "
-                        "(0: no metrics)")
-    opts = parser.parse_args(own)
-    if not opts.node:
-        parser.error("--node (or NODE_NAME) is required")
-    if opts.job is None and opts.generations is None:
-        parser.error("one of --job or --generations is required")
-    if not 0 <= opts.metrics_port < 65536:
-        parser.error(f"--metrics-port must be a port or 0, got {opts.metrics_port}")
-    if opts.steps < 1:
-        parser.error(f"--steps must be at least 1, got {opts.steps}")
-    taken = [a for a in trainer if a.split("=")[0] in _AGENT_OPTIONS]
-    if taken:
-        parser.error(f"the agent sets {', '.join(taken)} for each rank itself")
-    return opts, trainer
+def parse_args(argv: list[str], env: Mapping[str, str] = os.environ
+               ) -> tuple[str, AgentInvocation]:
+    """This node's name (`--node`, else NODE_NAME in `env`) and the agent's invocation. A
+    command line that does not follow the contract ends the agent with its usage (status 2)."""
+    try:
+        invocation = AgentInvocation.from_args(argv)
+        node = invocation.node or env.get("NODE_NAME")
+        if not node:
+            raise InvocationError("--node (or NODE_NAME) is required")
+    except InvocationError as exc:
+        agent_parser().error(str(exc))
+    return node, invocation
 
 
 def report_file(directory: Path) -> Callable[[NodeReport], None]:
@@ -793,7 +782,7 @@ def serve_metrics(ledger: Ledger, addr: str, port: int, labels: Mapping[str, str
 
 
 def main(argv: list[str] | None = None) -> int:
-    opts, trainer_args = parse_args(sys.argv[1:] if argv is None else argv)
+    node, opts = parse_args(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     # SIGTERM (the pod is deleted) runs the cleanup that kills the ranks, as PDEATHSIG would.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
@@ -808,6 +797,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             from ntp.nodeagent import kube_source
 
+            assert opts.job is not None  # the invocation has --job or --generations
             try:
                 api, namespace = kube_source.connect(opts.namespace)
             except kube_source.SourceError as exc:
@@ -817,13 +807,12 @@ def main(argv: list[str] | None = None) -> int:
             publish = kube_source.progress_writer(api, namespace, job)
         work_dir = opts.work_dir or Path(tempfile.mkdtemp(prefix="ntp-agent-"))
         work_dir.mkdir(parents=True, exist_ok=True)
-        agent = NodeAgent(opts.node, source, work_dir, opts.steps, trainer_args,
+        agent = NodeAgent(node, source, work_dir, opts.until_step, opts.trainer_args,
                           devices, publish)
         if opts.metrics_port:
             serve_metrics(agent.progress.ledger, os.environ.get("POD_IP") or "0.0.0.0",
-                          opts.metrics_port, {"ntpjob": job, "node": opts.node})
+                          opts.metrics_port, {"ntpjob": job, "node": node})
         return agent.run()
     except AgentError as exc:
-        print(f"ntp.nodeagent: {opts.node}: {exc}", file=sys.stderr)
+        print(f"ntp.nodeagent: {node}: {exc}", file=sys.stderr)
         return 1
-

@@ -1,10 +1,11 @@
 """The node health agent (`tessera health-agent`): this node's dcgm-exporter page -> its GPUHealth.
 
-Every `--interval` it reads its own node's exporter, classifies the GPUs (`gpu_health.assess`),
+Every `--interval` it reads its own node's exporter, classifies the GPUs (`dcgm.assess`),
 damps flaps and publishes the facts in the node's cluster-scoped `GPUHealth` object, named after
 the node: per GPU Healthy, Failed (a DCGM health watch failing on something other than an XID)
 or Unknown, and the recent XIDs, which each job judges by its own `fatalXIDs`
-(`tessera_operator.health.from_gpu_health`). It writes only when a GPU's state or XIDs change,
+(`tessera_operator.health.from_gpu_health`); the object's form is
+`tessera_contracts.gpuhealth.render`'s. It writes only when a GPU's state or XIDs change,
 and otherwise once per `--refresh`, so that `observedAt` tells a reader the object is current.
 docs/health.md says why each node publishes its own health; the admission policy in
 manifests/power-controller/admission.yaml lets an agent write its own node's object only.
@@ -23,24 +24,25 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from datetime import UTC, datetime
 from http.client import HTTPException
 from typing import Any
 
-from tessera_agents.health.dcgm import MAX_GPUS, MAX_PAGE_BYTES, FlapDamper, assess
+from tessera_agents.health.dcgm import MAX_PAGE_BYTES, FlapDamper, assess
 from tessera_agents.power.agent import api_client, is_node_name
-from tessera_contracts.gpuhealth import REFRESH_S, GpuHealth, NodeHealth, State
-from tessera_contracts.powertarget import GROUP, VERSION, format_time
+from tessera_contracts.api import GPU_HEALTH_PLURAL, GROUP, HEALTH_AGENT_MANAGER, VERSION
+from tessera_contracts.gpuhealth import (
+    MAX_GPUS,
+    REFRESH_S,
+    NodeHealth,
+    PublishedHealth,
+    State,
+    render,
+    summary,
+)
 
 log = logging.getLogger("tessera.health-agent")
 
-PLURAL = "gpuhealths"
-KIND = "GPUHealth"
-FIELD_MANAGER = "tessera-health-agent"
-MAX_REASON = 1024  # the CRD's bound on a reason and on the exporter's error
-MAX_XIDS = 64  # the CRD's bound on a GPU's XIDs; more distinct recent XIDs is garbage
 MAX_LOGGED_PROBLEMS = 20  # per read: a hostile page can have a problem on every line
-STATES = {State.HEALTHY: "Healthy", State.FAILED: "Failed", State.UNKNOWN: "Unknown"}
 
 
 class FetchError(Exception):
@@ -83,10 +85,6 @@ def fetch_page(url: str, timeout_s: float) -> str:
     return b"".join(chunks).decode("utf-8", errors="replace")
 
 
-def _clip(text: str) -> str:
-    return text if len(text) <= MAX_REASON else text[:MAX_REASON - 3] + "..."
-
-
 def as_facts(observed: NodeHealth) -> NodeHealth:
     """`observed` as this node publishes it: classified with no XID fatal (so Failed means a
     failure no job's list decides), each GPU's recent XIDs named for the jobs to judge."""
@@ -95,39 +93,6 @@ def as_facts(observed: NodeHealth) -> NodeHealth:
                           "decide")
         if g.state is State.HEALTHY and g.xids else g
         for g in observed.gpus))
-
-
-_SUMMARY: dict[str, Callable[[GpuHealth], bool]] = {
-    "failedGPUs": lambda g: g.state is State.FAILED,
-    "xidGPUs": lambda g: bool(g.xids),
-    "unknownGPUs": lambda g: g.state is State.UNKNOWN,
-}
-
-
-def _summary(gpus: tuple[GpuHealth, ...]) -> dict[str, str]:
-    """The status' index lists: the failed GPUs, those with recent XIDs, the unknown ones."""
-    return {field: ",".join(str(g.index) for g in gpus if keep(g))
-            for field, keep in _SUMMARY.items()}
-
-
-def render(node: str, url: str, health: NodeHealth, observed_at: float) -> dict[str, Any]:
-    """The node's GPUHealth object (for server-side apply) from its damped facts."""
-    exporter = {"url": url}
-    if health.error is not None:
-        exporter["error"] = _clip(health.error)
-    gpus = [{"index": g.index, "state": STATES[g.state], "xids": list(g.xids[:MAX_XIDS]),
-             "reason": _clip(g.reason)} for g in health.gpus]
-    return {
-        "apiVersion": f"{GROUP}/{VERSION}",
-        "kind": KIND,
-        "metadata": {"name": node},
-        "status": {
-            "observedAt": format_time(datetime.fromtimestamp(observed_at, UTC)),
-            "exporter": exporter,
-            **_summary(health.gpus),
-            "gpus": gpus,
-        },
-    }
 
 
 @dataclass
@@ -176,10 +141,10 @@ class HealthAgent:
         if key != self._published or self.monotonic() - self._published_at >= self.refresh_s:
             if key != self._published:
                 log.info("GPUs of %s: failed [%s], XIDs [%s], unknown [%s]%s", self.node,
-                         *_summary(health.gpus).values(),
+                         *summary(health.gpus).values(),
                          f" ({health.error})" if health.error else "")
             try:
-                self.publish(render(self.node, self.url, health, now))
+                self.publish(render(PublishedHealth(self.node, self.url, now, health)))
             except Exception as err:  # unreachable, refused: the next step writes again
                 log.warning("could not publish the GPU health of %s: %s", self.node, err)
             else:
@@ -207,9 +172,9 @@ class KubePublisher:
 
     def __call__(self, body: dict[str, Any]) -> None:
         self._api.patch_cluster_custom_object(
-            GROUP, VERSION, PLURAL, body["metadata"]["name"], body, field_manager=FIELD_MANAGER,
-            force=True, _content_type="application/apply-patch+yaml",
-            _request_timeout=self._timeout)
+            GROUP, VERSION, GPU_HEALTH_PLURAL, body["metadata"]["name"], body,
+            field_manager=HEALTH_AGENT_MANAGER, force=True,
+            _content_type="application/apply-patch+yaml", _request_timeout=self._timeout)
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -25,7 +25,8 @@ healthy or failed (`NodeHealth.error` says why); a bad sample (an index out of r
 implausible value, another host's sample) is skipped with the reason.
 
 Every verdict also lists the GPU's recent XIDs, fatal or not (`GpuHealth.xids`): the node agent
-classifies with no XID fatal and publishes them for each job to judge (`health_agent`).
+classifies with no XID fatal and publishes them for each job to judge
+(`tessera_agents.health.agent`).
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ from collections.abc import Iterable, Set
 from dataclasses import dataclass, field, replace
 
 from tessera_contracts.gpuhealth import (
+    MAX_GPUS,
+    MAX_XID,
     GpuHealth,
     NodeHealth,
     State,
@@ -55,8 +58,6 @@ STALE_AFTER_S = 60.0
 # The simulated 8-GPU page is 38 kB; a real one with every default field and pod labels a few
 # times that: 4 MiB leaves room, and bounds what a hostile page costs to read.
 MAX_PAGE_BYTES = 4 << 20
-MAX_GPUS = 64
-MAX_XID = 0x7FFFFFFF  # XIDs are 32-bit in the driver; larger values are sentinels or garbage
 MAX_COUNT = 2**53  # counts beyond exact doubles are sentinels or garbage
 MAX_REASON = 200  # characters of a label value quoted in a reason
 
