@@ -33,11 +33,15 @@ from kubernetes.client.exceptions import ApiException
 from rich.console import Console
 from rich.live import Live
 
+from tessera_cli import main as tessera_cli
+from tessera_contracts import gpuhealth
+from tessera_contracts.api import GPU_HEALTH_PLURAL, GROUP, JOB_LABEL, JOB_PLURAL, VERSION
+from tessera_contracts.gpuhealth import State
 from tessera_dev import demo_plot, paths, probes, processes
 from tessera_dev.controlplane import cluster, launcher, up
 from tessera_dev.controlplane.prometheus import Prometheus
-from tessera_dev.demo_view import DRAW, GROUP, PLURAL, VERSION, Snapshot, observe, render
-from tessera_operator.workload import GPU_RESOURCE, JOB_LABEL
+from tessera_dev.demo_view import DRAW, Snapshot, observe, render
+from tessera_operator.workload import GPU_RESOURCE
 
 REPO = paths.repo_root()
 EXAMPLE = REPO / "manifests" / "examples" / "ntpjob-local.yaml"
@@ -60,7 +64,8 @@ REACTION_S = 180.0
 RECOVERY_S = 300.0
 GPU_LOST_ALERT = "TesseraGPULost"
 # The same interpreter as this command, so the demo never picks up another installation.
-TESSERA = (sys.executable, "-m", "tessera_dev.cli")
+COMMANDS = {"tessera": (sys.executable, "-m", "tessera_cli.main"),
+            "tessera-dev": (sys.executable, "-m", "tessera_dev.cli")}
 
 
 class DemoError(Exception):
@@ -102,7 +107,9 @@ class Demo:
         return self._run(["kubectl", *args], shown or f"kubectl {' '.join(args)}", stdin)
 
     def tessera(self, *args: str) -> str:
-        return self._run([*TESSERA, *args], f"tessera {' '.join(args)}")
+        """A production verb through `tessera`, the local cluster's through `tessera-dev`."""
+        name = "tessera" if args[0] in tessera_cli.COMMANDS else "tessera-dev"
+        return self._run([*COMMANDS[name], *args], f"{name} {' '.join(args)}")
 
     def observe(self) -> Snapshot:
         return observe(self.api, self.prometheus, self.namespace, self.job)
@@ -221,7 +228,7 @@ def _start_over(demo: Demo) -> None:
     """On a reused cluster: the last demo's job deleted, its GPUs given back."""
     try:
         client.CustomObjectsApi(demo.api).get_namespaced_custom_object(
-            GROUP, VERSION, demo.namespace, PLURAL, demo.job,
+            GROUP, VERSION, demo.namespace, JOB_PLURAL, demo.job,
             _request_timeout=10)
     except ApiException as exc:
         if exc.status != 404:
@@ -241,10 +248,13 @@ def _start_over(demo: Demo) -> None:
 def _healthy(api: client.ApiClient) -> bool:
     """Every node's GPUHealth names no GPU failed, unknown or with a recent XID."""
     items = client.CustomObjectsApi(api).list_cluster_custom_object(
-        GROUP, VERSION, "gpuhealths", _request_timeout=10)["items"]
-    return {i["metadata"]["name"] for i in items} >= set(NODES) and not any(
-        (i.get("status") or {}).get(key) for i in items
-        for key in ("failedGPUs", "unknownGPUs", "xidGPUs"))
+        GROUP, VERSION, GPU_HEALTH_PLURAL, _request_timeout=10)["items"]
+    try:
+        published = [gpuhealth.parse(item) for item in items]
+    except gpuhealth.MalformedHealth:
+        return False
+    return {p.node for p in published} >= set(NODES) and all(
+        g.state is State.HEALTHY and not g.xids for p in published for g in p.health.gpus)
 
 
 def _queries(job: str, alerts: bool) -> list[tuple[str, str]]:
