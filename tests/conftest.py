@@ -36,7 +36,8 @@ def control_plane() -> Iterator[launcher.ControlPlane]:
 
 @pytest.fixture(scope="session")
 def tessera_crds(control_plane: launcher.ControlPlane) -> list[str]:
-    """Every CRD in crds/ applied server-side and Established; returns their names."""
+    """Every CRD tessera_contracts ships applied server-side and Established; returns their
+    names."""
     with control_plane.api_client() as api:
         return crds.apply(api, crds.load())
 

@@ -1,1 +1,1 @@
-"""Nonuniform tensor parallelism: plan (pure), model, parallel layers, gradient sync, optimizer."""
+"""Nonuniform tensor parallelism: model, parallel layers, gradient sync, optimizer, trainer."""

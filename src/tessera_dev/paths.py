@@ -1,4 +1,4 @@
-"""Where the checkout's own files are: the repository root that holds crds/ and manifests/."""
+"""Where the checkout's own files are: the repository root that holds manifests/."""
 
 from __future__ import annotations
 

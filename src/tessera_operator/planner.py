@@ -180,7 +180,7 @@ class JobPlan:
     # power pays for boosts like the failed GPUs'.
     stranded: frozenset[GpuId] = frozenset()
     # Failed GPUs that may no longer take a limit, at the watts their agents still count them
-    # (`planning.plan_rack`'s `stuck`).
+    # (`power_planning.plan_rack`'s `stuck`).
     stuck: Mapping[GpuId, int] = field(default_factory=dict)
 
     @property
@@ -216,7 +216,7 @@ class JobPlan:
         until changed or deleted.
 
         `held`: node -> the rack its current target names. A node of a rack the job still plans
-        that is no longer in the layout still holds a share there (`planning.plan_sync` keeps
+        that is no longer in the layout still holds a share there (`power_planning.plan_sync` keeps
         its target), so it is planned again, parked: its GPUs at the minimum, inside the rack
         budget with the others', and the rack's raises can proceed once it reports that cut.
 
@@ -380,7 +380,7 @@ def follow_compute(
     equal; what differs is their compute time (forward, backward, optimizer), which each node
     reports (`NodeReport.compute_seconds`). A replica's is its slowest node's. A reduced
     replica's ratio (from `boosts`, else the open-loop seed the plan holds) moves by
-    `planning.next_boost_ratio` on its compute time against the median of the healthy
+    `power_planning.next_boost_ratio` on its compute time against the median of the healthy
     replicas', up to the boost cap and what its racks' budgets let its GPUs reach (`held` as
     for `JobPlan.power_targets`); it holds while any of its nodes or every healthy replica
     lacks a measurement (not training, or an agent that does not report one), and until

@@ -19,6 +19,6 @@ def make_target(node: str = "node-a", **kw) -> PowerTarget:
 
 def create_target(api_client: client.ApiClient, target: PowerTarget) -> dict[str, Any]:
     """Create `target`'s object as whoever `api_client` acts for: the tests of who may write a
-    target (the operator itself writes through `channel.sync_targets`)."""
+    target (the operator itself writes through `power_targets.sync_targets`)."""
     return client.CustomObjectsApi(api_client).create_cluster_custom_object(
         GROUP, VERSION, PLURAL, to_object(target))

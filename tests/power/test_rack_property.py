@@ -1,8 +1,8 @@
 """Property: a rack spanning several nodes never goes over its budget, at any instant.
 
 For any sequence of plans for the rack (GPUs failing and coming back, boosts moving from node to
-node, nodes leaving the job and joining it again), operator passes (`planning.plan_sync`, what
-`channel.sync_targets` writes), agent steps in any order, agents crashing, leaving on SIGTERM
+node, nodes leaving the job and joining it again), operator passes (`power_planning.plan_sync`, what
+`power_targets.sync_targets` writes), agent steps in any order, agents crashing, leaving on SIGTERM
 (`--on-exit restore` or `hold`) and restarting, targets deleted or corrupted under them and GPUs
 refusing cuts, the sum of the power limits of every GPU of the rack stays within the rack budget
 after every single change any agent makes; and once the job releases its targets, no GPU stays
@@ -52,7 +52,7 @@ class Rack:
         assert self.total_mw() <= self.budget_w * W, "the rack went over its budget"
 
     def sync(self, desired: list[PowerTarget]) -> None:
-        """One operator pass, as `channel.sync_targets` makes it against the API server."""
+        """One operator pass, as `power_targets.sync_targets` makes it against the API server."""
         plan = plan_sync([copy.deepcopy(o) for o in self.objects.values()], desired)
         for node, target in plan.write.items():
             body = to_object(target)

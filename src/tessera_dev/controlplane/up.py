@@ -47,8 +47,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--data-dir", type=Path, default=paths.default_data_dir(),
                         help="control plane state (default: %(default)s)")
     parser.add_argument("--crds", type=Path, default=None,
-                        help="directory of CRD manifests to install (default: crds/ of the "
-                             "checkout)")
+                        help="directory of CRD manifests to install (default: those "
+                             "tessera_contracts ships)")
     parser.add_argument("--ready-timeout", type=float, default=READY_WAIT_S, metavar="SECONDS",
                         help="how long to wait for a running control plane that does not "
                              "answer before giving up, touching nothing (default: %(default)s)")
