@@ -28,7 +28,7 @@ from http.client import HTTPException
 from typing import Any
 
 from tessera_agents.health.dcgm import MAX_PAGE_BYTES, FlapDamper, assess
-from tessera_agents.power.agent import api_client, is_node_name
+from tessera_agents.kube import api_client, is_node_name
 from tessera_contracts.api import GPU_HEALTH_PLURAL, GROUP, HEALTH_AGENT_MANAGER, VERSION
 from tessera_contracts.gpuhealth import (
     MAX_GPUS,

@@ -19,7 +19,6 @@ import functools
 import logging
 import math
 import os
-import re
 import signal
 import threading
 import time
@@ -30,6 +29,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from tessera_agents.bounded import call_all
+from tessera_agents.kube import api_client, is_node_name
 from tessera_agents.power.devices import GpuId, GpuReading, NotFound, PowerBackend, PowerError
 from tessera_agents.power.metrics import GpuStatus, NodeStatus
 from tessera_agents.power.state import ManagedGpus, StateLocked
@@ -590,20 +590,6 @@ def _backend(args: argparse.Namespace) -> PowerBackend:
     return backend
 
 
-def api_client(kubeconfig: str | None) -> Any:
-    """A client of the API server from `kubeconfig` (None: the pod's service account) that
-    makes one bounded attempt per call: an agent's loop is the retry."""
-    from kubernetes import client, config
-
-    configuration = client.Configuration()
-    if kubeconfig:
-        config.load_kube_config(config_file=kubeconfig, client_configuration=configuration)
-    else:
-        config.load_incluster_config(client_configuration=configuration)
-    configuration.retries = 0
-    return client.ApiClient(configuration)
-
-
 def _source(args: argparse.Namespace) -> TargetSource:
     from tessera_agents.power.target_source import KubeTargetSource
 
@@ -637,13 +623,6 @@ def _serve_metrics(args: argparse.Namespace, agent: Agent) -> Callable[[], None]
 
 
 # A Kubernetes node name is a DNS-1123 subdomain; anything else (say `../x`) must not reach a path.
-_NODE_NAME = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
-
-
-def is_node_name(name: str) -> bool:
-    return len(name) <= 253 and _NODE_NAME.fullmatch(name) is not None
-
-
 def _bad_setting(args: argparse.Namespace) -> str | None:
     """Why the command line cannot run, naming the flag; None when it can."""
     if not is_node_name(args.node):
