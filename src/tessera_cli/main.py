@@ -17,7 +17,7 @@ Commands = Mapping[str, tuple[str, str]]
 
 COMMANDS: Commands = {
     "operator": ("tessera_operator.run", "run the Tessera operator (reconcile NTPTrainingJobs)"),
-    "power-agent": ("tessera_agents.power.agent",
+    "power-agent": ("tessera_agents.power.main",
                     "run the node power agent (DaemonSet entry point)"),
     "health-agent": ("tessera_agents.health.agent",
                      "publish this node's GPU health from DCGM"),

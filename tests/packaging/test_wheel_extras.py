@@ -39,7 +39,7 @@ COMMANDS = {
 }
 MODULES = {
     "operator": ["tessera_operator.handlers"],
-    "agent": ["tessera_agents.power.agent", "tessera_agents.health.agent"],
+    "agent": ["tessera_agents.power.main", "tessera_agents.health.agent"],
 }
 
 # every file the contracts open while loading the CRDs, seen through the interpreter's own

@@ -13,7 +13,8 @@ from powertest import make_target
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tessera_agents.power.agent import Agent, _parser, main, sim_backend
+from tessera_agents.power.agent import Agent
+from tessera_agents.power.main import _parser, main, sim_backend
 from tessera_agents.power.metrics import AgentCollector
 from tessera_agents.power.nvml_backend import NvmlBackend
 from tessera_agents.power.sim_backend import SimBackend

@@ -28,7 +28,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tcp_proxy import Proxy
 
 from tessera_agents.power import target_source
-from tessera_agents.power.agent import _parser
+from tessera_agents.power.main import _parser
 from tessera_agents.power.sim_backend import SimBackend
 from tessera_agents.power.state import ManagedGpus
 from tessera_contracts.powertarget import PowerTarget, to_object
