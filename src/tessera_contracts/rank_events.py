@@ -3,7 +3,7 @@ per event (`RankEvent`), among the rest of its output.
 
 Every rank of the job prints them (`ntp.train` writes them with `to_line`); each node's agent
 reads its own ranks' lines with `parse_line` into the node's goodput ledger
-(`ntp.nodeagent.agent.NodeProgress`). An event line is tagged by its `event` key; a step line
+(`ntp.nodeagent.progress.NodeProgress`). An event line is tagged by its `event` key; a step line
 is the one with a `loss`. A line that is neither (a log line, any other JSON) is no record; a
 record that does not follow the contract is a `RecordError` naming the field, never anything
 else.

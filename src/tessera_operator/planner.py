@@ -354,7 +354,7 @@ def _all_gpus(spec: JobSpec, racks: Mapping[str, tuple[str, ...]]) -> frozenset[
 # ----------------------------------------------------------------------------------------------
 
 # A node's reported compute time is the mean over its ranks' recent steps (at most 20 of the
-# generation they run, ntp.nodeagent.agent.RECENT_STEPS): a ratio moves again only once that many
+# generation they run, ntp.nodeagent.progress.RECENT_STEPS): a ratio moves again only once that many
 # steps ran since it last moved, so one lag is not answered twice (and the agents have ramped).
 SETTLE_STEPS = 20
 

@@ -1,4 +1,4 @@
-"""A node's goodput from its ranks' JSON lines (`ntp.nodeagent.agent.NodeProgress`), on a fake
+"""A node's goodput from its ranks' JSON lines (`ntp.nodeagent.progress.NodeProgress`), on a fake
 clock: each step counts once however many ranks report it, the step's own time is training and the
 time before it the phase the node was in, and productive + badput equals wall time throughout.
 Also the ledger events this needs: `at` (an event learned after the fact) and `joined`."""
@@ -12,7 +12,7 @@ from fractions import Fraction
 import pytest
 
 from ntp.model import FLAVORS
-from ntp.nodeagent.agent import NodeProgress, Reporter
+from ntp.nodeagent.progress import NodeProgress, Reporter
 from tessera_contracts.generation import Generation, Gpu, Rendezvous, next_generation
 from tessera_contracts.progress import NodeReport, State
 from tessera_contracts.rank_events import RankEvent, StepRecord

@@ -29,7 +29,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from ntp.distributed import End, EndReason, end_generation, end_key
 from ntp.launch import launch_local
 from ntp.model import FLAVORS
-from ntp.nodeagent.agent import AgentError, Devices, DirectorySource, NodeAgent, parse_args
+from ntp.nodeagent.agent import AgentError, Devices, DirectorySource, NodeAgent
+from ntp.nodeagent.main import parse_args
 from tessera_contracts.generation import Generation, Gpu, Rendezvous, next_generation
 from tessera_contracts.progress import NodeReport, Phase, State, summarize
 from tessera_dev import probes

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ntp.nodeagent.agent import RECENT_STEPS, NodeProgress
+from ntp.nodeagent.progress import RECENT_STEPS, NodeProgress
 from tessera_contracts.progress import (
     JobProgress,
     NodeReport,

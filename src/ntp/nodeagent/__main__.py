@@ -2,6 +2,6 @@
 
 import sys
 
-from ntp.nodeagent.agent import main
+from ntp.nodeagent.main import main
 
 sys.exit(main())

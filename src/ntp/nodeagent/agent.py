@@ -44,10 +44,7 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
-import time
-from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,25 +61,13 @@ from ntp.distributed import (
     report_death,
     wait_for_end,
 )
-from ntp.nodeagent import metrics
+from ntp.nodeagent.progress import RELAY_GRACE_S, NodeProgress, Reporter
 from ntp.sources import FileGenerationSource
 from tessera_contracts.generation import Generation, GenerationError, Gpu
 from tessera_contracts.invocation import (
-    AgentInvocation,
-    InvocationError,
     RankInvocation,
-    agent_parser,
 )
-from tessera_contracts.progress import NodeReport, State, report_key
-from tessera_contracts.rank_events import (
-    EventKind,
-    RankEvent,
-    RecordError,
-    StepRecord,
-    parse_line,
-)
-from tessera_contracts.vocabulary import Phase
-from tessera_core.goodput import Ledger
+from tessera_contracts.progress import NodeReport
 
 log = logging.getLogger("ntp.nodeagent.agent")
 
@@ -90,21 +75,7 @@ log = logging.getLogger("ntp.nodeagent.agent")
 # waits for the agent's mirror, so this adds to every reconfiguration.
 POLL_S = 0.02
 _PR_SET_PDEATHSIG = 1
-# The report's step time is the mean of this many recent steps, and its compute time that of
-# every rank of the node over as many recent steps of the generation they run.
-RECENT_STEPS = 20
-# Every node writes its report into one ConfigMap, and every write sends the whole object
-# (all nodes' reports, ~400 B each) to etcd and to each watcher: at 2,000 nodes that object is
-# ~800 kB, so a write per node per 1 s step would be 1.6 GB/s, and even one per node every
-# 10 s 160 MB/s. So a node writes when its state or generation changes and otherwise every
-# REPORT_EVERY_S, stretched so that the job's nodes together write at most JOB_WRITES_PER_S
-# times a second (16 MB/s there).
-REPORT_EVERY_S = 10.0
-JOB_WRITES_PER_S = 20.0
-# How long a rank's exit waits for the agent to read the rest of its output (a process it
-# started could keep the pipe open).
-RELAY_GRACE_S = 5.0
-MAX_LOGGED_LINE = 300  # bytes of a rank's line quoted in a warning
+
 
 
 class AgentError(RuntimeError):
@@ -201,255 +172,6 @@ class RankProcess:
     rank: int
     generation: int
     proc: subprocess.Popen
-
-
-class NodeProgress:
-    """This node's goodput ledger and progress report, from its ranks' JSON lines (`read`:
-    `tessera_contracts.rank_events`) and what the agent itself sees (`entered`,
-    `interrupted`, `idle`, `finished`, `failed`).
-
-    Every rank prints the same step lines: a step counts when the first rank of this node
-    reports it. A step line carries the step's duration, so the step's time is training and
-    the time before it the phase the node was in (startup, reconfiguration, a checkpoint save).
-    The time between steps counts as training; after the job's last step, as `other`.
-    """
-
-    def __init__(self, node: str, steps: int, clock: Callable[[], float] = time.monotonic
-                 ) -> None:
-        self.node = node
-        self.steps = steps
-        self.clock = clock
-        self.ledger = Ledger(clock)
-        self.generation = 0  # that the node's ranks run
-        self.state = State.STARTING
-        self.message = ""
-        self._switch: tuple[int, int] | None = None  # (after step, to generation): planned
-        self._recent: deque[float] = deque(maxlen=RECENT_STEPS)
-        # (generation, step, seconds) from every rank's step line: one generation's only, since
-        # a new one changes each rank's work (and the operator boosts by what it measures)
-        self._compute: deque[tuple[int, int, float]] = deque()
-        self._lock = threading.Lock()  # records come from one reader thread per rank
-
-    def read(self, line: bytes) -> None:
-        """One line a rank printed: its step records and events count, other output not."""
-        try:
-            record = parse_line(line)
-        except RecordError as exc:
-            log.warning("%s: a rank's line not counted (%s): %s", self.node, exc,
-                        line[:MAX_LOGGED_LINE])
-            return
-        if record is not None:
-            self.record(record)
-
-    def record(self, record: StepRecord | RankEvent) -> None:
-        """A step a rank completed (`ntp.train.log_step`), or an event (`Trainer.event`)."""
-        at = self.clock()
-        with self._lock:
-            try:
-                if isinstance(record, RankEvent):
-                    self._event(record, at)
-                else:
-                    self._step(record, at)
-            except ValueError as exc:  # the ledger refuses a record out of order
-                log.warning("%s: a rank's record not counted (%s): %s", self.node, exc, record)
-
-    def _step(self, record: StepRecord, at: float) -> None:
-        step, ledger = record.step, self.ledger
-        self.generation = max(self.generation, record.generation)
-        if record.compute_s is not None:  # a trainer that does not measure it: the report has none
-            self._computed(record.generation, step, record.compute_s)
-        if step <= ledger.step:
-            return  # another rank of this node reported it first
-        if step > ledger.step + 1:  # this node's ranks joined the job after step - 1
-            ledger.joined(step - 1)
-        if ledger.phase is not Phase.TRAINING:
-            ledger.enter(Phase.TRAINING, at=at - record.step_s)
-        ledger.step_done(step, samples=record.samples, tokens=record.tokens, at=at)
-        ledger.set_layout(dict(enumerate(record.tp_degrees)))
-        self._recent.append(record.step_s)
-        self._set(State.TRAINING, "")
-        if step >= self.steps:
-            ledger.enter(Phase.OTHER, at=at)  # the ranks write their results and leave
-        elif self._switch is not None and self._switch[0] == step:
-            ledger.enter(Phase.RECONFIGURATION, at=at)
-            self._set(State.RECONFIGURING,
-                      f"switching to generation {self._switch[1]} after step {step}")
-
-    def _computed(self, generation: int, step: int, seconds: float) -> None:
-        compute = self._compute
-        if compute and generation > compute[-1][0]:
-            compute.clear()
-        elif compute and generation < compute[-1][0]:
-            return  # a line of a generation already left
-        compute.append((generation, step, seconds))
-        newest = max(s for _, s, _ in compute)
-        while compute[0][1] <= newest - RECENT_STEPS:
-            compute.popleft()
-
-    def _event(self, record: RankEvent, at: float) -> None:
-        ledger, step, kind = self.ledger, record.step, record.kind
-        if kind is EventKind.RECONFIGURED:
-            self.generation = max(self.generation, record.generation)
-            if ledger.phase is Phase.TRAINING:  # a change this agent did not see coming
-                ledger.enter(Phase.RECONFIGURATION, at=at)
-        elif kind is EventKind.RESTORING and ledger.phase is not Phase.CHECKPOINT_RESTORE:
-            # live resharding cannot work: until the ranks train again, a checkpoint restore
-            ledger.enter(Phase.CHECKPOINT_RESTORE, at=at)
-        elif kind is EventKind.RESTORED and step < ledger.step:
-            ledger.rollback(step)
-        elif kind is EventKind.SAVING_CHECKPOINT and step == ledger.step \
-                and ledger.phase in (Phase.TRAINING, Phase.OTHER):
-            ledger.enter(Phase.CHECKPOINT_SAVE, at=at)
-        elif kind is EventKind.CHECKPOINTED and step == ledger.step:
-            # the save lasts, for this node, until its ranks train again (the next step line)
-            ledger.checkpointed(step)
-            if step >= self.steps:
-                ledger.enter(Phase.OTHER, at=at)
-
-    def entered(self, generation: Generation) -> None:
-        """The agent entered `generation` (published after the one its ranks run)."""
-        with self._lock:
-            if generation.at_step is not None:
-                self._switch = (generation.at_step, generation.generation)
-            elif generation.origin is not None:  # the one after a failure
-                self._interrupt(f"generation {generation.generation} after a failure")
-
-    def interrupted(self, why: str) -> None:
-        """The generation the ranks run failed (a rank died, here or elsewhere)."""
-        with self._lock:
-            self._interrupt(why)
-
-    def _interrupt(self, why: str) -> None:
-        if self.ledger.phase is not Phase.RECONFIGURATION:
-            self.ledger.enter(Phase.RECONFIGURATION)
-        self._set(State.RECONFIGURING, why)
-
-    def idle(self, generation: int) -> None:
-        """No rank of this node runs: generation `generation` has none of its GPUs."""
-        with self._lock:
-            self.generation = max(self.generation, generation)
-            self.ledger.enter(Phase.WAITING_FOR_HEALTH)
-            self._set(State.RECONFIGURING, f"no GPU of {self.node} in generation {generation}")
-
-    def finished(self, message: str = "") -> None:
-        with self._lock:
-            if self.ledger.phase is not Phase.OTHER:
-                self.ledger.enter(Phase.OTHER)
-            self._set(State.FINISHED, message)
-
-    def failed(self, why: str) -> None:
-        with self._lock:
-            self._set(State.FAILED, why)
-
-    def _set(self, state: State, message: str) -> None:
-        self.state, self.message = state, message
-
-    def key(self) -> tuple[State, int]:
-        """What a report is due on as soon as it changes."""
-        with self._lock:
-            return self.state, self.generation
-
-    def report(self) -> NodeReport:
-        a = self.ledger.account()
-        with self._lock:
-            recent = list(self._recent)
-            compute = [seconds for _, _, seconds in self._compute]
-            return NodeReport(
-                node=self.node,
-                generation=self.generation,
-                step=min(a.step, self.steps),
-                steps=self.steps,
-                state=self.state,
-                message=self.message,
-                step_seconds=round(sum(recent) / len(recent), 4) if recent else None,
-                compute_seconds=round(sum(compute) / len(compute), 4) if compute else None,
-                samples=a.samples,
-                tokens=a.tokens,
-                goodput=round(a.goodput, 4),
-                productive_seconds=round(float(a.productive), 3),
-                wall_seconds=round(float(a.wall), 3),
-                badput_seconds={c: round(float(s), 3) for c, s in a.badput.items()},
-            )
-
-
-class Reporter:
-    """Publishes the node's report from a thread of its own, so that a slow or unreachable
-    API never holds up the agent's loop (which reaps ranks and reports their deaths): at once
-    when the state or generation changes, otherwise every `period_s` (see REPORT_EVERY_S).
-    A failed write is logged; the next report retries."""
-
-    def __init__(self, progress: NodeProgress, publish: Callable[[NodeReport], None] | None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        self.progress = progress
-        self.publish = publish
-        self.clock = clock
-        self.period_s = REPORT_EVERY_S
-        self._sent: tuple[tuple[State, int], float] | None = None
-        self._pending: NodeReport | None = None
-        self._closed = False
-        self._error: str | None = None  # of the last write that failed
-        self._wake = threading.Condition()
-        self._thread = threading.Thread(target=self._run, name="progress", daemon=True)
-        if publish is not None:
-            self._thread.start()
-
-    def job_nodes(self, count: int) -> None:
-        """The job runs on `count` nodes: stretch the period to keep its writes bounded."""
-        self.period_s = max(REPORT_EVERY_S, count / JOB_WRITES_PER_S)
-
-    def due(self) -> bool:
-        """Whether a report is due now; if so, it counts as sent."""
-        key, now = self.progress.key(), self.clock()
-        if self._sent is not None and self._sent[0] == key and now - self._sent[1] < self.period_s:
-            return False
-        self._sent = key, now
-        return True
-
-    def tick(self) -> None:
-        """Hand the thread a report if one is due."""
-        if self.publish is None or not self.due():
-            return
-        with self._wake:
-            self._pending = self.progress.report()
-            self._wake.notify()
-
-    def _run(self) -> None:
-        while True:
-            with self._wake:
-                self._wake.wait_for(lambda: self._pending is not None or self._closed)
-                if self._closed:
-                    return
-                report, self._pending = self._pending, None
-            self._write(report)
-
-    def _write(self, report: NodeReport) -> None:
-        assert self.publish is not None
-        try:
-            self.publish(report)
-        except Exception as exc:  # the API, a full disk: the next report retries
-            status = getattr(exc, "status", None)  # an API error's HTTP status and reason
-            why = f"{status} {getattr(exc, 'reason', '')}" if status is not None \
-                else (str(exc).splitlines() or [""])[0]
-            error = f"{type(exc).__name__}: {why}"
-            # once per kind of error: a ConfigMap that is never created must not fill the log
-            level = logging.DEBUG if error == self._error else logging.WARNING
-            log.log(level, "%s: progress report not written (%s); retrying with the next",
-                    report.node, error)
-            self._error = error
-            return
-        if self._error is not None:
-            log.info("%s: progress report written again", report.node)
-            self._error = None
-
-    def close(self) -> None:
-        """Stop the thread and write the final report from the calling thread."""
-        if self.publish is None:
-            return
-        with self._wake:
-            self._closed = True
-            self._wake.notify()
-        self._thread.join(RELAY_GRACE_S)
-        self._write(self.progress.report())
 
 
 class NodeAgent:
@@ -617,7 +339,7 @@ class NodeAgent:
 
     def mirror(self, number: int, document: Mapping[str, Any]) -> None:
         """Write `gen{N}.json` for the ranks, atomically: a rank never reads half of it."""
-        _write_atomic(self.layout_path(number), json.dumps(document))
+        write_atomic(self.layout_path(number), json.dumps(document))
 
     def layout_path(self, number: int) -> Path:
         return self.work_dir / f"gen{number}.json"
@@ -734,85 +456,8 @@ class NodeAgent:
                             later.generation, pid)
 
 
-# ----------------------------------------------------------------------------------------------
-# Command line
-# ----------------------------------------------------------------------------------------------
-
-
-def parse_args(argv: list[str], env: Mapping[str, str] = os.environ
-               ) -> tuple[str, AgentInvocation]:
-    """This node's name (`--node`, else NODE_NAME in `env`) and the agent's invocation. A
-    command line that does not follow the contract ends the agent with its usage (status 2)."""
-    try:
-        invocation = AgentInvocation.from_args(argv)
-        node = invocation.node or env.get("NODE_NAME")
-        if not node:
-            raise InvocationError("--node (or NODE_NAME) is required")
-    except InvocationError as exc:
-        agent_parser().error(str(exc))
-    return node, invocation
-
-
-def report_file(directory: Path) -> Callable[[NodeReport], None]:
-    """Writes a node's report to `directory/<node>.json`, atomically."""
-
-    def write(report: NodeReport) -> None:
-        directory.mkdir(parents=True, exist_ok=True)
-        _write_atomic(directory / report_key(report.node), report.to_json())
-
-    return write
-
-
-def _write_atomic(path: Path, text: str) -> None:
+def write_atomic(path: Path, text: str) -> None:
     """Write `path` through a hidden partial file beside it, so no reader sees half of it."""
     partial = path.with_name(f".{path.name}.partial")
     partial.write_text(text)
     os.replace(partial, path)
-
-
-def serve_metrics(ledger: Ledger, addr: str, port: int, labels: Mapping[str, str]) -> None:
-    """The node's goodput metrics at http://addr:port/metrics; a port that cannot be had is
-    logged, not fatal (training matters more than its metrics)."""
-    try:
-        server = metrics.serve(ledger, addr, port, labels)
-    except OSError as exc:
-        log.error("no metrics: cannot serve on %s:%d: %s", addr, port, exc)
-        return
-    log.info("metrics on http://%s:%d/metrics", addr, server.server_port)
-
-
-def main(argv: list[str] | None = None) -> int:
-    node, opts = parse_args(sys.argv[1:] if argv is None else argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    # SIGTERM (the pod is deleted) runs the cleanup that kills the ranks, as PDEATHSIG would.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
-    devices = Devices.from_env(os.environ)
-    devices.release_inherited()
-    try:
-        source: Generations
-        if opts.generations is not None:
-            source = DirectorySource(opts.generations)
-            job = opts.job or opts.generations.resolve().parent.name
-            publish = report_file(opts.generations.resolve().parent / "progress")
-        else:
-            from ntp.nodeagent import kube_source
-
-            assert opts.job is not None  # the invocation has --job or --generations
-            try:
-                api, namespace = kube_source.connect(opts.namespace)
-            except kube_source.SourceError as exc:
-                raise AgentError(str(exc)) from None
-            job = opts.job
-            source = kube_source.KubeGenerationSource(api, namespace, job).start()
-            publish = kube_source.progress_writer(api, namespace, job)
-        work_dir = opts.work_dir or Path(tempfile.mkdtemp(prefix="ntp-agent-"))
-        work_dir.mkdir(parents=True, exist_ok=True)
-        agent = NodeAgent(node, source, work_dir, opts.until_step, opts.trainer_args,
-                          devices, publish)
-        if opts.metrics_port:
-            serve_metrics(agent.progress.ledger, os.environ.get("POD_IP") or "0.0.0.0",
-                          opts.metrics_port, {"ntpjob": job, "node": node})
-        return agent.run()
-    except AgentError as exc:
-        print(f"ntp.nodeagent: {node}: {exc}", file=sys.stderr)
-        return 1
