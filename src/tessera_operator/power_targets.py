@@ -18,7 +18,7 @@ from typing import Any
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
-from tessera_contracts.api import GROUP, VERSION
+from tessera_contracts.api import GROUP, OPERATOR_MANAGER, VERSION
 from tessera_contracts.api import POWER_TARGET_PLURAL as PLURAL
 from tessera_contracts.powertarget import (
     OPTIONAL_FIELDS,
@@ -28,7 +28,7 @@ from tessera_contracts.powertarget import (
 from tessera_operator.power_planning import plan_sync
 
 DEFAULT_TIMEOUT_S = 5.0
-FIELD_MANAGER = "tessera-operator"
+FIELD_MANAGER = OPERATOR_MANAGER
 # Targets are cluster-scoped and jobs namespaced, and a cluster-scoped object cannot be owned by
 # a namespaced one (the garbage collector never resolves such an ownerReference): the owning job
 # is named by its UID in a label instead, and `sync_targets(api, [], ...)` releases them all.
@@ -74,11 +74,11 @@ def sync_targets(
 
     Reads the job's targets (by `job_label` and the owner's UID), writes those whose spec
     changed by server-side apply (field manager `tessera-operator`): cuts at once, raises only
-    once every node of the rack reports its current budget in effect (`planning.stage`), and
+    once every node of the rack reports its current budget in effect (`power_planning.stage`), and
     deletes the job's targets for nodes not in `desired` in racks `desired` no longer plans
     (their agents then settle at the base cap inside their last share); in a rack it still
     plans, such a node's target is kept, settled, and the rack's raises wait until `desired`
-    plans the node again (parked) (`planning.plan_sync`). `desired` empty releases every
+    plans the node again (parked) (`power_planning.plan_sync`). `desired` empty releases every
     target of the job.
     `job_owner` is the job's ownerReference (apiVersion, kind, name, uid); only its UID is
     written (as the label `tessera.dev/job-uid`): see JOB_UID_LABEL. `listed`: the job's

@@ -37,14 +37,13 @@ def main(argv: list[str]) -> int:
     # Imported late: registering the handlers is a side effect of importing them.
     import kopf
 
-    from tessera_operator import handlers  # noqa: F401
+    from tessera_operator import handlers, settings  # noqa: F401
 
     # Timestamped lines: how long a reaction took can be read from the log.
     kopf.configure(verbose=args.verbose, log_format=kopf.LogFormat.FULL)
     # kopf stops cleanly on SIGTERM/SIGINT: handlers finish, watches close, then it returns.
     kopf.run(standalone=True, clusterwide=not args.namespace, namespaces=args.namespace or (),
-             liveness_endpoint=args.liveness,
-             memo=kopf.Memo(namespaces=frozenset(args.namespace) if args.namespace else None))
+             liveness_endpoint=args.liveness)
     return 0
 
 

@@ -9,9 +9,7 @@ import copy
 import json
 import logging
 import re
-import threading
 import uuid
-from collections import defaultdict
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -27,7 +25,7 @@ from tessera_contracts.api import CORDON_ANNOTATION
 from tessera_contracts.powertarget import format_time, parse_object
 from tessera_core.perf_model import PAPER
 from tessera_dev import simnodes
-from tessera_operator import handlers, power_targets
+from tessera_operator import cache, handlers, observe, power_targets
 from tessera_operator.health import GPU_HEALTH_STALE_AFTER_S
 
 pytestmark = pytest.mark.operator
@@ -638,16 +636,16 @@ def test_a_node_event_older_than_an_api_read_takes_nothing_back(admin_api: clien
     created = admin_api.sanitize_for_serialization(core.read_node(name))
     cordoned = {"metadata": {"annotations": {CORDON_ANNOTATION: "0"}}}
     core.patch_node(name, cordoned)
-    memo = kopf.Memo(locks_guard=threading.Lock(), nodes={}, node_jobs=defaultdict(set),
-                     unplaced=set())
+    memo = kopf.Memo(nodes=cache.NodeCache())
 
     def cordon_seen() -> str | None:
-        (node,) = handlers._nodes_named(admin_api, memo, [name])
+        (node,) = observe.nodes(admin_api, memo.nodes, [name])
         return node["metadata"]["annotations"].get(CORDON_ANNOTATION)
 
     def deliver(kind: str, body: dict[str, Any]) -> None:
-        asyncio.run(handlers.on_node(type=kind, body=kopf.Body(body), memo=memo,
-                                     logger=logging.getLogger("test")))
+        asyncio.run(handlers.on_node(type=kind, name=name, body=kopf.Body(body), memo=memo,
+                                     logger=logging.getLogger("test"), node_jobs={},
+                                     unschedulable_jobs={}, gpu_health={}, children={}))
 
     try:
         assert cordon_seen() == "0"  # read from the API: not delivered yet

@@ -1,0 +1,157 @@
+"""Bring the API in line with a `Desired` (writes only), idempotently: every child has a
+deterministic name, and a write is made only where the world differs from what is wanted.
+
+- Children: the pods the job lacks are created (a pod's spec cannot change once made: one
+  that exists is left as it is); every other child (the trainer identity, the progress
+  ConfigMap) is server-side applied under the field manager `tessera-operator` whenever the
+  watches saw it differ from the one wanted (missing, or its labels, owner, rules, subjects or
+  role changed by someone or by a newer operator), so a change reaches running jobs.
+- The layout ConfigMap: created for generation 1, server-side applied for each later one with
+  the resourceVersion it was read at (a concurrent writer makes the write fail, and the retry
+  re-observes).
+- The power targets (`power_targets.sync_targets`): only those that changed, cuts first.
+- The status: one JSON merge patch, with an explicit null for each key the previous status had
+  and the new one has not, so a key the status no longer holds is cleared; none when equal.
+- One Kubernetes Event per decision.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import kopf
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+
+from tessera_contracts.api import GROUP, JOB_LABEL, JOB_PLURAL, OPERATOR_MANAGER, VERSION
+from tessera_operator import power_targets, workload
+from tessera_operator.desired import Desired, Event
+from tessera_operator.observed import Observed, child_view
+from tessera_operator.settings import API_TIMEOUT_S
+
+APPLY = "application/apply-patch+yaml"
+
+# The API call that server-side applies each kind of child other than a pod.
+_APPLIERS: dict[str, Callable[[client.ApiClient], Callable[..., Any]]] = {
+    "ServiceAccount": lambda api: client.CoreV1Api(api).patch_namespaced_service_account,
+    "ConfigMap": lambda api: client.CoreV1Api(api).patch_namespaced_config_map,
+    "Role": lambda api: client.RbacAuthorizationV1Api(api).patch_namespaced_role,
+    "RoleBinding": lambda api: client.RbacAuthorizationV1Api(api).patch_namespaced_role_binding,
+}
+
+
+def children(api: client.ApiClient, observed: Observed, wanted: Desired) -> None:
+    """Create the pods the job lacks; apply every other child that differs from the one
+    wanted."""
+    existing = {pod["metadata"]["name"] for pod in observed.pods}
+    for obj in wanted.children:
+        meta = obj["metadata"]
+        if obj["kind"] == "Pod":
+            if meta["name"] not in existing:
+                _create_pod(api, obj)
+        elif not _covers(observed.children.get((obj["kind"], meta["name"])), child_view(obj)):
+            _APPLIERS[obj["kind"]](api)(
+                meta["name"], meta["namespace"], obj, field_manager=OPERATOR_MANAGER,
+                force=True, _content_type=APPLY, _request_timeout=API_TIMEOUT_S)
+
+
+def _covers(live: object, wanted: object) -> bool:
+    """Whether `live` holds everything `wanted` sets: every key of a mapping (others may hold
+    more), every item of a list in order, equal values."""
+    if isinstance(wanted, Mapping):
+        return isinstance(live, Mapping) and all(
+            k in live and _covers(live[k], v) for k, v in wanted.items())
+    if isinstance(wanted, list):
+        return isinstance(live, list) and len(live) == len(wanted) and all(
+            _covers(a, b) for a, b in zip(live, wanted, strict=True))
+    return live == wanted
+
+
+def _create_pod(api: client.ApiClient, pod: Mapping[str, Any]) -> None:
+    """Create a pod under its deterministic name; one someone else made of that name is left
+    as it is (the job's pods are those it controls)."""
+    try:
+        client.CoreV1Api(api).create_namespaced_pod(
+            pod["metadata"]["namespace"], pod, field_manager=OPERATOR_MANAGER,
+            _request_timeout=API_TIMEOUT_S)
+    except ApiException as exc:
+        if exc.status != 409:
+            raise
+
+
+def layout(api: client.ApiClient, body: Mapping[str, Any], resource_version: str | None
+           ) -> None:
+    """Publish the layout ConfigMap `body`, read at `resource_version` (None: there was
+    none)."""
+    meta = body["metadata"]
+    core = client.CoreV1Api(api)
+    if resource_version is None:
+        # Created, not applied: an apply would take over a ConfigMap someone made meanwhile
+        # (the create fails instead, and the retry finds it is not the job's).
+        core.create_namespaced_config_map(meta["namespace"], body,
+                                          field_manager=OPERATOR_MANAGER,
+                                          _request_timeout=API_TIMEOUT_S)
+        return
+    # resourceVersion: a concurrent writer makes this fail (409) and the retry re-observes.
+    fenced = dict(body) | {"metadata": dict(meta) | {"resourceVersion": resource_version}}
+    core.patch_namespaced_config_map(meta["name"], meta["namespace"], fenced,
+                                     field_manager=OPERATOR_MANAGER, force=True,
+                                     _content_type=APPLY, _request_timeout=API_TIMEOUT_S)
+
+
+def power(api: client.ApiClient, observed: Observed, wanted: Desired) -> str | None:
+    """Bring the job's power targets to the wanted ones, from those observed; returns why the
+    API server refused them as invalid, when it did (retrying cannot help: the status says
+    so, and the resync timer tries again)."""
+    try:
+        _sync(api, observed.job, wanted, observed.targets)
+    except ApiException as exc:
+        if exc.status not in (400, 422):
+            raise
+        return _api_message(exc)
+    return None
+
+
+def release_power(api: client.ApiClient, job: Mapping[str, Any]) -> None:
+    """Delete every power target of the job (it is gone): each agent then settles its GPUs at
+    the base cap inside its last budget share."""
+    _sync(api, job, Desired(), None)
+
+
+def _sync(api: client.ApiClient, job: Mapping[str, Any], wanted: Desired,
+          listed: tuple[Mapping[str, Any], ...] | None) -> None:
+    power_targets.sync_targets(api, list(wanted.targets.values()), job_owner=workload.owner(job),
+                               job_label=(JOB_LABEL, job["metadata"]["name"]),
+                               timeout_s=API_TIMEOUT_S, listed=listed)
+
+
+def status(api: client.ApiClient, job: Mapping[str, Any], wanted: Mapping[str, Any]) -> None:
+    """Write the job's status when it differs from the one observed, in one merge patch that
+    also clears the keys it no longer holds."""
+    previous = job.get("status") or {}
+    if previous == wanted:
+        return
+    patch = dict(wanted) | {key: None for key in previous if key not in wanted}
+    meta = job["metadata"]
+    client.CustomObjectsApi(api).patch_namespaced_custom_object_status(
+        GROUP, VERSION, meta["namespace"], JOB_PLURAL, meta["name"], {"status": patch},
+        _content_type="application/merge-patch+json", _request_timeout=API_TIMEOUT_S)
+
+
+def events(job: Mapping[str, Any], found: tuple[Event, ...], logger: logging.Logger) -> None:
+    """Post each event on the job (kopf.event, not kopf.info: the posting level keeps kopf's
+    own chatter out of Events); a new layout is logged too."""
+    for event in found:
+        kopf.event(job, type=event.type, reason=event.reason, message=event.message)
+        if event.reason == "LayoutChanged":
+            logger.info(event.message)
+
+
+def _api_message(exc: ApiException) -> str:
+    try:
+        return str(json.loads(exc.body)["message"])
+    except (TypeError, ValueError, KeyError):
+        return f"{exc.status} {exc.reason}"

@@ -1,0 +1,74 @@
+"""The jobs' reconciles as a work queue: one at a time per job, and a storm of events per job
+covered by one reconcile.
+
+Watch events of other kinds (a job's pods, its nodes, their GPUHealth, its progress reports,
+its children and power targets) are mapped to the job they concern (`handlers`) and reconcile
+it. kopf serialises the handlers of one object and batches that object's events, but it has
+no queue keyed by another resource's owner: events of a job's nodes, pods and reports are
+neither coalesced per job nor serialised with the job's own handlers. This queue does both, as
+controller-runtime's work queue does (a key waiting to start is not added twice; a key runs in
+one worker at a time). It also keeps which jobs wait for their power agents' reports, the one
+kind of event that reconciles a job only while it waits.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+JobKey = tuple[str, str]  # (namespace, name)
+
+
+class JobQueue:
+    """Per job: a lock, whether a watch-triggered reconcile waits to start, and whether the job
+    waits for power agents' reports. Thread-safe."""
+
+    def __init__(self) -> None:
+        self._guard = threading.Lock()
+        self._locks: defaultdict[JobKey, threading.Lock] = defaultdict(threading.Lock)
+        self._waiting: set[JobKey] = set()
+        self._held: set[JobKey] = set()
+
+    def add(self, key: JobKey) -> bool:
+        """A watch event asks for a reconcile of `key`; False when one is already waiting to
+        start (it will observe the change: watch events come in storms, every node of a job at
+        startup, a rack losing power)."""
+        with self._guard:
+            if key in self._waiting:
+                return False
+            self._waiting.add(key)
+            return True
+
+    @contextmanager
+    def running(self, key: JobKey) -> Iterator[None]:
+        """Hold the job's lock; once held, every change is observed by this reconcile, so a
+        new event asks for another."""
+        with self._guard:
+            lock = self._locks[key]
+        with lock:
+            with self._guard:
+                self._waiting.discard(key)
+            yield
+
+    def hold(self, key: JobKey, held: bool) -> None:
+        """Whether the job's power raises wait for cuts to be reported in effect: while they
+        do, an agent's report on one of its targets reconciles it. Set before the targets are
+        read, so that a report made after the read is not lost."""
+        with self._guard:
+            if held:
+                self._held.add(key)
+            else:
+                self._held.discard(key)
+
+    def holds(self, key: JobKey) -> bool:
+        with self._guard:
+            return key in self._held
+
+    def forget(self, key: JobKey) -> None:
+        """The job is gone: keep nothing of it."""
+        with self._guard:
+            self._locks.pop(key, None)
+            self._held.discard(key)
+            self._waiting.discard(key)

@@ -1,0 +1,147 @@
+"""Observe a job's world, reads only: one frozen `Observed` value per reconcile.
+
+From the API: the job, its pods, its layout and progress ConfigMaps, its power targets, and,
+while a trainer pod is missing, the nodes and pods placement chooses among. From the watches:
+its nodes (`cache.NodeCache`), their GPUHealth and the job's children (kopf's indices, as
+`Indices`). A placed job's reconcile reads five objects or lists from the API whatever its size.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, replace
+from typing import Any
+
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+
+from tessera_contracts import progress
+from tessera_contracts.api import GROUP, JOB_LABEL, JOB_PLURAL, VERSION
+from tessera_contracts.generation import LAYOUT_KEY, Generation, GenerationError, layout_configmap
+from tessera_operator import power_targets, workload
+from tessera_operator.cache import NodeCache
+from tessera_operator.jobqueue import JobKey
+from tessera_operator.observed import Candidates, Layout, Observed
+from tessera_operator.settings import API_TIMEOUT_S
+
+
+@dataclass(frozen=True)
+class Indices:
+    """kopf's indices that a reconcile reads (live views: read, never kept)."""
+
+    gpu_health: Mapping[str, Iterable[Mapping[str, Any]]]  # node -> its GPUHealth
+    children: Mapping[JobKey, Iterable[Mapping[str, Any]]]  # job -> `child_view` of each child
+
+
+def job(api: client.ApiClient, key: JobKey) -> dict[str, Any] | None:
+    """The job as the API holds it; None when it is gone."""
+    try:
+        return client.CustomObjectsApi(api).get_namespaced_custom_object(
+            GROUP, VERSION, key[0], JOB_PLURAL, key[1],
+            _request_timeout=API_TIMEOUT_S)
+    except ApiException as exc:
+        if exc.status == 404:
+            return None
+        raise
+
+
+def world(api: client.ApiClient, cache: NodeCache, indices: Indices,
+          job: Mapping[str, Any]) -> Observed:
+    """Everything a reconcile of `job` reads but the placement candidates (`candidates`)."""
+    meta = job["metadata"]
+    pods = tuple(_job_pods(api, job))
+    placed = sorted(set(workload.placed_nodes(pods, job).values()))
+    children = {(c["kind"], c["metadata"]["name"]): c
+                for c in list(indices.children.get((meta["namespace"], meta["name"]), ()))}
+    return Observed(
+        job=job, pods=pods, nodes=tuple(nodes(api, cache, placed)),
+        layout=_layout(api, job),
+        reports=_reports(api, job) if placed else {},
+        targets=tuple(power_targets.list_job_targets(api, (JOB_LABEL, meta["name"]),
+                                                     meta["uid"], API_TIMEOUT_S)),
+        gpu_health=_gpu_health(indices, placed), children=children)
+
+
+def with_candidates(api: client.ApiClient, indices: Indices, observed: Observed) -> Observed:
+    """`observed` with the nodes and pods placement chooses among, and their GPUHealth."""
+    core = client.CoreV1Api(api)
+    selector = dict(observed.job["spec"].get("nodeSelector") or {})
+    matching = tuple(_items(core.list_node,
+                            label_selector=",".join(f"{k}={v}" for k, v in selector.items())))
+    pods = tuple(_items(core.list_pod_for_all_namespaces,
+                        field_selector="status.phase!=Succeeded,status.phase!=Failed"))
+    named = sorted({n["metadata"]["name"] for n in matching} | {
+        n["metadata"]["name"] for n in observed.nodes})
+    return replace(observed, candidates=Candidates(matching, pods),
+                   gpu_health=_gpu_health(indices, named))
+
+
+def _items(listing: Callable[..., Any], *args: Any, **kwargs: Any) -> list[dict[str, Any]]:
+    """A list call's items as the API sends them (plain dicts). The client's models cost
+    several times the JSON they come from, and a placement lists every node and pod."""
+    response = listing(*args, _preload_content=False, _request_timeout=API_TIMEOUT_S, **kwargs)
+    return list(json.loads(response.data)["items"])
+
+
+def _job_pods(api: client.ApiClient, job: Mapping[str, Any]) -> list[dict[str, Any]]:
+    meta = job["metadata"]
+    pods = _items(client.CoreV1Api(api).list_namespaced_pod, meta["namespace"],
+                  label_selector=f"{JOB_LABEL}={meta['name']}")
+    return [p for p in pods if workload.controlled_by(p, job)]
+
+
+def nodes(api: client.ApiClient, cache: NodeCache, names: list[str]) -> list[dict[str, Any]]:
+    """The nodes as the node watch last saw them; one it has not delivered yet is read from
+    the API and offered to the cache (`NodeCache.offer`: its older events are then skipped)."""
+    found = []
+    for name in names:
+        facts = cache.get(name)
+        if facts is None:
+            try:
+                node = api.sanitize_for_serialization(
+                    client.CoreV1Api(api).read_node(name, _request_timeout=API_TIMEOUT_S))
+            except ApiException as exc:
+                if exc.status != 404:
+                    raise
+                continue  # gone: its GPUs are not the job's any more
+            facts = cache.offer(node)
+        found.append(facts.node(name))
+    return found
+
+
+def _gpu_health(indices: Indices, nodes: Iterable[str]) -> tuple[Mapping[str, Any], ...]:
+    return tuple(obj for node in nodes for obj in list(indices.gpu_health.get(node, ())))
+
+
+def _layout(api: client.ApiClient, job: Mapping[str, Any]) -> Layout:
+    meta = job["metadata"]
+    try:
+        current = client.CoreV1Api(api).read_namespaced_config_map(
+            layout_configmap(meta["name"]), meta["namespace"], _request_timeout=API_TIMEOUT_S)
+    except ApiException as exc:
+        if exc.status != 404:
+            raise
+        return Layout()
+    version = current.metadata.resource_version
+    if not workload.controlled_by(api.sanitize_for_serialization(current), job):
+        return Layout(version, owned=False)
+    try:
+        document = Generation.from_dict(json.loads((current.data or {})[LAYOUT_KEY]))
+    except (KeyError, ValueError, GenerationError):
+        document = None  # someone broke it
+    return Layout(version, generation=document)
+
+
+def _reports(api: client.ApiClient, job: Mapping[str, Any]) -> dict[str, str]:
+    """The node agents' progress reports as the ConfigMap holds them (node key -> JSON)."""
+    meta = job["metadata"]
+    try:
+        cm = client.CoreV1Api(api).read_namespaced_config_map(
+            progress.progress_configmap(meta["name"]), meta["namespace"],
+            _request_timeout=API_TIMEOUT_S)
+    except ApiException as exc:
+        if exc.status != 404:
+            raise
+        return {}
+    return dict(cm.data or {})

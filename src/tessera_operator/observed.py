@@ -1,0 +1,61 @@
+"""What one reconcile observed of a job's world (pure data): the `Observed` value that
+`observe` reads and `desired` decides from; a test builds one by hand, no API server needed."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from tessera_contracts.generation import Generation
+
+ChildKey = tuple[str, str]  # (kind, name)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The job's layout ConfigMap as read."""
+
+    resource_version: str | None = None  # None: there is none
+    owned: bool = True  # controlled by the job (one that is not is never written)
+    generation: Generation | None = None  # None: none, or unreadable
+
+
+@dataclass(frozen=True)
+class Candidates:
+    """What placement chooses among: the nodes the job's nodeSelector matches, and every pod
+    not finished (for the GPUs it holds), as the API listed them."""
+
+    nodes: tuple[Mapping[str, Any], ...]
+    pods: tuple[Mapping[str, Any], ...]
+
+
+@dataclass(frozen=True)
+class Observed:
+    """A job and what one reconcile observed of its world."""
+
+    job: Mapping[str, Any]
+    pods: tuple[Mapping[str, Any], ...] = ()  # the pods the job controls
+    # The nodes its trainer pods are placed on, as the node watch last saw them (or the API,
+    # for one not delivered yet); one gone from the API is left out.
+    nodes: tuple[Mapping[str, Any], ...] = ()
+    layout: Layout = Layout()
+    reports: Mapping[str, str] = field(default_factory=dict)  # progress ConfigMap's data
+    targets: tuple[Mapping[str, Any], ...] = ()  # the job's GPUPowerTargets
+    gpu_health: tuple[Mapping[str, Any], ...] = ()  # the GPUHealth of its (candidate) nodes
+    children: Mapping[ChildKey, Mapping[str, Any]] = field(default_factory=dict)
+    candidates: Candidates | None = None  # observed only while a trainer pod is missing
+
+
+def child_view(obj: Mapping[str, Any]) -> dict[str, Any]:
+    """What the operator sets of a child other than a pod (its kind, name, labels and owner,
+    and a Role's rules, a RoleBinding's subjects and role), to compare the child as it is
+    with the one wanted. A ConfigMap's data is left out: the agents write the progress
+    reports, and they would make every view as large as a job's reports."""
+    meta = obj.get("metadata") or {}
+    view = {"kind": obj.get("kind"),
+            "metadata": {"name": meta.get("name"), "labels": dict(meta.get("labels") or {}),
+                         "ownerReferences": list(meta.get("ownerReferences") or [])}}
+    return view | {k: obj[k] for k in ("rules", "roleRef", "subjects") if k in obj}
+
+

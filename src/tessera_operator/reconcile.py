@@ -1,0 +1,59 @@
+"""Reconcile one NTPTrainingJob from its name and the world as observed, level-triggered.
+
+Every trigger runs the same `reconcile`, which never asks which event arrived, in the steps of
+controller-runtime's reconcilers: observe (`observe`, reads only) -> decide the desired state
+(`desired`, a pure function of the observation and the clock) -> act idempotently (`apply`:
+deterministic child names, writes only where the world differs) -> the status rebuilt from the
+world, with Conditions and one event per decision. A job waiting for something (a rendezvous
+address, an agent's report) is brought back by that thing's watch event (`handlers`), and the
+resync timer catches up with anything missed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import kopf
+
+from tessera_operator import apply, desired, observe
+from tessera_operator.jobqueue import JobKey
+
+
+def reconcile(memo: kopf.Memo, key: JobKey, logger: logging.Logger,
+              indices: observe.Indices) -> None:
+    """Bring the job's children, layout, power targets and status in line with the world."""
+    api, queue = memo.api, memo.queue
+    with queue.running(key):
+        now = memo.clock()
+        # 1. Observe the job (gone: keep nothing of it; being deleted: its delete handler
+        #    releases what it holds), then its world.
+        job = observe.job(api, key)
+        if job is None:
+            queue.forget(key)
+            return
+        if job["metadata"].get("deletionTimestamp"):
+            return
+        queue.hold(key, True)  # an agent's report made once the targets are read is not lost
+        observed = observe.world(api, memo.nodes, indices, job)
+        # 2. Decide, and make the children. A job that lacks a trainer pod is placed one at a
+        #    time: another job's placement, listing the pods before this one's exist, would
+        #    choose the same free GPUs (and its pods would stay Pending).
+        spec = desired.job_spec(job)
+        placing = desired.needs_placement(spec, observed)
+        with memo.placing if placing else contextlib.nullcontext():
+            if placing:
+                observed = observe.with_candidates(api, indices, observed)
+            wanted = desired.desired(spec, observed, now)
+            apply.children(api, observed, wanted)
+        # 3. The generation document, then the power targets. Without a plan nothing asks for
+        #    power any more: the job's targets are released, never left boosted.
+        if wanted.layout is not None:
+            apply.layout(api, wanted.layout, observed.layout.resource_version)
+        refused = apply.power(api, observed, wanted)
+        if refused is not None:
+            wanted = desired.desired(spec, observed, now, refused)
+        queue.hold(key, bool(wanted.held))
+        # 4. The status, written when it differs; an event per decision.
+        apply.status(api, job, wanted.status)
+        apply.events(job, wanted.events, logger)

@@ -1,0 +1,71 @@
+"""kopf's settings and the operator's shared state, set once in kopf's startup handler.
+
+What the handlers share lives in kopf's memo: the API client, the clock (injected, so tests and
+simulations drive the same code in their own time), the node cache (`cache.NodeCache`), the
+last-seen filters of the watch predicates (`cache.LastSeen`), the job queue
+(`jobqueue.JobQueue`) and the placement lock.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from datetime import UTC, datetime
+from typing import Any
+
+import kopf
+from kubernetes import client, config
+
+from tessera_contracts.api import JOB_LABEL
+from tessera_operator import cache, jobqueue
+
+# Every API call of the operator carries this timeout: a stalled server must not hold a
+# reconcile (nor every job's placement behind it).
+API_TIMEOUT_S = 10.0
+# The namespaced kinds the operator watches only as far as they are a job's own (labelled with
+# it): a large cluster's other objects would otherwise each cost an event.
+JOB_CHILD_KINDS = (("", "v1", "pods"), ("", "v1", "configmaps"), ("", "v1", "serviceaccounts"),
+                   ("rbac.authorization.k8s.io", "v1", "roles"),
+                   ("rbac.authorization.k8s.io", "v1", "rolebindings"))
+
+
+def api_client() -> client.ApiClient:
+    """In the cluster: the pod's service account; elsewhere $KUBECONFIG (as kopf logs in)."""
+    try:
+        config.load_incluster_config()
+        return client.ApiClient()
+    except config.ConfigException:
+        return config.new_client_from_config()
+
+
+@kopf.on.startup()
+def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+    # One operator replica (a Deployment with Recreate), so no peering objects to keep.
+    settings.peering.standalone = True
+    # Our CRDs exist before the operator starts: no need to list CRDs and namespaces (which
+    # least privilege does not grant) to discover resources appearing later.
+    settings.scanning.disabled = True
+    # Idle watches can go silent without an error: make the server end them, and re-list.
+    settings.watching.server_timeout = 120
+    settings.watching.client_timeout = 150
+    settings.watching.connect_timeout = 10
+    # Filtered by the API server, not here.
+    for kind in JOB_CHILD_KINDS:
+        settings.watching.label_selectors[kind] = JOB_LABEL
+    # Events come from our decisions; kopf's own log lines become events only when they warn.
+    settings.posting.level = logging.WARNING
+    # Keep kopf's bookkeeping in annotations under our own prefix, never in the pruned status.
+    settings.persistence.finalizer = "tessera.dev/operator"
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="tessera.dev")
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix="tessera.dev")
+    memo.setdefault("api", api_client())
+    memo.setdefault("clock", lambda: datetime.now(UTC))
+    memo.nodes = cache.NodeCache()
+    memo.seen = cache.LastSeen()
+    memo.queue = jobqueue.JobQueue()
+    memo.placing = threading.Lock()  # one job's placement at a time
+
+
+@kopf.on.cleanup()
+def close(memo: kopf.Memo, **_: Any) -> None:
+    memo.api.close()
