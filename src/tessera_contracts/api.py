@@ -3,6 +3,7 @@ managers, and the CRDs themselves (package data, so an installed wheel carries t
 
 from __future__ import annotations
 
+from functools import cache
 from importlib import resources
 from typing import Any
 
@@ -31,11 +32,18 @@ CRD_FILES = ("ntptrainingjob.yaml", "gpupowertarget.yaml", "gpuhealth.yaml")
 
 def crd_documents() -> list[dict[str, Any]]:
     """The CustomResourceDefinitions Tessera serves, read from this package's data."""
+    return [yaml.safe_load(text) for text in _crd_texts()]
+
+
+@cache  # read once per process: the operator parses every job's spec against the schema
+def _crd_texts() -> tuple[str, ...]:
     folder = resources.files("tessera_contracts") / "crds"
-    return [yaml.safe_load((folder / name).read_text()) for name in CRD_FILES]
+    return tuple((folder / name).read_text() for name in CRD_FILES)
 
 
+@cache
 def job_schema() -> dict[str, Any]:
-    """The NTPTrainingJob's `spec` schema (openAPIV3Schema), as the API server validates it."""
+    """The NTPTrainingJob's `spec` schema (openAPIV3Schema), as the API server validates it;
+    one object per process, not to be changed."""
     crd = crd_documents()[0]
     return crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
