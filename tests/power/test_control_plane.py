@@ -285,7 +285,7 @@ class AgentProcess:
         self.proc: subprocess.Popen | None = None
 
     def command(self, *extra: str) -> list[str]:
-        return [sys.executable, "-m", "tessera_dev.cli", "power-agent", "--node", self.node,
+        return [sys.executable, "-m", "tessera_cli.main", "power-agent", "--node", self.node,
                 "--backend", "sim", "--sim-state", str(self.sim_state),
                 "--state-dir", str(self.state_dir), "--kubeconfig", str(self.kubeconfig),
                 "--interval", "0.2", "--step-watts", "100", "--metrics-addr", "127.0.0.1",
