@@ -499,6 +499,7 @@ class Trainer:
         assert path is not None
         state = self.state_dict(cur)
         if cur.groups.replica == 0 and cur.groups.rank == 0:
+            path.parent.mkdir(parents=True, exist_ok=True)  # the job's directory on its volume
             partial = path.with_name(path.name + ".partial")
             torch.save(state, partial)
             with self._lock:

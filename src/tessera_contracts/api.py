@@ -20,6 +20,13 @@ GPU_HEALTH_KIND, GPU_HEALTH_PLURAL = "GPUHealth", "gpuhealths"
 # on every child of a job: which job (its name) and which part (trainer or rendezvous)
 JOB_LABEL = f"{GROUP}/job"
 ROLE_LABEL = f"{GROUP}/role"
+# on a job's pods and the ConfigMaps its trainers read and write: the attempt they belong to
+# (a restart or a resume starts the next one, in the job's status.attempt)
+ATTEMPT_LABEL = f"{GROUP}/attempt"
+# on a trainer pod: a digest of each spec field it was made from, to say which edits it lacks
+INPUTS_ANNOTATION = f"{GROUP}/pod-inputs"
+# spec.managedBy of the jobs Tessera's operator reconciles (also when it is absent)
+JOB_MANAGER = f"{GROUP}/operator"
 # on a Node: the indices of its GPUs that a person took out of service (`tessera cordon-gpu`)
 CORDON_ANNOTATION = f"{GROUP}/cordoned-gpus"
 

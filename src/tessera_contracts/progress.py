@@ -26,7 +26,10 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
-from tessera_contracts.vocabulary import BADPUT_CATEGORIES
+from tessera_contracts import vocabulary
+from tessera_contracts.vocabulary import BADPUT_CATEGORIES, LOST_PROGRESS
+
+RESTART = vocabulary.Phase.RESTART.value  # the badput of a job's pods replaced
 
 
 class State(StrEnum):
@@ -43,6 +46,8 @@ class Phase(StrEnum):
     PENDING = "Pending"
     RUNNING = "Running"
     RECONFIGURING = "Reconfiguring"
+    RESTARTING = "Restarting"  # a failed attempt's pods stopping, the next one's not made yet
+    SUSPENDED = "Suspended"
     SUCCEEDED = "Succeeded"
     FAILED = "Failed"
 
@@ -226,6 +231,67 @@ def read_reports(data: Mapping[str, str] | None, nodes: Sequence[str]
 
 
 @dataclass(frozen=True)
+class Account:
+    """A goodput ledger summed over nodes (docs/goodput.md): what the job's earlier attempts
+    spent, carried in its status across the restarts and suspensions that replace its pods."""
+
+    wall_seconds: float = 0.0
+    productive_seconds: float = 0.0
+    badput_seconds: Mapping[str, float] = field(default_factory=dict)
+
+    def plus(self, other: Account) -> Account:
+        badput = dict(self.badput_seconds)
+        for category, seconds in other.badput_seconds.items():
+            badput[category] = badput.get(category, 0.0) + seconds
+        return Account(self.wall_seconds + other.wall_seconds,
+                       self.productive_seconds + other.productive_seconds, badput)
+
+    @classmethod
+    def of_attempt(cls, reports: Mapping[str, NodeReport | None], resumes_at: int) -> Account:
+        """What an attempt that stops now spent, from its nodes' reports; the next attempt
+        resumes at step `resumes_at` (its last checkpoint), so each node's productive time on
+        the steps after it moves to lost progress (at the node's recent step time)."""
+        total = cls()
+        for r in reports.values():
+            if r is None:
+                continue
+            redone = max(0, r.step - resumes_at)
+            lost = min(r.productive_seconds,
+                       r.productive_seconds if r.step_seconds is None
+                       else redone * r.step_seconds)
+            badput = dict(r.badput_seconds)
+            if lost:
+                badput[LOST_PROGRESS] = badput.get(LOST_PROGRESS, 0.0) + lost
+            total = total.plus(cls(r.wall_seconds, r.productive_seconds - lost, badput))
+        return total
+
+    @classmethod
+    def restart_gap(cls, seconds: float, nodes: int) -> Account:
+        """`seconds` with no pod of the job running, on each of its `nodes`: restart badput."""
+        gap = max(0.0, seconds) * nodes
+        return cls(gap, 0.0, {RESTART: gap} if gap else {})
+
+    def to_status(self) -> dict[str, Any]:
+        return {"wallSeconds": round(self.wall_seconds, 3),
+                "productiveSeconds": round(self.productive_seconds, 3),
+                "badputSeconds": {c: round(s, 3) for c, s in sorted(self.badput_seconds.items())
+                                  if s}}
+
+    @classmethod
+    def from_status(cls, value: object) -> Account:
+        """The account `to_status` wrote; what does not read as one (a hand edit) is none."""
+        if not isinstance(value, Mapping):
+            return cls()
+        try:
+            badput = {c: _seconds(value.get("badputSeconds") or {}, c)
+                      for c in (value.get("badputSeconds") or {}) if c in BADPUT_CATEGORIES}
+            return cls(_seconds(value, "wallSeconds"), _seconds(value, "productiveSeconds"),
+                       badput)
+        except (ReportError, AttributeError):
+            return cls()
+
+
+@dataclass(frozen=True)
 class JobProgress:
     """What the operator puts in the job's status."""
 
@@ -247,7 +313,7 @@ def _names(nodes: Sequence[str], why: Mapping[str, str]) -> str:
 
 
 def summarize(reports: Mapping[str, NodeReport | None], published_generation: int,
-              nodes: Sequence[str]) -> JobProgress:
+              nodes: Sequence[str], earlier: Account = Account()) -> JobProgress:
     """The job's progress from its nodes' reports.
 
     `nodes`: the nodes of the published generation; phase and step are theirs. The phase is
@@ -257,14 +323,15 @@ def summarize(reports: Mapping[str, NodeReport | None], published_generation: in
     before `published_generation`), Running. The step is the lowest among those that have
     trained (a node still starting has done no step yet). Goodput is the job's: productive over
     wall seconds summed over every report given, those of nodes that left the job included
-    (their time was the job's too); weighting by wall time makes it the mean of the nodes'
-    goodput over the node-seconds they were part of the job.
+    (their time was the job's too), and the job's `earlier` attempts; weighting by wall time
+    makes it the mean of the nodes' goodput over the node-seconds they were part of the job.
     """
     mine = {n: reports.get(n) for n in nodes}
     present = [r for r in mine.values() if r is not None]
     everyone = [r for r in reports.values() if r is not None]
-    wall = sum(r.wall_seconds for r in everyone)
-    goodput = sum(r.productive_seconds for r in everyone) / wall if wall > 0 else None
+    wall = earlier.wall_seconds + sum(r.wall_seconds for r in everyone)
+    productive = earlier.productive_seconds + sum(r.productive_seconds for r in everyone)
+    goodput = productive / wall if wall > 0 else None
     steps = max((r.steps for r in everyone), default=None)
     trained = [r for r in present if r.state is not State.STARTING] or present
     step = min((r.step for r in trained), default=0)

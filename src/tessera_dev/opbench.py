@@ -113,7 +113,7 @@ def _job(name: str, nodes: int, model: dict[str, int]) -> dict[str, Any]:
         "apiVersion": f"{GROUP}/{VERSION}", "kind": "NTPTrainingJob", "metadata": {"name": name},
         "spec": {
             "image": "tessera:bench", "model": model, "tensorParallelSize": 8,
-            "nodeSelector": simnodes.pool_selector(name),
+            "template": {"spec": {"nodeSelector": simnodes.pool_selector(name)}},
             "dataParallelReplicas": nodes, "totalGPUs": nodes * GPUS_PER_NODE,
             "failurePolicy": {"mode": "NTP-PW", "minTensorParallelSize": 4},
             "powerPolicy": {"baseCapWatts": 600, "boostCapWatts": 700,

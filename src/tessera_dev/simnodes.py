@@ -10,6 +10,7 @@ cluster.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
@@ -46,3 +47,10 @@ def register(api: client.ApiClient, names: Iterable[str], pool: str, gpus: int =
 def pool_selector(pool: str) -> dict[str, str]:
     """The `nodeSelector` of a job placed in `pool`."""
     return {POOL_LABEL: pool}
+
+
+def place_in_pool(spec: dict[str, Any], pool: str) -> dict[str, Any]:
+    """`spec` (a job's, changed in place) with its pod template's nodeSelector naming `pool`."""
+    template = spec.setdefault("template", {}).setdefault("spec", {})
+    template["nodeSelector"] = pool_selector(pool)
+    return spec

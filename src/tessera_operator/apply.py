@@ -33,6 +33,7 @@ from tessera_operator.observed import Observed, child_view
 from tessera_operator.settings import API_TIMEOUT_S
 
 APPLY = "application/apply-patch+yaml"
+REFUSED = (400, 403, 422)  # the API server's answers to a pod it will not admit as written
 
 # The API call that server-side applies each kind of child other than a pod.
 _APPLIERS: dict[str, Callable[[client.ApiClient], Callable[..., Any]]] = {
@@ -43,19 +44,27 @@ _APPLIERS: dict[str, Callable[[client.ApiClient], Callable[..., Any]]] = {
 }
 
 
-def children(api: client.ApiClient, observed: Observed, wanted: Desired) -> None:
-    """Create the pods the job lacks; apply every other child that differs from the one
-    wanted."""
+def children(api: client.ApiClient, observed: Observed, wanted: Desired) -> str | None:
+    """Apply every child but pods that differs from the one wanted; then create the pods the
+    job lacks, all or none: returns why the API server refused one (its validation, Pod
+    Security admission, a quota), after trying each without making it."""
     existing = {pod["metadata"]["name"] for pod in observed.pods}
+    missing = [obj for obj in wanted.children
+               if obj["kind"] == "Pod" and obj["metadata"]["name"] not in existing]
     for obj in wanted.children:
         meta = obj["metadata"]
-        if obj["kind"] == "Pod":
-            if meta["name"] not in existing:
-                _create_pod(api, obj)
-        elif not _covers(observed.children.get((obj["kind"], meta["name"])), child_view(obj)):
+        if obj["kind"] != "Pod" and not _covers(observed.children.get((obj["kind"], meta["name"])),
+                                                child_view(obj)):
             _APPLIERS[obj["kind"]](api)(
                 meta["name"], meta["namespace"], obj, field_manager=OPERATOR_MANAGER,
                 force=True, _content_type=APPLY, _request_timeout=API_TIMEOUT_S)
+    for pod in missing:
+        refused = _create_pod(api, pod, dry_run=True)
+        if refused is not None:
+            return refused
+    for pod in missing:
+        _create_pod(api, pod)
+    return None
 
 
 def _covers(live: object, wanted: object) -> bool:
@@ -70,15 +79,50 @@ def _covers(live: object, wanted: object) -> bool:
     return live == wanted
 
 
-def _create_pod(api: client.ApiClient, pod: Mapping[str, Any]) -> None:
-    """Create a pod under its deterministic name; one someone else made of that name is left
-    as it is (the job's pods are those it controls)."""
+def _create_pod(api: client.ApiClient, pod: Mapping[str, Any], dry_run: bool = False
+                ) -> str | None:
+    """Create a pod under its deterministic name (or only try: `dry_run`); one someone else
+    made of that name is left as it is (the job's pods are those it controls). Returns why the
+    API server refused it as invalid or forbidden."""
     try:
         client.CoreV1Api(api).create_namespaced_pod(
             pod["metadata"]["namespace"], pod, field_manager=OPERATOR_MANAGER,
-            _request_timeout=API_TIMEOUT_S)
+            _request_timeout=API_TIMEOUT_S, **({"dry_run": "All"} if dry_run else {}))
     except ApiException as exc:
+        if exc.status in REFUSED:
+            return f"pod {pod['metadata']['name']}: {_api_message(exc)}"
         if exc.status != 409:
+            raise
+    return None
+
+
+def leftovers(api: client.ApiClient, job: Mapping[str, Any], wanted: Desired) -> None:
+    """Delete what an earlier attempt or a finished job leaves behind: pods (each stops within
+    its grace period), then ConfigMaps. One already gone is no error."""
+    namespace = job["metadata"]["namespace"]
+    core = client.CoreV1Api(api)
+    for name in wanted.delete_pods:
+        _gone(lambda n=name: core.delete_namespaced_pod(n, namespace,
+                                                        _request_timeout=API_TIMEOUT_S))
+    for name in wanted.delete_configmaps:
+        _gone(lambda n=name: core.delete_namespaced_config_map(n, namespace,
+                                                               _request_timeout=API_TIMEOUT_S))
+
+
+def delete_job(api: client.ApiClient, job: Mapping[str, Any]) -> None:
+    """Delete the finished job (ttlSecondsAfterFinished): the garbage collector takes its
+    children, its finalizer its power targets."""
+    meta = job["metadata"]
+    _gone(lambda: client.CustomObjectsApi(api).delete_namespaced_custom_object(
+        GROUP, VERSION, meta["namespace"], JOB_PLURAL, meta["name"],
+        body={"preconditions": {"uid": meta["uid"]}}, _request_timeout=API_TIMEOUT_S))
+
+
+def _gone(delete: Callable[[], Any]) -> None:
+    try:
+        delete()
+    except ApiException as exc:
+        if exc.status != 404:
             raise
 
 

@@ -15,6 +15,7 @@ from typing import Any
 
 from tessera_contracts.progress import JobProgress, Phase
 from tessera_contracts.vocabulary import FailurePolicy
+from tessera_operator.lifecycle import Lifecycle, Stage
 from tessera_operator.planner import Boost, JobPlan, Problem, ReplicaKey, gpu_name
 
 # Far below the CRD's 32768: a status must stay small whatever the number of replicas.
@@ -24,15 +25,6 @@ LAYOUT_IN_MESSAGE_MAX = 256
 # replicas would take about 1 MB): past this budget replicas[] lists the reduced replicas first,
 # then the others by index, and Ready's message says how many it leaves out.
 REPLICAS_BYTES_MAX = 512 * 1024
-
-
-@dataclass(frozen=True)
-class PodOutcome:
-    """How the job's trainer pods ended: all succeeded, or one failed (the message says which
-    and why)."""
-
-    succeeded: bool
-    message: str
 
 
 @dataclass(frozen=True)
@@ -94,33 +86,81 @@ def _power(plan: JobPlan | None, held: Sequence[str]) -> Condition:
     return Condition("PowerBoosted", True, "SurvivorsBoosted", "; ".join(parts))
 
 
-def _training(trained: JobProgress, pods: PodOutcome | None) -> Condition:
-    if pods is not None:
-        return Condition("Training", False, "Succeeded" if pods.succeeded else "TrainerFailed",
-                         pods.message)
+def _training(trained: JobProgress) -> Condition:
     active = trained.phase in (Phase.RUNNING, Phase.RECONFIGURING)
     return Condition("Training", active, trained.phase.value, trained.message)
+
+
+def _stopped(life: Lifecycle) -> tuple[Condition, ...]:
+    """Ready, Degraded, PowerBoosted and Training of a job that runs no attempt."""
+    if life.finish is not None:
+        why = Problem("Finished", life.finish.message)
+    elif life.stage is Stage.SUSPENDED:
+        why = Problem("Suspended", "spec.suspend is true: no pod runs and the job's power "
+                                   "targets are released; the resume starts from the last "
+                                   "checkpoint")
+    elif life.restarting_since is not None:
+        why = Problem("Restarting", f"restart {life.restarts}: the failed attempt's pods are "
+                                    "stopping; the next attempt resumes from the last "
+                                    "checkpoint")
+    else:
+        why = Problem("Resuming", "the earlier attempt's pods are stopping")
+    return (Condition("Ready", False, why.reason, why.message),
+            Condition("Degraded", False, "NotRunning", "no replica is running"),
+            Condition("PowerBoosted", False, "NotRunning", "no GPU of the job is in use"),
+            Condition("Training", False, why.reason, why.message))
+
+
+def _lifecycle(life: Lifecycle, outdated: Sequence[str]) -> tuple[Condition, ...]:
+    """Suspended, UpToDate, and Complete or Failed once the job finished."""
+    suspended = Condition("Suspended", True, "JobSuspended", "spec.suspend is true") \
+        if life.stage is Stage.SUSPENDED else Condition("Suspended", False, "JobNotSuspended",
+                                                        "spec.suspend is false")
+    if outdated:
+        fields = ", ".join(f"spec.{name}" for name in outdated)
+        current = Condition("UpToDate", False, "RestartPending", (
+            f"{fields} changed since the running pods were made: they take effect at the "
+            "job's next attempt (suspend and resume the job, or a restart)"))
+    else:
+        current = Condition("UpToDate", True, "PodsCurrent",
+                            "the job's pods are made from its spec as it is")
+    found = (suspended, current)
+    if life.finish is None:
+        return found
+    kind = "Complete" if life.finish.succeeded else "Failed"
+    return (*found, Condition(kind, True, life.finish.reason, life.finish.message))
 
 
 def conditions(
     plan: JobPlan | None, problems: Sequence[Problem], notes: Sequence[str] = (),
     held: Sequence[str] = (), trained: JobProgress | None = None,
-    pods: PodOutcome | None = None,
+    life: Lifecycle | None = None, outdated: Sequence[str] = (),
 ) -> tuple[Condition, ...]:
     """Ready, Degraded and PowerBoosted; `notes` (ignored health input) go into Ready's message,
     `held` (nodes whose power raise waits for a cut elsewhere in the rack) into PowerBoosted's.
-    With the trainers' progress, also Training (what the trainers did, not only the plan)."""
+    With the trainers' progress, also Training (what the trainers did, not only the plan).
+    With the job's lifecycle, Suspended and UpToDate (`outdated`: spec fields the pods lack),
+    and Complete or Failed once it finished; a job that runs no attempt has no plan."""
+    if life is not None and life.stage is not Stage.RUNNING:
+        return (*_stopped(life), *_lifecycle(life, outdated))
     found = (_ready(plan, problems, notes), _degraded(plan), _power(plan, held))
-    return found if trained is None else (*found, _training(trained, pods))
+    if trained is not None:
+        found = (*found, _training(trained))
+    return found if life is None else (*found, *_lifecycle(life, outdated))
 
 
 def phase(plan: JobPlan | None, trained: JobProgress | None = None,
-          pods: PodOutcome | None = None) -> str:
-    """Succeeded or Failed as the trainer pods ended; else Pending without a layout; else
-    what the trainers report (Pending before they train, Reconfiguring while one has not
-    reached the published generation); else Degraded or Running by the layout."""
-    if pods is not None:
-        return "Succeeded" if pods.succeeded else "Failed"
+          life: Lifecycle | None = None) -> str:
+    """Succeeded or Failed once the job finished, Suspended, Restarting between a failed
+    attempt and the next (Pending between a suspended one and the resume); else Pending without
+    a layout; else what the trainers report (Pending before they train, Reconfiguring while one
+    has not reached the published generation); else Degraded or Running by the layout."""
+    if life is not None and life.finish is not None:
+        return Phase.SUCCEEDED.value if life.finish.succeeded else Phase.FAILED.value
+    if life is not None and life.stage is Stage.SUSPENDED:
+        return Phase.SUSPENDED.value
+    if life is not None and life.stage is Stage.STOPPING:
+        return Phase.RESTARTING.value if life.restarting_since else Phase.PENDING.value
     if plan is None or not plan.replicas:
         return "Pending"
     if trained is not None and trained.phase is not Phase.RUNNING:
@@ -175,18 +215,19 @@ def render(
     notes: Sequence[str] = (),
     held: Sequence[str] = (),
     trained: JobProgress | None = None,
-    pods: PodOutcome | None = None,
+    life: Lifecycle | None = None,
+    outdated: Sequence[str] = (),
 ) -> dict[str, Any]:
     """The job's whole status. `previous` is the status as observed, `now` an RFC 3339 time;
-    `trained` the trainers' progress (None: not observed), `pods` how they ended (None: not
-    yet)."""
+    `trained` the trainers' progress (None: not observed), `life` where the job is in its life
+    (None: running, its first attempt), `outdated` the spec fields its pods lack."""
     before = {c.get("type"): c for c in previous.get("conditions") or []}
     replicas = _replicas(plan) if plan else []
     if plan and len(replicas) < len(plan.replicas):
         notes = (*notes, f"status.replicas lists {len(replicas)} of {len(plan.replicas)} "
                          "replicas, the reduced ones first")
     rendered = []
-    for c in conditions(plan, problems, notes, held, trained, pods):
+    for c in conditions(plan, problems, notes, held, trained, life, outdated):
         status = "True" if c.status else "False"
         old = before.get(c.type) or {}
         since = old.get("lastTransitionTime") if old.get("status") == status else None
@@ -195,7 +236,7 @@ def render(
                          "lastTransitionTime": since or now})
     status = {
         "observedGeneration": generation,
-        "phase": phase(plan, trained, pods),
+        "phase": phase(plan, trained, life),
         "layoutGeneration": layout_generation,
         "tpLayout": plan.tp_layout if plan else "",
         "replicas": replicas,
@@ -205,6 +246,12 @@ def render(
         status["step"] = trained.step
         if trained.goodput is not None:
             status["goodput"] = round(trained.goodput, 4)
+    if life is not None:
+        status |= {"attempt": life.attempt, "restarts": life.restarts}
+        if life.earlier.wall_seconds:
+            status["earlierAttempts"] = life.earlier.to_status()
+        if life.restarting_since is not None:
+            status["restartingSince"] = life.restarting_since
     return status
 
 

@@ -24,7 +24,7 @@ from datetime import datetime
 from typing import Any
 
 from tessera_contracts import progress
-from tessera_contracts.api import JOB_LABEL
+from tessera_contracts.api import ATTEMPT_LABEL, JOB_LABEL, JOB_MANAGER
 from tessera_contracts.generation import LAYOUT_KEY, Generation, Gpu, Rendezvous, layout_configmap
 from tessera_contracts.powertarget import (
     InvalidTarget,
@@ -33,8 +33,9 @@ from tessera_contracts.powertarget import (
     parse_object,
     reported_limits,
 )
-from tessera_operator import conditions, health, planner, workload
-from tessera_operator.observed import Observed
+from tessera_operator import conditions, health, lifecycle, planner, workload
+from tessera_operator.lifecycle import Lifecycle, Stage
+from tessera_operator.observed import Layout, Observed
 from tessera_operator.power_planning import plan_sync
 
 CONFIGMAP_MAX_BYTES = 1024 * 1024  # the API server's limit on a ConfigMap's data
@@ -58,10 +59,17 @@ class Desired:
     # rendezvous and trainer pods.
     children: tuple[dict[str, Any], ...] = ()
     layout: dict[str, Any] | None = None  # the layout ConfigMap with a new generation, or None
+    layout_version: str | None = None  # the resourceVersion it replaces (None: it is created)
     targets: Mapping[str, PowerTarget] = field(default_factory=dict)  # empty: release them all
     held: tuple[str, ...] = ()  # nodes whose raise waits for a cut to be reported in effect
     status: Mapping[str, Any] = field(default_factory=dict)
     events: tuple[Event, ...] = ()
+    # What an earlier attempt or a finished job leaves behind: pods and ConfigMaps by name.
+    delete_pods: tuple[str, ...] = ()
+    delete_configmaps: tuple[str, ...] = ()
+    ended: bool = False  # an attempt ends: the status (its account) is written before the rest
+    delete_job: bool = False  # ttlSecondsAfterFinished has passed
+    requeue_after: float | None = None  # seconds until the job needs a reconcile of its own
 
 
 class LayoutBlocked(Exception):
@@ -83,6 +91,11 @@ class _Planned:
     lost: health.Health = health.Health()  # the GPUs lost under their processes
 
 
+def ours(job: Mapping[str, Any]) -> bool:
+    """Whether this operator reconciles the job (`spec.managedBy` absent or ours)."""
+    return (job.get("spec") or {}).get("managedBy") in (None, JOB_MANAGER)
+
+
 def job_spec(job: Mapping[str, Any]) -> planner.JobSpec | planner.Problem:
     """The job's spec, if the operator can run it; else why not."""
     try:
@@ -96,25 +109,36 @@ def job_spec(job: Mapping[str, Any]) -> planner.JobSpec | planner.Problem:
     return spec
 
 
-def needs_placement(spec: planner.JobSpec | planner.Problem, observed: Observed) -> bool:
-    """Whether the job runs and lacks a trainer pod: a reconcile then observes the placement
-    candidates (`observe.with_candidates`)."""
-    if isinstance(spec, planner.Problem):
+def needs_placement(spec: planner.JobSpec | planner.Problem, observed: Observed,
+                    now: datetime) -> bool:
+    """Whether the job runs an attempt and lacks a trainer pod: a reconcile then observes the
+    placement candidates (`observe.with_candidates`)."""
+    if isinstance(spec, planner.Problem) or _life(observed, now).stage is not Stage.RUNNING:
         return False
     placed = workload.placed_nodes(observed.pods, observed.job)
     return any(i not in placed for i in range(_trainers(observed.job, spec)))
 
 
 def desired(spec: planner.JobSpec | planner.Problem, observed: Observed, now: datetime,
-            refused: str | None = None) -> Desired:
+            refused: str | None = None, rejected: str | None = None) -> Desired:
     """The desired state of `observed.job` (its spec as `job_spec` reads it) at `now`.
     `refused`: why the API server refused the power targets, when it did (Ready's message says
-    so, and no raise is said to wait)."""
+    so, and no raise is said to wait); `rejected`: why it refused the job's pods (the job has
+    no plan then: Ready=False, reason PodRejected)."""
     job = observed.job
     previous = job.get("status") or {}
+    # 0. Where the job is in its life; what earlier attempts left behind goes.
+    life = _life(observed, now)
+    if life.stage is not Stage.RUNNING:
+        return _stopped(observed, now, life)
+    stale = tuple(name for name, attempt in observed.configmap_attempts.items()
+                  if attempt != life.attempt)
+    observed = _current(observed, life)
     # 1-3. Placement, health and the plan.
     planned = _plan(spec, observed, now)
     plan, problems = planned.plan, planned.problems
+    if rejected is not None:
+        plan, problems = None, (planner.Problem("PodRejected", rejected), *problems)
     # 4. The trainers' progress drives the boosts and the step a planned switch happens at.
     reports = progress.read_reports(observed.reports, sorted(set(planned.placement.values())))
     step = max((r.step for r in reports.values() if r is not None), default=0)
@@ -142,25 +166,98 @@ def desired(spec: planner.JobSpec | planner.Problem, observed: Observed, now: da
     else:
         notes = (*notes, f"power targets refused: {refused}")
     trained = None if in_force is None else progress.summarize(
-        reports, in_force.generation, sorted({g.node for g in in_force.gpus}))
+        reports, in_force.generation, sorted({g.node for g in in_force.gpus}), life.earlier)
     status = conditions.render(
         plan, problems, previous, now=format_time(now),
         generation=int(job["metadata"].get("generation", 0)),
         layout_generation=layout_generation, notes=notes, held=held, trained=trained,
-        pods=_pod_outcome(observed.pods, job))
+        life=life, outdated=_outdated(observed))
     events = []
     if layout_generation != int(previous.get("layoutGeneration", 0)) and plan is not None:
         events.append(Event("Normal", "LayoutChanged",
                             f"layout generation {layout_generation}: TP {plan.tp_layout or '-'}"))
+    return Desired(planned.placement, _children(job, planned.placement, life.attempt), layout,
+                   observed.layout.resource_version, targets, held, status,
+                   (*events, *_condition_events(previous, status)), delete_configmaps=stale)
+
+
+def _life(observed: Observed, now: datetime) -> Lifecycle:
+    """The job's lifecycle from its pods and its attempt's progress reports (every node that
+    reported: an attempt that ends folds them all into the job's account)."""
+    status = observed.job.get("status") or {}
+    name = progress.progress_configmap(observed.job["metadata"]["name"])
+    current = observed.configmap_attempts.get(name) == int(status.get("attempt", 0))
+    data = observed.reports if current else {}
+    nodes = [key.removesuffix(".json") for key in data if key.endswith(".json")]
+    return lifecycle.lifecycle(observed.job, observed.pods, progress.read_reports(data, nodes),
+                               now)
+
+
+def _current(observed: Observed, life: Lifecycle) -> Observed:
+    """`observed` without what belongs to an earlier attempt: its layout and progress
+    ConfigMaps (deleted by this reconcile) read as absent."""
+    job = observed.job["metadata"]["name"]
+    attempts = observed.configmap_attempts
+    if attempts.get(layout_configmap(job), life.attempt) != life.attempt:
+        observed = replace(observed, layout=Layout(),
+                           job=_with_status(observed.job, layoutGeneration=0))
+    if attempts.get(progress.progress_configmap(job), life.attempt) != life.attempt:
+        observed = replace(observed, reports={})
+    return observed
+
+
+def _with_status(job: Mapping[str, Any], **values: Any) -> dict[str, Any]:
+    return dict(job) | {"status": dict(job.get("status") or {}) | values}
+
+
+def _stopped(observed: Observed, now: datetime, life: Lifecycle) -> Desired:
+    """A job that runs no attempt (suspended, between two, finished): no child is made and
+    every power target released; an attempt that ends takes its layout with it, a finished
+    job keeps its last one (and its step and goodput) for the record."""
+    job = observed.job
+    previous = job.get("status") or {}
+    finished = life.stage is Stage.FINISHED
+    wall = life.earlier.wall_seconds
+    trained = progress.JobProgress(
+        progress.Phase.PENDING, int(previous.get("step", 0)), None,
+        previous.get("goodput") if finished else (
+            life.earlier.productive_seconds / wall if wall else None), "")
+    status = conditions.render(
+        None, (), previous, now=format_time(now),
+        generation=int(job["metadata"].get("generation", 0)),
+        layout_generation=int(previous.get("layoutGeneration", 0)) if finished else 0,
+        trained=trained, life=life, outdated=_outdated(observed))
+    ttl = life.delete_job_in
+    return Desired(status=status, events=_condition_events(previous, status),
+                   delete_pods=life.delete_pods,
+                   delete_configmaps=() if finished else tuple(observed.configmap_attempts),
+                   ended=life.ended, delete_job=ttl is not None and ttl <= 0,
+                   requeue_after=ttl if ttl is not None and ttl > 0 else None)
+
+
+def _outdated(observed: Observed) -> list[str]:
+    """The spec fields some trainer pod of the job was not made with."""
+    spec = observed.job["spec"]
+    found = {name for pod in workload.trainer_pods(observed.pods, observed.job)
+             if not (pod.get("metadata") or {}).get("deletionTimestamp")
+             for name in workload.outdated(pod, spec)}
+    return [name for name in workload.POD_INPUTS if name in found]
+
+
+def _condition_events(previous: Mapping[str, Any], status: Mapping[str, Any]
+                      ) -> tuple[Event, ...]:
+    """One event per condition that changed."""
+    events = []
     for c in conditions.changed(previous, status):
-        bad = (c["type"], c["status"]) in {("Ready", "False"), ("Degraded", "True")}
+        bad = (c["type"], c["status"]) in {("Ready", "False"), ("Degraded", "True"),
+                                           ("Failed", "True"), ("UpToDate", "False")}
         events.append(Event("Warning" if bad else "Normal", c["reason"],
                             f"{c['type']}={c['status']}: {c['message']}"))
-    return Desired(planned.placement, _children(job, planned.placement), layout, targets, held,
-                   status, tuple(events))
+    return tuple(events)
 
 
-def layout_document(job: Mapping[str, Any], generation: Generation) -> dict[str, Any]:
+def layout_document(job: Mapping[str, Any], generation: Generation, attempt: int = 0
+                    ) -> dict[str, Any]:
     """The layout ConfigMap holding `generation`; LayoutTooLarge when it outgrows one."""
     meta = job["metadata"]
     # Compact: 32,768 GPUs (the paper's job, short node names) take about 650 kB.
@@ -172,7 +269,7 @@ def layout_document(job: Mapping[str, Any], generation: Generation) -> dict[str,
             f"({CONFIGMAP_MAX_BYTES}): fewer GPUs per job, or shorter node names"))
     return {"apiVersion": "v1", "kind": "ConfigMap",
             "metadata": {"name": layout_configmap(meta["name"]), "namespace": meta["namespace"],
-                         "labels": {JOB_LABEL: meta["name"]},
+                         "labels": {JOB_LABEL: meta["name"], ATTEMPT_LABEL: str(attempt)},
                          "ownerReferences": [workload.owner(job)]},
             "data": {LAYOUT_KEY: data}}
 
@@ -211,7 +308,7 @@ def _place(observed: Observed, spec: planner.JobSpec
     candidates = observed.candidates
     if candidates is None:
         raise ValueError("placing a job needs its candidates observed")
-    selector = dict(job["spec"].get("nodeSelector") or {})
+    selector = workload.node_selector(job["spec"])
     views = [v for v in workload.node_views(candidates.nodes, candidates.pods, selector,
                                             spec.domain_label)
              if v.name not in placed.values()]
@@ -251,12 +348,13 @@ def _health(observed: Observed, spec: planner.JobSpec, placement: Mapping[int, s
     return health.hold_unknown(signal.merge(dcgm), kept, reporting), lost.merge(dcgm)
 
 
-def _children(job: Mapping[str, Any], placement: Mapping[int, str]) -> tuple[dict[str, Any], ...]:
+def _children(job: Mapping[str, Any], placement: Mapping[int, str], attempt: int
+              ) -> tuple[dict[str, Any], ...]:
     if not placement:
         return ()
-    return (*workload.identity(job), workload.progress_configmap(job),
-            workload.rendezvous_pod(job),
-            *(workload.trainer_pod(job, i, node) for i, node in sorted(placement.items())))
+    return (*workload.identity(job), workload.progress_configmap(job, attempt),
+            workload.rendezvous_pod(job, attempt),
+            *(workload.trainer_pod(job, i, node, attempt) for i, node in sorted(placement.items())))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -334,7 +432,8 @@ def _generation(observed: Observed, plan: planner.JobPlan, step: int,
                                          [Gpu(n, i) for n, i in lost], at_step=step)
     if following is None:
         return None, previous
-    return layout_document(job, following), following
+    attempt = int((job.get("status") or {}).get("attempt", 0))
+    return layout_document(job, following, attempt), following
 
 
 def _rendezvous(job: Mapping[str, Any], pods: tuple[Mapping[str, Any], ...]
@@ -344,21 +443,3 @@ def _rendezvous(job: Mapping[str, Any], pods: tuple[Mapping[str, Any], ...]
         if pod["metadata"]["name"] == name and (ip := (pod.get("status") or {}).get("podIP")):
             return Rendezvous(ip, workload.RENDEZVOUS_PORT)
     return None
-
-
-def _pod_outcome(pods: tuple[Mapping[str, Any], ...], job: Mapping[str, Any]
-                 ) -> conditions.PodOutcome | None:
-    """How the trainer pods ended: all succeeded, or the first that failed and why."""
-    trainers = workload.trainer_pods(pods, job)
-    failed = [p for p in trainers if (p.get("status") or {}).get("phase") == "Failed"]
-    if failed:
-        pod = failed[0]
-        why = next((s["state"]["terminated"] for s in
-                    (pod.get("status") or {}).get("containerStatuses") or []
-                    if (s.get("state") or {}).get("terminated")), {})
-        return conditions.PodOutcome(False, f"trainer pod {pod['metadata']['name']} failed: "
-                                            f"{why.get('reason', 'Error')} (exit code "
-                                            f"{why.get('exitCode', '?')})")
-    done = bool(trainers) and all((p.get("status") or {}).get("phase") == "Succeeded"
-                                  for p in trainers)
-    return conditions.PodOutcome(True, "every trainer pod finished") if done else None

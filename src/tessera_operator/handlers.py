@@ -96,17 +96,32 @@ async def children(namespace: str, labels: kopf.Labels, body: kopf.Body, **_: An
 # ----------------------------------------------------------------------------------------------
 
 
-@kopf.on.resume(GROUP, VERSION, PLURAL)
-@kopf.on.create(GROUP, VERSION, PLURAL)
-@kopf.on.update(GROUP, VERSION, PLURAL)
-@kopf.timer(GROUP, VERSION, PLURAL, interval=RESYNC_INTERVAL_S, initial_delay=RESYNC_INTERVAL_S)
+def _ours(spec: kopf.Spec, **_: Any) -> bool:
+    """A job this operator reconciles: another controller's (`spec.managedBy`) is left alone,
+    without a finalizer or an annotation of kopf's."""
+    return spec.get("managedBy") in (None, api.JOB_MANAGER)
+
+
+@kopf.on.resume(GROUP, VERSION, PLURAL, when=_ours)
+@kopf.on.create(GROUP, VERSION, PLURAL, when=_ours)
+@kopf.on.update(GROUP, VERSION, PLURAL, when=_ours)
+@kopf.timer(GROUP, VERSION, PLURAL, interval=RESYNC_INTERVAL_S, initial_delay=RESYNC_INTERVAL_S,
+            when=_ours)
 def on_job(namespace: str, name: str, memo: kopf.Memo, logger: logging.Logger,
            gpu_health: kopf.Index, children: kopf.Index, **_: Any) -> None:
     indices = observe.Indices(gpu_health, children)
-    _retrying(lambda: reconcile.reconcile(memo, (namespace, name), logger, indices))
+    _retrying(lambda: _reconcile(memo, (namespace, name), logger, indices))
 
 
-@kopf.on.delete(GROUP, VERSION, PLURAL)
+def _reconcile(memo: kopf.Memo, key: JobKey, logger: logging.Logger,
+               indices: observe.Indices) -> None:
+    """Reconcile the job, and again when it asks to be at a time (its TTL)."""
+    later = reconcile.reconcile(memo, key, logger, indices)
+    if later is not None:
+        memo.queue.after(key, later, lambda: _reconcile_watched(memo, key, logger, indices))
+
+
+@kopf.on.delete(GROUP, VERSION, PLURAL, when=_ours)
 def on_job_deleted(namespace: str, name: str, body: kopf.Body, memo: kopf.Memo,
                    logger: logging.Logger, **_: Any) -> None:
     """The trainer is gone: its power targets are deleted, and each agent settles its GPUs at
@@ -231,7 +246,7 @@ async def _reconcile_soon(memo: kopf.Memo, key: JobKey, logger: logging.Logger,
 def _reconcile_watched(memo: kopf.Memo, key: JobKey, logger: logging.Logger,
                        indices: observe.Indices) -> None:
     try:
-        reconcile.reconcile(memo, key, logger, indices)
+        _reconcile(memo, key, logger, indices)
     except (ApiException, HTTPError) as exc:
         # The job's resync timer runs the same reconcile within RESYNC_INTERVAL_S.
         logger.warning(f"reconcile of {key[0]}/{key[1]} after a watch event failed: {exc}")

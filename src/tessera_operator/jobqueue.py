@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import threading
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 JobKey = tuple[str, str]  # (namespace, name)
@@ -30,6 +30,7 @@ class JobQueue:
         self._locks: defaultdict[JobKey, threading.Lock] = defaultdict(threading.Lock)
         self._waiting: set[JobKey] = set()
         self._held: set[JobKey] = set()
+        self._timers: dict[JobKey, threading.Timer] = {}
 
     def add(self, key: JobKey) -> bool:
         """A watch event asks for a reconcile of `key`; False when one is already waiting to
@@ -66,9 +67,25 @@ class JobQueue:
         with self._guard:
             return key in self._held
 
+    def after(self, key: JobKey, seconds: float, run: Callable[[], object]) -> None:
+        """Call `run` (a reconcile of `key`) in `seconds`, in a thread of its own: a job that
+        needs one at a time (its TTL) rather than on an event. A later call replaces an
+        earlier one."""
+        timer = threading.Timer(max(0.0, seconds), run)
+        timer.daemon = True
+        with self._guard:
+            earlier = self._timers.pop(key, None)
+            self._timers[key] = timer
+        if earlier is not None:
+            earlier.cancel()
+        timer.start()
+
     def forget(self, key: JobKey) -> None:
         """The job is gone: keep nothing of it."""
         with self._guard:
             self._locks.pop(key, None)
             self._held.discard(key)
             self._waiting.discard(key)
+            timer = self._timers.pop(key, None)
+        if timer is not None:
+            timer.cancel()

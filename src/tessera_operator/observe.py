@@ -54,10 +54,14 @@ def world(api: client.ApiClient, cache: NodeCache, indices: Indices,
     placed = sorted(set(workload.placed_nodes(pods, job).values()))
     children = {(c["kind"], c["metadata"]["name"]): c
                 for c in list(indices.children.get((meta["namespace"], meta["name"]), ()))}
+    layout, layout_attempt = _layout(api, job)
+    reports, reports_attempt = _reports(api, job)
+    attempts = {name: attempt for name, attempt in (
+        (layout_configmap(meta["name"]), layout_attempt),
+        (progress.progress_configmap(meta["name"]), reports_attempt)) if attempt is not None}
     return Observed(
         job=job, pods=pods, nodes=tuple(nodes(api, cache, placed)),
-        layout=_layout(api, job),
-        reports=_reports(api, job) if placed else {},
+        layout=layout, reports=reports, configmap_attempts=attempts,
         targets=tuple(power_targets.list_job_targets(api, (JOB_LABEL, meta["name"]),
                                                      meta["uid"], API_TIMEOUT_S)),
         gpu_health=_gpu_health(indices, placed), children=children)
@@ -66,7 +70,7 @@ def world(api: client.ApiClient, cache: NodeCache, indices: Indices,
 def with_candidates(api: client.ApiClient, indices: Indices, observed: Observed) -> Observed:
     """`observed` with the nodes and pods placement chooses among, and their GPUHealth."""
     core = client.CoreV1Api(api)
-    selector = dict(observed.job["spec"].get("nodeSelector") or {})
+    selector = workload.node_selector(observed.job["spec"])
     matching = tuple(_items(core.list_node,
                             label_selector=",".join(f"{k}={v}" for k, v in selector.items())))
     pods = tuple(_items(core.list_pod_for_all_namespaces,
@@ -114,7 +118,8 @@ def _gpu_health(indices: Indices, nodes: Iterable[str]) -> tuple[Mapping[str, An
     return tuple(obj for node in nodes for obj in list(indices.gpu_health.get(node, ())))
 
 
-def _layout(api: client.ApiClient, job: Mapping[str, Any]) -> Layout:
+def _layout(api: client.ApiClient, job: Mapping[str, Any]) -> tuple[Layout, int | None]:
+    """The layout ConfigMap as read, and the attempt it is of (None: none, or not the job's)."""
     meta = job["metadata"]
     try:
         current = client.CoreV1Api(api).read_namespaced_config_map(
@@ -122,19 +127,21 @@ def _layout(api: client.ApiClient, job: Mapping[str, Any]) -> Layout:
     except ApiException as exc:
         if exc.status != 404:
             raise
-        return Layout()
+        return Layout(), None
     version = current.metadata.resource_version
-    if not workload.controlled_by(api.sanitize_for_serialization(current), job):
-        return Layout(version, owned=False)
+    body = api.sanitize_for_serialization(current)
+    if not workload.controlled_by(body, job):
+        return Layout(version, owned=False), None
     try:
         document = Generation.from_dict(json.loads((current.data or {})[LAYOUT_KEY]))
     except (KeyError, ValueError, GenerationError):
         document = None  # someone broke it
-    return Layout(version, generation=document)
+    return Layout(version, generation=document), workload.attempt_of(body) or 0
 
 
-def _reports(api: client.ApiClient, job: Mapping[str, Any]) -> dict[str, str]:
-    """The node agents' progress reports as the ConfigMap holds them (node key -> JSON)."""
+def _reports(api: client.ApiClient, job: Mapping[str, Any]) -> tuple[dict[str, str], int | None]:
+    """The node agents' progress reports as the ConfigMap holds them (node key -> JSON), and
+    the attempt they are of (None: no ConfigMap, or not the job's)."""
     meta = job["metadata"]
     try:
         cm = client.CoreV1Api(api).read_namespaced_config_map(
@@ -143,5 +150,8 @@ def _reports(api: client.ApiClient, job: Mapping[str, Any]) -> dict[str, str]:
     except ApiException as exc:
         if exc.status != 404:
             raise
-        return {}
-    return dict(cm.data or {})
+        return {}, None
+    body = api.sanitize_for_serialization(cm)
+    if not workload.controlled_by(body, job):
+        return {}, None
+    return dict(cm.data or {}), workload.attempt_of(body) or 0

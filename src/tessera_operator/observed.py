@@ -45,6 +45,8 @@ class Observed:
     gpu_health: tuple[Mapping[str, Any], ...] = ()  # the GPUHealth of its (candidate) nodes
     children: Mapping[ChildKey, Mapping[str, Any]] = field(default_factory=dict)
     candidates: Candidates | None = None  # observed only while a trainer pod is missing
+    # The job's layout and progress ConfigMaps that exist: name -> the attempt they are of.
+    configmap_attempts: Mapping[str, int] = field(default_factory=dict)
 
 
 def child_view(obj: Mapping[str, Any]) -> dict[str, Any]:

@@ -21,39 +21,51 @@ from tessera_operator.jobqueue import JobKey
 
 
 def reconcile(memo: kopf.Memo, key: JobKey, logger: logging.Logger,
-              indices: observe.Indices) -> None:
-    """Bring the job's children, layout, power targets and status in line with the world."""
+              indices: observe.Indices) -> float | None:
+    """Bring the job's children, layout, power targets and status in line with the world;
+    returns in how many seconds the job wants a reconcile of its own (its TTL), if it does."""
     api, queue = memo.api, memo.queue
     with queue.running(key):
         now = memo.clock()
         # 1. Observe the job (gone: keep nothing of it; being deleted: its delete handler
-        #    releases what it holds), then its world.
+        #    releases what it holds; another controller's: leave it), then its world.
         job = observe.job(api, key)
         if job is None:
             queue.forget(key)
-            return
-        if job["metadata"].get("deletionTimestamp"):
-            return
+            return None
+        if job["metadata"].get("deletionTimestamp") or not desired.ours(job):
+            return None
         queue.hold(key, True)  # an agent's report made once the targets are read is not lost
         observed = observe.world(api, memo.nodes, indices, job)
         # 2. Decide, and make the children. A job that lacks a trainer pod is placed one at a
         #    time: another job's placement, listing the pods before this one's exist, would
-        #    choose the same free GPUs (and its pods would stay Pending).
+        #    choose the same free GPUs (and its pods would stay Pending). An attempt that ends
+        #    writes its status (its account) before its pods and reports go.
         spec = desired.job_spec(job)
-        placing = desired.needs_placement(spec, observed)
+        placing = desired.needs_placement(spec, observed, now)
         with memo.placing if placing else contextlib.nullcontext():
             if placing:
                 observed = observe.with_candidates(api, indices, observed)
             wanted = desired.desired(spec, observed, now)
-            apply.children(api, observed, wanted)
+            if wanted.ended:
+                apply.status(api, job, wanted.status)
+            apply.leftovers(api, job, wanted)
+            rejected = apply.children(api, observed, wanted)
+            if rejected is not None:
+                wanted = desired.desired(spec, observed, now, rejected=rejected)
+        if wanted.delete_job:
+            apply.delete_job(api, job)
+            return None
         # 3. The generation document, then the power targets. Without a plan nothing asks for
         #    power any more: the job's targets are released, never left boosted.
         if wanted.layout is not None:
-            apply.layout(api, wanted.layout, observed.layout.resource_version)
+            apply.layout(api, wanted.layout, wanted.layout_version)
         refused = apply.power(api, observed, wanted)
         if refused is not None:
-            wanted = desired.desired(spec, observed, now, refused)
+            wanted = desired.desired(spec, observed, now, refused, rejected)
         queue.hold(key, bool(wanted.held))
         # 4. The status, written when it differs; an event per decision.
-        apply.status(api, job, wanted.status)
+        if not wanted.ended:
+            apply.status(api, job, wanted.status)
         apply.events(job, wanted.events, logger)
+        return wanted.requeue_after

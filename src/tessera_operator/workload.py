@@ -19,12 +19,15 @@ chosen by `place`: free GPUs and scale-up domain.
 
 from __future__ import annotations
 
+import copy
+import hashlib
+import json
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from tessera_contracts.api import JOB_LABEL, ROLE_LABEL
+from tessera_contracts.api import ATTEMPT_LABEL, INPUTS_ANNOTATION, JOB_LABEL, ROLE_LABEL
 from tessera_contracts.generation import (
     Generation,
     Gpu,
@@ -43,6 +46,13 @@ METRICS_PORT = 9300
 DEFAULT_STEPS = 1000
 DEFAULT_GLOBAL_BATCH = 64
 _TRAINER_POD = re.compile(r"-node-(\d+)$")
+# The trainers' shared memory, unless the template mounts its own at SHM_PATH.
+SHM_VOLUME, SHM_PATH = "tessera-shm", "/dev/shm"
+# The spec fields a pod is made from (`pod_inputs`).
+POD_INPUTS = ("image", "command", "args", "steps", "checkpointPolicy", "template")
+# What the rendezvous pod takes of the template's pod spec.
+RENDEZVOUS_FIELDS = ("nodeSelector", "tolerations", "priorityClassName", "schedulerName",
+                     "imagePullSecrets", "securityContext")
 
 
 def owner(job: Mapping[str, Any]) -> dict[str, Any]:
@@ -211,11 +221,15 @@ def leaving_nodes(pods: Iterable[Mapping[str, Any]], job: Mapping[str, Any]) -> 
 
 
 def identity(job: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """The trainer pods' ServiceAccount, Role and RoleBinding: read the layout (a watch by
-    name), patch the progress report; nothing else."""
+    """The trainer pods' rights: a Role to read the layout (a watch by name) and patch the
+    progress report, nothing else, bound to their ServiceAccount; that account too unless the
+    template names its own."""
     name, jobname = identity_name(job["metadata"]["name"]), job["metadata"]["name"]
+    account = service_account(job)
+    own = [{"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _meta(job, name)}] \
+        if account == name else []
     return [
-        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _meta(job, name)},
+        *own,
         {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": _meta(job, name),
          "rules": [
              {"apiGroups": [""], "resources": ["configmaps"],
@@ -226,66 +240,125 @@ def identity(job: Mapping[str, Any]) -> list[dict[str, Any]]:
         {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
          "metadata": _meta(job, name),
          "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
-         "subjects": [{"kind": "ServiceAccount", "name": name,
+         "subjects": [{"kind": "ServiceAccount", "name": account,
                        "namespace": job["metadata"]["namespace"]}]},
     ]
 
 
-def progress_configmap(job: Mapping[str, Any]) -> dict[str, Any]:
-    return {"apiVersion": "v1", "kind": "ConfigMap",
-            "metadata": _meta(job, progress_name(job["metadata"]["name"])), "data": {}}
+def progress_configmap(job: Mapping[str, Any], attempt: int = 0) -> dict[str, Any]:
+    meta = _meta(job, progress_name(job["metadata"]["name"]))
+    meta["labels"][ATTEMPT_LABEL] = str(attempt)
+    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": meta, "data": {}}
 
 
-def _env(spec: Mapping[str, Any]) -> list[dict[str, Any]]:
+def template(spec: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The spec's pod template: its metadata and its pod spec (copies)."""
+    tpl = spec.get("template") or {}
+    return (copy.deepcopy(dict(tpl.get("metadata") or {})),
+            copy.deepcopy(dict(tpl.get("spec") or {})))
+
+
+def node_selector(spec: Mapping[str, Any]) -> dict[str, str]:
+    """The labels every node of the job must carry (the template's nodeSelector)."""
+    return dict(template(spec)[1].get("nodeSelector") or {})
+
+
+def service_account(job: Mapping[str, Any]) -> str:
+    """The trainer pods' identity: the template's, else the one the operator makes."""
+    return str(template(job["spec"])[1].get("serviceAccountName")
+               or identity_name(job["metadata"]["name"]))
+
+
+def pod_inputs(spec: Mapping[str, Any]) -> dict[str, str]:
+    """A digest of each spec field a pod is made from: a running pod keeps what it was made
+    with, so a changed one waits for the job's next attempt (`outdated`)."""
+    return {name: hashlib.sha256(json.dumps(spec.get(name), sort_keys=True).encode())
+            .hexdigest()[:16] for name in POD_INPUTS}
+
+
+def outdated(pod: Mapping[str, Any], spec: Mapping[str, Any]) -> list[str]:
+    """The spec fields whose value `pod` was not made with (all of them for a pod that does
+    not say)."""
+    try:
+        made = json.loads(((pod.get("metadata") or {}).get("annotations") or {})[
+            INPUTS_ANNOTATION])
+    except (KeyError, TypeError, ValueError):
+        made = {}
+    wanted = pod_inputs(spec)
+    return [name for name in POD_INPUTS if not isinstance(made, dict)
+            or made.get(name) != wanted[name]]
+
+
+def attempt_of(obj: Mapping[str, Any]) -> int | None:
+    """The attempt an object of the job belongs to (its label); None when it has none."""
+    try:
+        return int(((obj.get("metadata") or {}).get("labels") or {})[ATTEMPT_LABEL])
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def _env(container: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The operator's variables first, so the user's may refer to them as $(NODE_NAME)."""
     def field(path: str) -> dict[str, Any]:
         return {"valueFrom": {"fieldRef": {"fieldPath": path}}}
 
     own = [{"name": "NODE_NAME"} | field("spec.nodeName"),
            {"name": "POD_IP"} | field("status.podIP"),
            {"name": "POD_NAMESPACE"} | field("metadata.namespace")]
-    names = {e["name"] for e in own}
-    return own + [dict(e) for e in spec.get("env") or [] if e.get("name") not in names]
+    return own + list(container.get("env") or [])
 
 
-def _pod(job: Mapping[str, Any], name: str, role: str, container: dict[str, Any],
-         node: str | None) -> dict[str, Any]:
-    spec = job["spec"]
+def _labelled(job: Mapping[str, Any], name: str, role: str, attempt: int,
+              labels: Mapping[str, str]) -> dict[str, Any]:
     meta = _meta(job, name, role)
-    if role == TRAINER:
-        meta["annotations"] = {"prometheus.io/scrape": "true",
-                               "prometheus.io/port": str(METRICS_PORT)}
-    return {
-        "apiVersion": "v1", "kind": "Pod", "metadata": meta,
-        "spec": {
-            "serviceAccountName": identity_name(job["metadata"]["name"]),
-            # A trainer that exits non-zero cannot rejoin its job's generations: the job
-            # fails and says why, rather than a restart loop.
-            "restartPolicy": "Never" if role == TRAINER else "Always",
-            "nodeSelector": dict(spec.get("nodeSelector") or {}),
-            "tolerations": [dict(t) for t in spec.get("tolerations") or []],
-            "containers": [{"name": role, "image": spec["image"],
-                            "env": _env(spec)} | container],
-        } | ({"affinity": _pinned(node)} if node else {}),
-    }
+    meta["labels"] = dict(labels) | meta["labels"] | {ATTEMPT_LABEL: str(attempt)}
+    return meta
 
 
-def trainer_pod(job: Mapping[str, Any], index: int, node: str) -> dict[str, Any]:
+def trainer_pod(job: Mapping[str, Any], index: int, node: str, attempt: int = 0
+                ) -> dict[str, Any]:
     """The node agent on `node`, with every GPU of the node: it runs one rank per GPU the
-    current generation gives it. Container args: the agent's invocation (the job, its steps in
-    all), then `--`, then the trainer options for every rank: checkpoints, the spec's `args`."""
+    current generation gives it; the template merged around it (docs/jobapi.md).
+
+    Container args: the agent's invocation (the job, its steps in all), then `--`, then the
+    trainer options for every rank: checkpoints, the spec's `args`. A memory-backed /dev/shm
+    unless the template mounts one (the data loaders' and NCCL's shared memory)."""
     spec, name = job["spec"], job["metadata"]["name"]
-    resources = {k: dict(v) for k, v in (spec.get("resources") or {}).items()}
+    tmeta, pod_spec = template(spec)
+    containers = list(pod_spec.get("containers") or [])
+    own = next((c for c in containers if c.get("name") == TRAINER), {})
+    sidecars = [c for c in containers if c.get("name") != TRAINER]
+    resources = {k: dict(v) if k in ("requests", "limits") else v
+                 for k, v in (own.get("resources") or {}).items()}
     gpus = str(spec.get("gpusPerNode", 8))
     resources.setdefault("limits", {})[GPU_RESOURCE] = gpus
     if "requests" in resources:
         resources["requests"][GPU_RESOURCE] = gpus
     agent = AgentInvocation(until_step=spec.get("steps", DEFAULT_STEPS), job=name,
                             trainer_args=(*rank_args(spec), *(spec.get("args") or [])))
-    container = {"args": agent.to_args(), "resources": resources,
-                 "ports": [{"name": "metrics", "containerPort": METRICS_PORT}]}
+    mounts = list(own.get("volumeMounts") or [])
+    volumes = list(pod_spec.get("volumes") or [])
+    if not any(m.get("mountPath", "").rstrip("/") == SHM_PATH for m in mounts):
+        mounts.append({"name": SHM_VOLUME, "mountPath": SHM_PATH})
+        volumes.append({"name": SHM_VOLUME, "emptyDir": {"medium": "Memory"}})
+    container = own | {
+        "name": TRAINER, "image": spec["image"], "args": agent.to_args(), "env": _env(own),
+        "resources": resources, "volumeMounts": mounts,
+        "ports": [*(own.get("ports") or []), {"name": "metrics", "containerPort": METRICS_PORT}],
+    }
     if spec.get("command"):
         container["command"] = list(spec["command"])
-    return _pod(job, trainer_name(name, index), TRAINER, container, node)
+    meta = _labelled(job, trainer_name(name, index), TRAINER, attempt, tmeta.get("labels") or {})
+    meta["annotations"] = dict(tmeta.get("annotations") or {}) | {
+        "prometheus.io/scrape": "true", "prometheus.io/port": str(METRICS_PORT),
+        INPUTS_ANNOTATION: json.dumps(pod_inputs(spec), sort_keys=True)}
+    affinity = dict(pod_spec.get("affinity") or {}) | _pinned(node)
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": pod_spec | {
+        "serviceAccountName": service_account(job),
+        # A failed trainer restarts the whole job from its checkpoint (the operator's
+        # restart budget), never alone: its ranks cannot rejoin running collectives.
+        "restartPolicy": "Never",
+        "affinity": affinity, "volumes": volumes, "containers": [container, *sidecars]}}
 
 
 def rank_args(spec: Mapping[str, Any]) -> list[str]:
@@ -297,12 +370,28 @@ def rank_args(spec: Mapping[str, Any]) -> list[str]:
             "--save-every", str(checkpoint.get("intervalSteps", 1000))]
 
 
-def rendezvous_pod(job: Mapping[str, Any]) -> dict[str, Any]:
-    """The job's TCPStore host: no GPU, on any node the job's selector and tolerations allow."""
-    container = {"command": ["python", "-m", "ntp.rendezvous"],
+def rendezvous_pod(job: Mapping[str, Any], attempt: int = 0) -> dict[str, Any]:
+    """The job's TCPStore host: no GPU, no API access, no privilege; from the template only
+    what places it and lets it start (node selector, tolerations, priority, scheduler, pull
+    secrets, the pod's security context), so it lands where the trainers may and passes the
+    same Pod Security level. No pod affinity: a rule written for the trainers could keep it
+    from any node, or a trainer from its own."""
+    spec, name = job["spec"], job["metadata"]["name"]
+    tmeta, pod_spec = template(spec)
+    kept = {k: pod_spec[k] for k in RENDEZVOUS_FIELDS if k in pod_spec}
+    container = {"name": RENDEZVOUS, "image": spec["image"],
+                 "command": ["python", "-m", "ntp.rendezvous"],
                  "args": ["--port", str(RENDEZVOUS_PORT)],
-                 "ports": [{"name": "store", "containerPort": RENDEZVOUS_PORT}]}
-    return _pod(job, rendezvous_name(job["metadata"]["name"]), RENDEZVOUS, container, None)
+                 "ports": [{"name": "store", "containerPort": RENDEZVOUS_PORT}],
+                 "securityContext": {"allowPrivilegeEscalation": False,
+                                     "capabilities": {"drop": ["ALL"]}}}
+    return {"apiVersion": "v1", "kind": "Pod",
+            "metadata": _labelled(job, rendezvous_name(name), RENDEZVOUS, attempt,
+                                  tmeta.get("labels") or {}),
+            "spec": kept | {
+                "serviceAccountName": service_account(job),
+                "automountServiceAccountToken": False,
+                "restartPolicy": "Always", "containers": [container]}}
 
 
 # ----------------------------------------------------------------------------------------------

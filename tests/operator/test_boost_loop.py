@@ -196,7 +196,7 @@ def test_progress_reports_move_the_reduced_replicas_power(running_operator: Runn
         node_a, {"metadata": {"annotations": {"tessera.dev/cordoned-gpus": "3"}}})
     body = copy.deepcopy(EXAMPLE)
     body["metadata"] = {"name": job}
-    body["spec"]["nodeSelector"] = simnodes.pool_selector(job)
+    simnodes.place_in_pool(body["spec"], job)
     policy = body["spec"]["powerPolicy"]
     policy["rackBudgetWatts"] = 8 * policy["boostCapWatts"]  # the budget is not what binds
     base, cap = policy["baseCapWatts"], policy["boostCapWatts"]

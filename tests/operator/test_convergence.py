@@ -38,7 +38,7 @@ def test_a_changed_trainer_identity_converges_on_a_running_job(
     op, job = running_operator, "converging"
     op.create_nodes(job, 2)
     body = copy.deepcopy(EXAMPLE) | {"metadata": {"name": job}}
-    body["spec"]["nodeSelector"] = simnodes.pool_selector(job)
+    simnodes.place_in_pool(body["spec"], job)
     op.create_job(body)
     op.start_rendezvous(job)
     op.wait(lambda: op.status(job).get("layoutGeneration"), lambda g: g == 1, "generation 1")
@@ -80,7 +80,7 @@ def test_the_operator_may_update_only_the_identity_its_job_controls(
     op, job = running_operator, "fenced"
     op.create_nodes(job, 2)
     body = copy.deepcopy(EXAMPLE) | {"metadata": {"name": job}}
-    body["spec"]["nodeSelector"] = simnodes.pool_selector(job)
+    simnodes.place_in_pool(body["spec"], job)
     op.create_job(body)
     rbac_admin = client.RbacAuthorizationV1Api(op.admin)
     name = f"{job}-trainer"

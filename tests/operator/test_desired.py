@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 from tessera_contracts.generation import LAYOUT_KEY, Generation
+from tessera_contracts.jobspec import defaulted
 from tessera_contracts.powertarget import format_time
 from tessera_contracts.progress import NodeReport, State, report_key
 from tessera_dev import paths
@@ -33,9 +34,12 @@ ABSENT = object()  # a key the layout document must not have
 
 
 def _job(**spec: Any) -> dict[str, Any]:
+    """The example job on the pool's nodes, as the API server stores it (the CRD's defaults
+    filled in)."""
     job = copy.deepcopy(EXAMPLE)
     job["metadata"] = {"name": "llama", "namespace": "ml", "uid": "uid-1", "generation": 1}
-    job["spec"] |= {"nodeSelector": POOL} | spec
+    job["spec"]["template"]["spec"]["nodeSelector"] = dict(POOL)
+    job["spec"] = defaulted(job["spec"] | spec)
     return job
 
 
@@ -140,7 +144,7 @@ def test_the_desired_state_of_a_job(case: Case) -> None:
 def test_a_fresh_job_is_placed_on_free_nodes_under_deterministic_names() -> None:
     observed = CASES["a fresh job on two free nodes, its rendezvous without an address yet"
                      ].observed
-    assert desired.needs_placement(desired.job_spec(observed.job), observed)
+    assert desired.needs_placement(desired.job_spec(observed.job), observed, NOW)
     wanted = _desired(observed, NOW)
     assert wanted == _desired(observed, NOW)  # the same world, the same objects
     assert wanted.placement == {0: A, 1: B}
@@ -149,7 +153,7 @@ def test_a_fresh_job_is_placed_on_free_nodes_under_deterministic_names() -> None
     assert pinned == {"llama-rendezvous": None, "llama-node-0": A, "llama-node-1": B}
     assert all(c["metadata"]["ownerReferences"] == [workload.owner(JOB)] for c in wanted.children)
     # Placed, the job needs nothing more placed.
-    assert not desired.needs_placement(desired.job_spec(JOB), PLACED)
+    assert not desired.needs_placement(desired.job_spec(JOB), PLACED, NOW)
 
 
 def test_a_node_whose_gpus_other_pods_hold_is_not_chosen() -> None:
@@ -191,3 +195,150 @@ def test_a_status_key_no_longer_rendered_is_left_out() -> None:
     assert _desired(before, NOW).status["step"] == 118
     gone = _desired(replace(before, layout=Layout("7", owned=False)), NOW).status
     assert "step" not in gone and "goodput" not in gone
+
+
+# ----------------------------------------------------------------------------------------------
+# The job's lifecycle: suspension, restarts, attempts; rejected pods, spec edits
+# ----------------------------------------------------------------------------------------------
+
+
+def _spent(node: str, step: int, productive: float, wall: float) -> tuple[str, str]:
+    """A node's report at `step` after `wall` seconds, 2 s a step, the rest of it startup."""
+    report = NodeReport(node, 1, step, 1000, State.TRAINING, step_seconds=2.0,
+                        productive_seconds=productive, wall_seconds=wall,
+                        badput_seconds={"startup": wall - productive})
+    return report_key(node), report.to_json()
+
+
+def _failed(pods: tuple[dict[str, Any], ...]) -> tuple[dict[str, Any], ...]:
+    """`pods` with the trainer pod on B failed (its process exited 1)."""
+    rendezvous, on_a, on_b = pods
+    return rendezvous, on_a, on_b | {"status": {"phase": "Failed", "containerStatuses": [
+        {"name": "trainer", "state": {"terminated": {"reason": "Error", "exitCode": 1}}}]}}
+
+
+def _attempt(job: dict[str, Any], attempt: int) -> tuple[dict[str, Any], ...]:
+    """The job's pods of `attempt` on A and B, the rendezvous with an address."""
+    return (workload.rendezvous_pod(job, attempt) | {"status": {"podIP": IP}},
+            workload.trainer_pod(job, 0, A, attempt), workload.trainer_pod(job, 1, B, attempt))
+
+
+SUSPENDED_JOB = _job(suspend=True)
+# Generation 1 in force, the layout and progress ConfigMaps of attempt 0 (the job's first).
+RUNNING_0 = replace(TRAINING, configmap_attempts={"llama-layout": 0, "llama-progress": 0},
+                    reports=dict([_spent(A, 118, 300.0, 400.0), _spent(B, 120, 310.0, 400.0)]))
+# What attempt 0 spent when it ends: the job has no checkpoint before step 500, so it starts
+# again at step 0 and each node's steps are lost progress, at 2 s a step: A 118 x 2 = 236 s of
+# its 300 productive, B 120 x 2 = 240 of 310. Wall 800; productive 64 + 70 = 134; lost 476;
+# startup 100 + 90 = 190.
+SPENT = {"wallSeconds": 800.0, "productiveSeconds": 134.0,
+         "badputSeconds": {"lost_progress": 476.0, "startup": 190.0}}
+GENERATION_2 = Generation.from_dict(_document(_desired(
+    CASES["a cordoned GPU: a planned generation at the last step reported"].observed,
+    NOW).layout))
+# Attempt 1 running on A and B; the layout ConfigMap (generation 2) is still attempt 0's.
+ATTEMPT_1_JOB = JOB | {"status": {"attempt": 1, "restarts": 1, "layoutGeneration": 2}}
+STALE_LAYOUT = Observed(ATTEMPT_1_JOB, pods=_attempt(JOB, 1), nodes=(_node(A), _node(B)),
+                        layout=Layout("9", generation=GENERATION_2),
+                        configmap_attempts={"llama-layout": 0, "llama-progress": 1})
+EDITED_JOB = PLACED_JOB | {"spec": PLACED_JOB["spec"] | {"image": "tessera-trainer:0.2.0"}}
+
+
+@dataclass(frozen=True)
+class LifeCase:
+    observed: Observed
+    phase: str
+    conditions: dict[str, tuple[str, str]]  # type -> (status, reason), for those named
+    status: dict[str, Any]  # what the status holds under these keys (ABSENT: not there)
+    children: list[tuple[str, str]]  # (kind, name) of every object the job runs
+    targets: bool = False  # whether the job asks for power targets
+    ended: bool = False  # an attempt ends in this reconcile
+    delete_pods: frozenset[str] = frozenset()
+    delete_configmaps: frozenset[str] = frozenset()
+    layout_generation: int | None = None  # the generation to publish; None: none
+    rejected: str | None = None  # why the API server refused the job's pods
+
+
+REJECTION = 'pods "llama-node-0" is forbidden: violates PodSecurity "restricted:latest"'
+EVERY_POD = frozenset({"llama-rendezvous", "llama-node-0", "llama-node-1"})
+BOTH_CONFIGMAPS = frozenset({"llama-layout", "llama-progress"})
+
+LIFE_CASES = {
+    "suspended before it ran: nothing made, no power": LifeCase(
+        Observed(SUSPENDED_JOB, candidates=Candidates((_node(A), _node(B)), ())), "Suspended",
+        {"Suspended": ("True", "JobSuspended"), "Ready": ("False", "Suspended"),
+         "UpToDate": ("True", "PodsCurrent")},
+        {"attempt": 0, "restarts": 0, "restartingSince": ABSENT, "earlierAttempts": ABSENT},
+        []),
+    "suspended while training: the attempt ends, its pods and ConfigMaps go": LifeCase(
+        replace(RUNNING_0, job=PLACED_JOB | {"spec": SUSPENDED_JOB["spec"]}), "Suspended",
+        {"Suspended": ("True", "JobSuspended"), "Ready": ("False", "Suspended")},
+        {"attempt": 1, "restarts": 0, "restartingSince": ABSENT, "earlierAttempts": SPENT},
+        [], ended=True, delete_pods=EVERY_POD, delete_configmaps=BOTH_CONFIGMAPS),
+    "a trainer pod failed: the attempt ends, a restart begins": LifeCase(
+        replace(RUNNING_0, pods=_failed(RUNNING_0.pods)), "Restarting",
+        {"Ready": ("False", "Restarting"), "Suspended": ("False", "JobNotSuspended"),
+         "Training": ("False", "Restarting")},
+        {"attempt": 1, "restarts": 1, "restartingSince": format_time(NOW),
+         "earlierAttempts": SPENT, "goodput": round(134.0 / 800.0, 4), "layoutGeneration": 0},
+        [], ended=True, delete_pods=EVERY_POD, delete_configmaps=BOTH_CONFIGMAPS),
+    "the layout ConfigMap of an earlier attempt: deleted, generation 1 published anew": LifeCase(
+        STALE_LAYOUT, "Pending",
+        {"Ready": ("True", "AllReplicasHealthy"), "UpToDate": ("True", "PodsCurrent")},
+        {"attempt": 1, "restarts": 1, "layoutGeneration": 1, "restartingSince": ABSENT},
+        EVERY_CHILD, targets=True, delete_configmaps=frozenset({"llama-layout"}),
+        layout_generation=1),
+    "the job's pods rejected: no plan, no power": LifeCase(
+        TRAINING, "Pending", {"Ready": ("False", "PodRejected")}, {"tpLayout": ""},
+        EVERY_CHILD, rejected=REJECTION),
+    "spec.image edited under running pods: not up to date": LifeCase(
+        replace(TRAINING, job=EDITED_JOB), "Running",
+        {"UpToDate": ("False", "RestartPending"), "Ready": ("True", "AllReplicasHealthy")},
+        {"attempt": 0, "restarts": 0}, EVERY_CHILD, targets=True),
+}
+
+
+@pytest.mark.parametrize("case", LIFE_CASES.values(), ids=LIFE_CASES.keys())
+def test_the_desired_state_of_a_job_through_its_life(case: LifeCase) -> None:
+    observed = case.observed
+    wanted = desired.desired(desired.job_spec(observed.job), observed, NOW,
+                             rejected=case.rejected)
+    assert [(c["kind"], c["metadata"]["name"]) for c in wanted.children] == case.children
+    assert bool(wanted.targets) == case.targets
+    assert wanted.status["phase"] == case.phase
+    found = {c["type"]: c for c in wanted.status["conditions"]}
+    for kind, expected in case.conditions.items():
+        assert (found[kind]["status"], found[kind]["reason"]) == expected, found[kind]
+    for key, value in case.status.items():
+        assert wanted.status.get(key, ABSENT) == value, key
+    assert wanted.ended == case.ended
+    assert set(wanted.delete_pods) == case.delete_pods
+    assert set(wanted.delete_configmaps) == case.delete_configmaps
+    assert not wanted.delete_job and wanted.requeue_after is None
+    if case.layout_generation is None:
+        assert wanted.layout is None
+        return
+    assert _document(wanted.layout)["generation"] == case.layout_generation
+    assert workload.attempt_of(wanted.layout) == observed.job["status"]["attempt"]
+
+
+def test_a_job_that_runs_no_attempt_asks_for_no_placement() -> None:
+    for name in ("suspended before it ran: nothing made, no power",
+                 "a trainer pod failed: the attempt ends, a restart begins"):
+        observed = LIFE_CASES[name].observed
+        assert not desired.needs_placement(desired.job_spec(observed.job), observed, NOW)
+
+
+def test_the_rejection_and_the_edited_fields_are_named_in_the_conditions() -> None:
+    rejected = LIFE_CASES["the job's pods rejected: no plan, no power"]
+    wanted = desired.desired(desired.job_spec(rejected.observed.job), rejected.observed, NOW,
+                             rejected=REJECTION)
+    ready = next(c for c in wanted.status["conditions"] if c["type"] == "Ready")
+    assert ready["message"].startswith(REJECTION)
+    assert ("Warning", "PodRejected") in {(e.type, e.reason) for e in wanted.events}
+    edited = _desired(LIFE_CASES["spec.image edited under running pods: not up to date"
+                                 ].observed, NOW)
+    current = next(c for c in edited.status["conditions"] if c["type"] == "UpToDate")
+    assert current["message"].startswith("spec.image changed since the running pods were made")
+    assert "spec.template" not in current["message"]
+    assert ("Warning", "RestartPending") in {(e.type, e.reason) for e in edited.events}

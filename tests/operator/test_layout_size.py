@@ -14,7 +14,7 @@ from kubernetes import client
 
 from tessera_contracts.generation import LAYOUT_KEY, Generation, Rendezvous
 from tessera_contracts.model_shape import ModelShape
-from tessera_dev import paths
+from tessera_dev import paths, simnodes
 from tessera_operator import apply, conditions, desired, planner, workload
 
 pytestmark = pytest.mark.operator
@@ -43,7 +43,7 @@ def test_the_largest_layout_is_published_and_a_larger_one_reported(
 ) -> None:
     body = copy.deepcopy(EXAMPLE) | {"metadata": {"name": "big"}}
     # on no node: an operator serving this namespace places nothing and publishes nothing
-    body["spec"]["nodeSelector"] = {"pool.tessera.dev/name": "nowhere"}
+    simnodes.place_in_pool(body["spec"], "nowhere")
     job = client.CustomObjectsApi(admin_api).create_namespaced_custom_object(
         "tessera.dev", "v1alpha1", namespace, "ntptrainingjobs", body)
     # The most nodes whose document fits, found by bisection on the document's own size.

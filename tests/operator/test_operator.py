@@ -37,7 +37,7 @@ def _example(name: str) -> dict[str, Any]:
     """The example job, placed on the nodes `create_nodes(name, ...)` makes."""
     job = copy.deepcopy(EXAMPLE)
     job["metadata"] = {"name": name}
-    job["spec"]["nodeSelector"] = simnodes.pool_selector(name)
+    simnodes.place_in_pool(job["spec"], name)
     return job
 
 
@@ -532,12 +532,12 @@ def test_the_operator_can_write_only_what_it_owns(running_operator: RunningOpera
             "adopt a user's ConfigMap": lambda: core.replace_namespaced_config_map(
                 "users-layout", op.namespace,
                 {"metadata": {"name": "users-layout", "ownerReferences": [owner]}}),
-            "delete a layout": lambda: core.delete_namespaced_config_map(
-                f"{job}-layout", op.namespace),
+            "delete a ConfigMap no job controls": lambda: core.delete_namespaced_config_map(
+                "users-layout", op.namespace),
             "change a job's spec": lambda: client.CustomObjectsApi(
                 api).patch_namespaced_custom_object(
                 "tessera.dev", "v1alpha1", op.namespace, "ntptrainingjobs", job,
-                {"spec": {"dataParallelReplicas": 1}}),
+                {"spec": {"steps": 7}}),
         }
         for what, attempt in refused.items():
             with pytest.raises(client.ApiException) as err:

@@ -131,7 +131,7 @@ def test_a_node_leaving_a_boosted_rack_is_parked_and_the_rest_raised_after_its_c
     simnodes.register(op.admin, [f"rack-{tag}-spare"], job)
     body = copy.deepcopy(EXAMPLE)
     body["metadata"] = {"name": job}
-    body["spec"]["nodeSelector"] = simnodes.pool_selector(job)
+    simnodes.place_in_pool(body["spec"], job)
     body["spec"]["powerPolicy"]["rackBudgetWatts"] = BUDGET
     client.CoreV1Api(op.admin).patch_node(
         node_a, {"metadata": {"annotations": {"tessera.dev/cordoned-gpus": "0"}}})

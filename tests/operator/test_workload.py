@@ -1,14 +1,17 @@
-"""What a job runs, as the operator writes it (pure): the trainer pods from the spec's template
-fields, the rendezvous pod, the trainer identity, and placement by free GPUs and NVLink domain."""
+"""What a job runs, as the operator writes it (pure): the trainer pods from the spec and its pod
+template, the rendezvous pod, the trainer identity, which spec edits a running pod lacks, and
+placement by free GPUs and NVLink domain."""
 
 from __future__ import annotations
 
 import copy
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import pytest
 import yaml
 
+from tessera_contracts.api import ATTEMPT_LABEL, INPUTS_ANNOTATION, JOB_LABEL, ROLE_LABEL
 from tessera_contracts.invocation import AgentInvocation
 from tessera_dev import paths
 from tessera_operator import workload
@@ -18,28 +21,46 @@ pytestmark = pytest.mark.operator
 
 EXAMPLE = yaml.safe_load((paths.repo_root() / "manifests/examples/ntpjob-local.yaml").read_text())
 DOMAIN = "nvidia.com/gpu.clique"
+SHM_VOLUME = {"name": "tessera-shm", "emptyDir": {"medium": "Memory"}}
+SHM_MOUNT = {"name": "tessera-shm", "mountPath": "/dev/shm"}
 
 
-def _job(**spec: Any) -> dict[str, Any]:
+def _job(pod: Mapping[str, Any] | None = None, trainer: Mapping[str, Any] | None = None,
+         metadata: Mapping[str, Any] | None = None,
+         sidecars: Sequence[Mapping[str, Any]] = (), **spec: Any) -> dict[str, Any]:
+    """The example job with `spec` set; given any of `pod` (the template's pod spec but its
+    containers), `trainer` (containers[name=trainer] but its name), `metadata` and `sidecars`,
+    a template made of them in place of the example's."""
     job = copy.deepcopy(EXAMPLE)
     job["metadata"] |= {"namespace": "team-a", "uid": "uid-1"}
     job["spec"] |= spec
+    if pod is not None or trainer is not None or metadata is not None or sidecars:
+        containers = [{"name": "trainer", **copy.deepcopy(dict(trainer or {}))},
+                      *copy.deepcopy(list(sidecars))]
+        job["spec"]["template"] = {"metadata": copy.deepcopy(dict(metadata or {})),
+                                   "spec": copy.deepcopy(dict(pod or {})) | {
+                                       "containers": containers}}
     return job
 
 
-def test_the_trainer_pod_carries_the_specs_template_fields() -> None:
+def _trainer(pod: Mapping[str, Any]) -> dict[str, Any]:
+    return next(c for c in pod["spec"]["containers"] if c["name"] == "trainer")
+
+
+def test_the_trainer_pod_carries_the_specs_fields_and_its_template() -> None:
     toleration = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
     job = _job(image="registry.example/trainer:7", command=["python", "-m", "ntp.nodeagent"],
-               args=["--lr=0.01"], env=[{"name": "NCCL_DEBUG", "value": "INFO"},
-                                        {"name": "NODE_NAME", "value": "mine"}],
-               tolerations=[toleration], nodeSelector={"pool": "a"},
-               resources={"requests": {"cpu": "4", "memory": "8Gi"},
-                          "limits": {"memory": "16Gi"}},
-               checkpointPolicy={"path": "/ckpt/run/", "intervalSteps": 50})
+               args=["--lr=0.01"], checkpointPolicy={"path": "/ckpt/run/", "intervalSteps": 50},
+               pod={"tolerations": [toleration], "nodeSelector": {"pool": "a"}},
+               trainer={"env": [{"name": "NCCL_DEBUG", "value": "INFO"}],
+                        "resources": {"requests": {"cpu": "4", "memory": "8Gi"},
+                                      "limits": {"memory": "16Gi"}}})
+    before = copy.deepcopy(job)
     pod = workload.trainer_pod(job, 1, "node-x")
     meta, spec = pod["metadata"], pod["spec"]
     assert meta["name"] == "tiny-llama-node-1" and meta["namespace"] == "team-a"
-    assert meta["labels"] == {"tessera.dev/job": "tiny-llama", "tessera.dev/role": "trainer"}
+    assert meta["labels"] == {JOB_LABEL: "tiny-llama", ROLE_LABEL: "trainer",
+                              ATTEMPT_LABEL: "0"}
     assert workload.controlled_by(pod, job)
     (container,) = spec["containers"]
     assert container["image"] == "registry.example/trainer:7"
@@ -56,11 +77,13 @@ def test_the_trainer_pod_carries_the_specs_template_fields() -> None:
     assert container["resources"] == {
         "requests": {"cpu": "4", "memory": "8Gi", "nvidia.com/gpu": "4"},
         "limits": {"memory": "16Gi", "nvidia.com/gpu": "4"}}
-    env = {e["name"]: e for e in container["env"]}
-    assert env["NCCL_DEBUG"] == {"name": "NCCL_DEBUG", "value": "INFO"}
-    # The downward API's node name wins over a spec entry of the same name.
-    assert env["NODE_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
-    assert [e["name"] for e in container["env"]].count("NODE_NAME") == 1
+    # The downward API's variables first, so the template's may refer to them as $(NODE_NAME).
+    assert container["env"] == [
+        {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
+        {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+        {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+        {"name": "NCCL_DEBUG", "value": "INFO"}]
+    assert {"name": "metrics", "containerPort": workload.METRICS_PORT} in container["ports"]
     assert spec["tolerations"] == [toleration] and spec["nodeSelector"] == {"pool": "a"}
     assert spec["serviceAccountName"] == "tiny-llama-trainer"
     assert spec["restartPolicy"] == "Never"
@@ -68,21 +91,178 @@ def test_the_trainer_pod_carries_the_specs_template_fields() -> None:
     assert terms["nodeSelectorTerms"] == [{"matchFields": [
         {"key": "metadata.name", "operator": "In", "values": ["node-x"]}]}]
     assert workload.placed_nodes([pod], job) == {1: "node-x"}
-    # The spec is not changed by building pods from it.
-    assert job["spec"]["resources"] == {"requests": {"cpu": "4", "memory": "8Gi"},
-                                        "limits": {"memory": "16Gi"}}
+    assert workload.node_selector(job["spec"]) == {"pool": "a"}
+    # The job is not changed by building pods from it.
+    assert job == before
 
 
-def test_the_rendezvous_pod_asks_for_no_gpu_and_keeps_the_jobs_scheduling_rules() -> None:
-    toleration = {"key": "dedicated", "operator": "Equal", "value": "ml", "effect": "NoSchedule"}
-    job = _job(tolerations=[toleration], nodeSelector={"pool": "a"})
-    pod = workload.rendezvous_pod(job)
-    (container,) = pod["spec"]["containers"]
-    assert "resources" not in container and "affinity" not in pod["spec"]
-    assert pod["spec"]["tolerations"] == [toleration]
-    assert pod["spec"]["nodeSelector"] == {"pool": "a"}
-    assert pod["spec"]["restartPolicy"] == "Always"
+def test_the_templates_labels_and_annotations_reach_the_trainer_pod_under_the_operators() -> None:
+    job = _job(metadata={
+        "labels": {"team": "nlp", JOB_LABEL: "theirs", ROLE_LABEL: "x", ATTEMPT_LABEL: "9"},
+        "annotations": {"k8s.v1.cni.cncf.io/networks": "rdma-net", "prometheus.io/port": "1",
+                        "prometheus.io/scrape": "false", INPUTS_ANNOTATION: "{}"}})
+    pod = workload.trainer_pod(job, 0, "node-x", attempt=2)
+    assert pod["metadata"]["labels"] == {"team": "nlp", JOB_LABEL: "tiny-llama",
+                                         ROLE_LABEL: "trainer", ATTEMPT_LABEL: "2"}
+    annotations = pod["metadata"]["annotations"]
+    assert annotations["k8s.v1.cni.cncf.io/networks"] == "rdma-net"
+    # Prometheus scrapes the trainers' metrics port whatever the template says.
+    assert annotations["prometheus.io/scrape"] == "true"
+    assert annotations["prometheus.io/port"] == str(workload.METRICS_PORT)
+    # The pod says what it was made from, so an edit of the spec is seen as not in it yet.
+    assert workload.outdated(pod, job["spec"]) == []
+
+
+def test_what_the_template_gives_the_trainer_pod_passes_through() -> None:
+    volumes = [{"name": "checkpoints", "persistentVolumeClaim": {"claimName": "ckpt"}},
+               {"name": "data", "csi": {"driver": "blob.csi.example", "readOnly": True}}]
+    pod_fields = {
+        "volumes": volumes,
+        "securityContext": {"runAsNonRoot": True, "runAsUser": 1000, "fsGroup": 1000},
+        "imagePullSecrets": [{"name": "registry"}],
+        "priorityClassName": "training",
+        "schedulerName": "gang-scheduler",
+        "resourceClaims": [{"name": "ib", "resourceClaimTemplateName": "ib-nic"}],
+        "initContainers": [{"name": "warm-cache", "image": "busybox:1.36",
+                            "command": ["sh", "-c", "true"]}],
+    }
+    trainer = {
+        "volumeMounts": [{"name": "checkpoints", "mountPath": "/checkpoints"},
+                         {"name": "data", "mountPath": "/data", "readOnly": True}],
+        "envFrom": [{"configMapRef": {"name": "nccl-tuning"}}],
+        "env": [{"name": "HF_TOKEN",
+                 "valueFrom": {"secretKeyRef": {"name": "hf-token", "key": "token"}}},
+                {"name": "NCCL_SOCKET_IFNAME", "value": "eth0"}],
+        "securityContext": {"allowPrivilegeEscalation": False,
+                            "capabilities": {"add": ["IPC_LOCK"]}},
+        "ports": [{"name": "debug", "containerPort": 5678}],
+        "workingDir": "/workspace",
+    }
+    job = _job(pod=pod_fields, trainer=trainer,
+               checkpointPolicy={"path": "/checkpoints/run", "intervalSteps": 100})
+    pod = workload.trainer_pod(job, 0, "node-x")
+    spec, container = pod["spec"], _trainer(pod)
+    for name in ("securityContext", "imagePullSecrets", "priorityClassName", "schedulerName",
+                 "resourceClaims", "initContainers"):
+        assert spec[name] == pod_fields[name], name
+    # The template's volumes and mounts, and the operator's /dev/shm after them.
+    assert spec["volumes"] == [*volumes, SHM_VOLUME]
+    assert container["volumeMounts"] == [*trainer["volumeMounts"], SHM_MOUNT]
+    assert container["envFrom"] == trainer["envFrom"]
+    assert container["env"][3:] == trainer["env"]
+    assert container["securityContext"] == trainer["securityContext"]
+    assert container["workingDir"] == "/workspace"
+    assert container["ports"] == [{"name": "debug", "containerPort": 5678},
+                                  {"name": "metrics", "containerPort": workload.METRICS_PORT}]
+
+
+def test_the_trainer_container_can_use_the_pods_resource_claims() -> None:
+    """A DRA claim of the pod (an RDMA NIC, say) reaches the trainer only through its
+    container's resources.claims: both pass through, the GPUs added beside them."""
+    claims = [{"name": "ib"}, {"name": "ib-2", "request": "nic"}]
+    job = _job(pod={"resourceClaims": [{"name": "ib", "resourceClaimTemplateName": "ib-nic"},
+                                       {"name": "ib-2", "resourceClaimName": "nic-2"}]},
+               trainer={"resources": {"requests": {"cpu": "8"}, "claims": claims}})
+    resources = _trainer(workload.trainer_pod(job, 0, "node-x"))["resources"]
+    assert resources == {"requests": {"cpu": "8", "nvidia.com/gpu": "4"},
+                         "limits": {"nvidia.com/gpu": "4"}, "claims": claims}
+
+
+def test_sidecar_containers_run_after_the_trainer_as_the_template_gives_them() -> None:
+    shipper = {"name": "log-shipper", "image": "fluent-bit:3.0",
+               "volumeMounts": [{"name": "logs", "mountPath": "/logs"}]}
+    job = _job(pod={"volumes": [{"name": "logs", "emptyDir": {}}]},
+               trainer={"volumeMounts": [{"name": "logs", "mountPath": "/logs"}]})
+    # The template lists the sidecar first: the trainer still comes first in the pod.
+    job["spec"]["template"]["spec"]["containers"].insert(0, shipper)
+    pod = workload.trainer_pod(job, 0, "node-x")
+    assert [c["name"] for c in pod["spec"]["containers"]] == ["trainer", "log-shipper"]
+    # A sidecar gets none of the trainer's: no GPU, no operator variables, no /dev/shm.
+    assert pod["spec"]["containers"][1] == shipper
+    assert workload.placed_nodes([pod], job) == {0: "node-x"}
+
+
+@pytest.mark.parametrize("mount_path", ["/dev/shm", "/dev/shm/"])
+def test_a_memory_backed_dev_shm_unless_the_template_mounts_its_own(mount_path: str) -> None:
+    pod = workload.trainer_pod(_job(), 0, "node-x")
+    assert pod["spec"]["volumes"] == [SHM_VOLUME]
+    assert _trainer(pod)["volumeMounts"] == [SHM_MOUNT]
+    own = {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": "64Gi"}}
+    mount = {"name": "shm", "mountPath": mount_path}
+    pod = workload.trainer_pod(_job(pod={"volumes": [own]}, trainer={"volumeMounts": [mount]}),
+                               0, "node-x")
+    assert pod["spec"]["volumes"] == [own]
+    assert _trainer(pod)["volumeMounts"] == [mount]
+
+
+FULL_TEMPLATE = {
+    "pod": {
+        "nodeSelector": {"pool": "a"},
+        "tolerations": [{"key": "dedicated", "operator": "Equal", "value": "ml",
+                         "effect": "NoSchedule"}],
+        "priorityClassName": "training",
+        "schedulerName": "gang-scheduler",
+        "imagePullSecrets": [{"name": "registry"}],
+        "securityContext": {"runAsNonRoot": True, "runAsUser": 1000,
+                            "seccompProfile": {"type": "RuntimeDefault"}},
+        "volumes": [{"name": "checkpoints", "persistentVolumeClaim": {"claimName": "ckpt"}}],
+        "resourceClaims": [{"name": "ib", "resourceClaimTemplateName": "ib-nic"}],
+        "initContainers": [{"name": "warm-cache", "image": "busybox:1.36"}],
+        "hostIPC": True,
+    },
+    "trainer": {
+        "env": [{"name": "NCCL_DEBUG", "value": "INFO"}],
+        "envFrom": [{"secretRef": {"name": "tokens"}}],
+        "volumeMounts": [{"name": "checkpoints", "mountPath": "/checkpoints"}],
+        "resources": {"requests": {"cpu": "8", "memory": "64Gi"}},
+    },
+    "metadata": {"labels": {"team": "nlp"},
+                 "annotations": {"k8s.v1.cni.cncf.io/networks": "rdma-net"}},
+    "sidecars": [{"name": "log-shipper", "image": "fluent-bit:3.0"}],
+}
+
+
+def test_the_rendezvous_pod_takes_only_what_places_and_starts_it_from_the_template() -> None:
+    pod_fields = FULL_TEMPLATE["pod"]
+    job = _job(**FULL_TEMPLATE)
+    pod = workload.rendezvous_pod(job, attempt=1)
+    meta, spec = pod["metadata"], pod["spec"]
+    assert meta["name"] == "tiny-llama-rendezvous" and workload.controlled_by(pod, job)
+    assert meta["labels"] == {"team": "nlp", JOB_LABEL: "tiny-llama",
+                              ROLE_LABEL: "rendezvous", ATTEMPT_LABEL: "1"}
+    assert "annotations" not in meta
+    kept = ("nodeSelector", "tolerations", "priorityClassName", "schedulerName",
+            "imagePullSecrets", "securityContext")
+    assert {k: spec[k] for k in kept} == {k: pod_fields[k] for k in kept}
+    # No volume, no claim, no init container, no host namespace; no API access.
+    assert set(spec) == {*kept, "serviceAccountName", "automountServiceAccountToken",
+                         "restartPolicy", "containers"}
+    assert spec["automountServiceAccountToken"] is False
+    assert spec["restartPolicy"] == "Always"
+    (container,) = spec["containers"]
+    assert container["name"] == "rendezvous" and container["image"] == job["spec"]["image"]
+    assert container["securityContext"] == {"allowPrivilegeEscalation": False,
+                                            "capabilities": {"drop": ["ALL"]}}
+    # No GPU, no environment, no mount: nothing of the trainer container.
+    assert not {"resources", "env", "envFrom", "volumeMounts"} & set(container)
     assert workload.placed_nodes([pod], job) == {}
+    assert workload.pod_node(pod) is None
+
+
+def test_template_affinity_is_kept_beside_the_operators_pin() -> None:
+    spread = {"preferredDuringSchedulingIgnoredDuringExecution": [{
+        "weight": 10, "podAffinityTerm": {"labelSelector": {"matchLabels": {"team": "nlp"}},
+                                          "topologyKey": "kubernetes.io/hostname"}}]}
+    near = {"requiredDuringSchedulingIgnoredDuringExecution": [{
+        "labelSelector": {"matchLabels": {"app": "dataset-cache"}},
+        "topologyKey": "topology.kubernetes.io/zone"}]}
+    job = _job(pod={"affinity": {"podAntiAffinity": spread, "podAffinity": near}})
+    pod = workload.trainer_pod(job, 0, "node-x")
+    affinity = pod["spec"]["affinity"]
+    assert affinity["podAntiAffinity"] == spread and affinity["podAffinity"] == near
+    assert workload.pod_node(pod) == "node-x"
+    # The rendezvous goes wherever the scheduler puts it: never pinned.
+    assert workload.pod_node(workload.rendezvous_pod(job)) is None
 
 
 def test_the_trainer_identity_reads_its_layout_and_patches_its_progress_only() -> None:
@@ -96,6 +276,74 @@ def test_the_trainer_identity_reads_its_layout_and_patches_its_progress_only() -
          "resourceNames": ["tiny-llama-progress"], "verbs": ["get", "patch"]}]
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "tiny-llama-trainer",
                                     "namespace": "team-a"}]
+
+
+def test_a_template_service_account_takes_the_place_of_the_operators() -> None:
+    job = _job(pod={"serviceAccountName": "llm-runner"})
+    assert workload.trainer_pod(job, 0, "node-x")["spec"]["serviceAccountName"] == "llm-runner"
+    assert workload.rendezvous_pod(job)["spec"]["serviceAccountName"] == "llm-runner"
+    # No account of the operator's: the user's is bound the same rights.
+    role, binding = workload.identity(job)
+    (_, own_role, _) = workload.identity(_job())
+    assert role == own_role
+    assert binding["kind"] == "RoleBinding" and binding["metadata"]["name"] == \
+        "tiny-llama-trainer"
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
+                                  "name": "tiny-llama-trainer"}
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "llm-runner",
+                                    "namespace": "team-a"}]
+
+
+TEMPLATE_EDIT = {"spec": {"containers": [
+    {"name": "trainer", "env": [{"name": "NCCL_DEBUG", "value": "WARN"}]}]}}
+OUTDATING = {
+    "unchanged": ({}, []),
+    "image": ({"image": "tessera-trainer:0.2.0"}, ["image"]),
+    "command": ({"command": ["python", "-m", "mine"]}, ["command"]),
+    "args": ({"args": ["--lr=0.01"]}, ["args"]),
+    "steps": ({"steps": 5}, ["steps"]),
+    "checkpointPolicy": ({"checkpointPolicy": {"path": "/ckpt", "intervalSteps": 10}},
+                         ["checkpointPolicy"]),
+    "the template's container": ({"template": TEMPLATE_EDIT}, ["template"]),
+    "the template's labels": ({"template": {"metadata": {"labels": {"team": "nlp"}},
+                                            "spec": TEMPLATE_EDIT["spec"]}}, ["template"]),
+    "image and template": ({"template": TEMPLATE_EDIT, "image": "tessera-trainer:0.2.0"},
+                           ["image", "template"]),
+    # What the pods are not made from leaves them current.
+    "suspend, TTL, batch, power and failure policies": ({
+        "suspend": True, "ttlSecondsAfterFinished": 60, "globalBatch": 16,
+        "powerPolicy": EXAMPLE["spec"]["powerPolicy"] | {"boostCapWatts": 650},
+        "failurePolicy": EXAMPLE["spec"]["failurePolicy"] | {"maxRestarts": 9}}, []),
+}
+
+
+@pytest.mark.parametrize(("edits", "fields"), OUTDATING.values(), ids=OUTDATING.keys())
+def test_a_pod_is_outdated_by_exactly_the_spec_fields_edited_since_it_was_made(
+        edits: dict[str, Any], fields: list[str]) -> None:
+    job = _job(trainer={"env": [{"name": "NCCL_DEBUG", "value": "INFO"}]})
+    pod = workload.trainer_pod(job, 0, "node-x")
+    assert workload.outdated(pod, copy.deepcopy(job["spec"]) | edits) == fields
+
+
+def test_a_pod_that_does_not_say_what_it_was_made_from_is_outdated_in_every_field() -> None:
+    pod = workload.trainer_pod(_job(), 0, "node-x")
+    del pod["metadata"]["annotations"][INPUTS_ANNOTATION]
+    assert workload.outdated(pod, _job()["spec"]) == list(workload.POD_INPUTS)
+    pod["metadata"]["annotations"][INPUTS_ANNOTATION] = "not json"
+    assert workload.outdated(pod, _job()["spec"]) == list(workload.POD_INPUTS)
+
+
+def test_every_pod_and_the_progress_configmap_carry_their_attempt() -> None:
+    job = _job()
+    made = [workload.trainer_pod(job, 0, "node-x", attempt=3), workload.rendezvous_pod(job, 3),
+            workload.progress_configmap(job, 3)]
+    assert [workload.attempt_of(obj) for obj in made] == [3, 3, 3]
+    assert [workload.attempt_of(obj) for obj in (
+        workload.trainer_pod(job, 0, "node-x"), workload.rendezvous_pod(job),
+        workload.progress_configmap(job))] == [0, 0, 0]
+    assert workload.attempt_of({"metadata": {"labels": {}}}) is None
+    assert workload.attempt_of({"metadata": {"labels": {ATTEMPT_LABEL: "x"}}}) is None
+    assert workload.attempt_of({}) is None
 
 
 def _node(name: str, gpus: int, domain: str | None = None, **labels: str) -> dict[str, Any]:

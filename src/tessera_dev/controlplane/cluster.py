@@ -9,19 +9,30 @@ runs as its own process under its own identity (system:node:NAME), so the Node a
 NodeRestriction treat it as they treat a kubelet. Prometheus finds the nodes' DCGM exporters and
 the pods that ask to be scraped through the discovery endpoint, from what the API server says,
 and evaluates Tessera's alert rules (manifests/monitoring/alerts.yaml, read at each start).
+
+Shared storage: every node serves `nfs` PersistentVolumes from one folder, DATA_DIR/nfs (server
+S, path P: DATA_DIR/nfs/S/P), so all nodes see the same files, as pods on a GPU cluster share a
+ReadWriteMany claim for checkpoints and datasets. `Cluster.shared_volume(api, NAME, NAMESPACE)`
+makes one in a call: a ReadWriteMany PersistentVolume on `nfs.tessera.local:/NAMESPACE/NAME`
+(storageClassName "", so it binds statically) and the claim NAME bound to it by the
+controller-manager; pods mount it as `persistentVolumeClaim: {claimName: NAME}`, and
+`Cluster.shared_path(NAME, NAMESPACE)` is the folder on this machine that holds its files.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 import socket
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from kubernetes import client
+from kubernetes.client.exceptions import ApiException
 
 from tessera_dev import paths, probes, processes
 from tessera_dev.controlplane import launcher, manifests, pki
@@ -33,6 +44,7 @@ from tessera_dev.controlplane.prometheus import (
 from tessera_dev.simnode.dcgm import GENERATIONS
 from tessera_dev.simnode.faults import node_dir
 from tessera_dev.simnode.node import EXPORTER_PORT, KUBELET_PORT
+from tessera_dev.simnode.volumes import memory_root
 
 CLUSTER_FILE = "cluster.json"
 NODE_PREFIX = "gpu-node-"
@@ -47,6 +59,9 @@ DISCOVERY_RBAC = paths.repo_root() / "manifests" / "local" / "discovery-rbac.yam
 DISCOVERY_USER = "tessera-discovery"
 ALERT_RULES = paths.repo_root() / "manifests" / "monitoring" / "alerts.yaml"
 NODE_READY_TIMEOUT_S = 60.0
+NFS_DIR = "nfs"  # under the data dir: the exports of the NFS server every node mounts
+NFS_SERVER = "nfs.tessera.local"
+BIND_TIMEOUT_S = 60.0
 # The interpreter of this command: nodes run pods with this environment's tools.
 PYTHON = sys.executable
 
@@ -105,7 +120,8 @@ def _node_argv(plane: launcher.ControlPlane, spec: NodeSpec, dcgm_generation: st
             "--dir", str(home), "--kubeconfig", str(kubeconfig), "--address", spec.address,
             "--gpus", str(spec.gpus), "--domain-label", DOMAIN_LABEL, "--domain", spec.domain,
             "--dcgm-generation", dcgm_generation, "--kubelet-cert", str(cert),
-            "--kubelet-key", str(key), "--client-ca", str(keys.ca_cert)]
+            "--kubelet-key", str(key), "--client-ca", str(keys.ca_cert),
+            "--nfs-dir", str(plane.data_dir / NFS_DIR)]
 
 
 def _ready_nodes(api: client.ApiClient) -> set[str]:
@@ -209,12 +225,70 @@ class Cluster:
                 processes.stop_group(proc)
             elif processes.runs_command(pid, program):
                 processes.stop_group(pid)
+        # a stopped node leaves its pods' Memory emptyDirs in the host's /dev/shm, which the
+        # data dir's removal does not reach
+        for name in self.nodes:
+            shutil.rmtree(memory_root(node_dir(self.plane.data_dir, name)), ignore_errors=True)
         self._procs.clear()
         self.nodes.clear()
         self.discovery_pid = self.prometheus_pid = self.prometheus_url = None
         self._prometheus = None
         if stop_plane:
             self.plane.stop()
+
+    # -- shared storage
+
+    def shared_path(self, name: str, namespace: str) -> Path:
+        """The folder on this machine that holds the files of shared volume NAME."""
+        return self.plane.data_dir / NFS_DIR / NFS_SERVER / namespace / name
+
+    def shared_volume(self, api: client.ApiClient, name: str, namespace: str,
+                      size: str = "10Gi") -> str:
+        """A ReadWriteMany claim NAME in NAMESPACE on the storage every node shares, bound by the
+        controller-manager before this returns; returns the claim's name. A claim NAME that
+        exists already (ReadWriteMany, storageClassName "", at most `size`) gets bound to it."""
+        core = client.CoreV1Api(api)
+        volume_name = f"{namespace}.{name}"
+        self.shared_path(name, namespace).mkdir(parents=True, exist_ok=True)
+        try:
+            claim = core.read_namespaced_persistent_volume_claim(name, namespace,
+                                                                 _request_timeout=10)
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
+            claim = None
+        reserved = {"namespace": namespace, "name": name}
+        if claim is not None:
+            # bound to the claim's uid, the binder syncs the claim when it sees the volume,
+            # not at its next resync (15 s)
+            reserved["uid"] = claim.metadata.uid
+        _create(lambda: core.create_persistent_volume({
+            "metadata": {"name": volume_name},
+            "spec": {"capacity": {"storage": size}, "accessModes": ["ReadWriteMany"],
+                     "persistentVolumeReclaimPolicy": "Retain", "storageClassName": "",
+                     "claimRef": reserved,
+                     "nfs": {"server": NFS_SERVER, "path": f"/{namespace}/{name}"}}},
+            _request_timeout=10))
+        if claim is None:
+            # once the binder has seen the volume (it marks it Available), a new claim finds it
+            probes.poll_until(
+                lambda: core.read_persistent_volume(volume_name, _request_timeout=10).status.phase,
+                lambda phase: phase in ("Available", "Bound"), timeout=BIND_TIMEOUT_S,
+                interval=0.2, error=lambda phase: TimeoutError(
+                    f"PersistentVolume {volume_name} still {phase} after {BIND_TIMEOUT_S:.0f} s"))
+            _create(lambda: core.create_namespaced_persistent_volume_claim(namespace, {
+                "metadata": {"name": name},
+                "spec": {"accessModes": ["ReadWriteMany"], "storageClassName": "",
+                         "resources": {"requests": {"storage": size}}}}, _request_timeout=10))
+        probes.poll_until(
+            lambda: core.read_namespaced_persistent_volume_claim(
+                name, namespace, _request_timeout=10),
+            lambda got: got.status.phase == "Bound" and got.spec.volume_name == volume_name,
+            timeout=BIND_TIMEOUT_S, interval=0.2, error=lambda got: TimeoutError(
+                f"claim {namespace}/{name} not bound to PersistentVolume {volume_name} after "
+                f"{BIND_TIMEOUT_S:.0f} s (phase {got.status.phase}, volume "
+                f"{got.spec.volume_name}); see `kubectl describe pvc -n {namespace} {name}`"))
+        return name
 
     def _recorded(self) -> list[tuple[int, str]]:
         """(pid, a word of its command line that proves the pid is still ours)."""
@@ -246,3 +320,12 @@ class Cluster:
     def is_running(self) -> bool:
         return self.plane.is_running() and all(
             processes.runs_command(pid, word) for pid, word in self._recorded())
+
+
+def _create(create: Callable[[], Any]) -> None:
+    """Create an object; one of that name already there is taken as it is."""
+    try:
+        create()
+    except ApiException as exc:
+        if exc.status != 409:
+            raise

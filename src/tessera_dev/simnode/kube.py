@@ -2,7 +2,8 @@
 
 The kubeconfig's client certificate is system:node:NAME in system:nodes, so the Node authorizer
 and NodeRestriction admission bound it as they bound a real kubelet: its Node and Lease, the pods
-bound to it and the objects those pods reference.
+bound to it and the objects those pods reference (ConfigMaps, Secrets, service accounts, and the
+PersistentVolumeClaims and the PersistentVolumes bound to them).
 """
 
 from __future__ import annotations
@@ -177,6 +178,20 @@ class NodeApi:
         data = {k: v.encode() for k, v in (obj.get("data") or {}).items()}
         data.update({k: base64.b64decode(v) for k, v in (obj.get("binaryData") or {}).items()})
         return data
+
+    def read_storage(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+        """A PersistentVolumeClaim ("persistentvolumeclaim", in namespace) or PersistentVolume
+        ("persistentvolume"; namespace unused), or None when it does not exist."""
+        options = {"_preload_content": False, "_request_timeout": self.timeout}
+        read = {"persistentvolumeclaim": lambda: self.core.read_namespaced_persistent_volume_claim(
+                    name, namespace, **options),
+                "persistentvolume": lambda: self.core.read_persistent_volume(name, **options)}[kind]
+        try:
+            return _json(read())
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
 
     def request_token(self, pod: Mapping[str, Any], account: str, audience: str | None,
                       seconds: int) -> tuple[str, float]:

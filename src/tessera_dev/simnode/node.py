@@ -32,6 +32,7 @@ from tessera_dev.simnode.containers import unshare_binary
 from tessera_dev.simnode.kube import NodeApi, now_rfc3339
 from tessera_dev.simnode.pods import GpuPool, IpPool, NodeContext, PodWorker
 from tessera_dev.simnode.server import exporter_endpoint, kubelet_endpoint
+from tessera_dev.simnode.volumes import SHM, memory_root, writable_tmpfs
 
 log = logging.getLogger("tessera.simnode")
 
@@ -64,6 +65,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--domain-label", help="label naming the node's NVLink domain")
     p.add_argument("--domain", help="the node's NVLink domain (with --domain-label)")
     p.add_argument("--product", default="NVIDIA-H200", help="nvidia.com/gpu.product label")
+    p.add_argument("--nfs-dir", type=Path,
+                   help="folder of the cluster's NFS exports (an nfs PersistentVolume "
+                        "{server, path} is NFS_DIR/SERVER/PATH); nodes given the same one share "
+                        "them; without it the node serves no nfs volumes")
     p.add_argument("--dcgm-generation", default="4.9", choices=dcgm.GENERATIONS,
                    help="dcgm-exporter field names and labels to serve")
     p.add_argument("--kubelet-cert", type=Path, help="serving certificate for IP:10250")
@@ -161,7 +166,8 @@ class Node:
                 "KUBERNETES_SERVICE_HOST": host, "KUBERNETES_SERVICE_PORT": str(port),
                 "KUBERNETES_SERVICE_PORT_HTTPS": str(port),
             },
-            forget=self._forget)
+            forget=self._forget, nfs_dir=args.nfs_dir,
+            shm_dir=memory_root(self.dir) if writable_tmpfs(SHM) else None)
 
     # -- GPUs
 

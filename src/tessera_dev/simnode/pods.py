@@ -108,6 +108,8 @@ class NodeContext:
     gpus: GpuPool
     base_env: dict[str, str]  # PATH, HOME, KUBERNETES_SERVICE_HOST/PORT
     forget: Callable[[str], None] = lambda uid: None  # called when a worker is done
+    nfs_dir: Path | None = None  # the cluster's NFS exports, shared by its nodes
+    shm_dir: Path | None = None  # the node's folder on a tmpfs, for Memory emptyDirs
 
     @property
     def gpu_state(self) -> Path:
@@ -120,6 +122,10 @@ class NodeContext:
     def pod_dir(self, pod: Mapping[str, Any]) -> Path:
         meta = pod["metadata"]
         return self.node_dir / "pods" / f"{meta['namespace']}_{meta['name']}_{meta['uid']}"
+
+    def memory_dir(self, pod: Mapping[str, Any]) -> Path | None:
+        """The pod's folder on the node's tmpfs; None without one."""
+        return None if self.shm_dir is None else self.shm_dir / self.pod_dir(pod).name
 
 
 @dataclass
@@ -180,6 +186,7 @@ class PodWorker:
         self.pod = pod
         self.uid: str = meta["uid"]
         self.dir = node.pod_dir(pod)
+        self.memory_dir = node.memory_dir(pod)
         self._wake = threading.Event()
         self._gone = False
         self._sent: dict[str, Any] | None = None
@@ -250,7 +257,10 @@ class PodWorker:
         if not self._gone:
             self._best_effort(lambda: self.node.api.delete_pod(
                 self.pod["metadata"]["namespace"], self.pod["metadata"]["name"], self.uid))
-        shutil.rmtree(self.dir / "volumes", ignore_errors=True)
+        # emptyDirs go with the pod, those on the node's tmpfs too
+        for folder in (self.dir / "volumes", self.memory_dir):
+            if folder is not None:
+                shutil.rmtree(folder, ignore_errors=True)
         self.node.forget(self.uid)
 
     def _live(self) -> None:
@@ -283,10 +293,11 @@ class PodWorker:
                 lambda n=count: self.node.gpus.allocate(self.uid, n))
         self._volumes = PodVolumes(
             self.pod, self.dir, self.node.node_dir / "root",
-            read_object=self.node.api.read_object,
+            read_object=self.node.api.read_object, read_storage=self.node.api.read_storage,
             issue_token=lambda account, audience, seconds: self.node.api.request_token(
                 self.pod, account, audience, seconds),
-            pod_ip=self._pod_ip, host_ip=self.node.address)
+            pod_ip=self._pod_ip, host_ip=self.node.address, memory_dir=self.memory_dir,
+            nfs_root=self.node.nfs_dir)
         self._publish()
 
     @staticmethod
@@ -530,8 +541,9 @@ class PodWorker:
                 source = source / mount["subPath"]
                 if not source.exists():
                     source.mkdir(parents=True)
+            read_only = bool(mount.get("readOnly")) or mount["name"] in self._volumes.read_only
             mounts.append({"source": str(source), "target": mount["mountPath"],
-                           "readOnly": bool(mount.get("readOnly"))})
+                           "readOnly": read_only})
         return mounts
 
     # -- status

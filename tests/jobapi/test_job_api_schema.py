@@ -1,0 +1,152 @@
+"""The job API's guard rails on a real API server: what the operator owns in the pod template is
+refused with the field named, a checkpoint needs a mounted volume, and a running job's shape is
+immutable while its other fields stay editable."""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import yaml
+from kubernetes import client
+
+from tessera_contracts.api import GROUP, JOB_PLURAL, VERSION
+from tessera_dev import paths
+
+pytestmark = pytest.mark.jobapi
+
+EXAMPLE = paths.repo_root() / "manifests" / "examples" / "ntpjob-small.yaml"
+
+
+@pytest.fixture
+def jobs(admin_api: client.ApiClient, tessera_crds: list[str]) -> client.CustomObjectsApi:
+    return client.CustomObjectsApi(admin_api)
+
+
+def example() -> dict[str, Any]:
+    return yaml.safe_load(EXAMPLE.read_text())
+
+
+def trainer(spec: dict[str, Any]) -> dict[str, Any]:
+    return next(c for c in spec["template"]["spec"]["containers"] if c["name"] == "trainer")
+
+
+def create(jobs: client.CustomObjectsApi, namespace: str, body: dict[str, Any]) -> dict:
+    return jobs.create_namespaced_custom_object(GROUP, VERSION, namespace, JOB_PLURAL, body,
+                                                field_validation="Strict")
+
+
+def refusal(call: Callable[[], object]) -> str:
+    with pytest.raises(client.ApiException) as err:
+        call()
+    assert err.value.status == 422, err.value.body
+    return str(json.loads(err.value.body)["message"])
+
+
+# (mutation of the example's spec, the field the server must name, words of its message)
+OPERATOR_OWNED: dict[str, tuple[Callable[[dict], None], str, str]] = {
+    "nodeName": (lambda s: s["template"]["spec"].update(nodeName="n1"),
+                 "spec.template.spec.nodeName", "places trainer pods"),
+    "node affinity": (lambda s: s["template"]["spec"].update(affinity={"nodeAffinity": {}}),
+                      "spec.template.spec.affinity.nodeAffinity", "pins each trainer pod"),
+    "restartPolicy": (lambda s: s["template"]["spec"].update(restartPolicy="Always"),
+                      "spec.template.spec.restartPolicy", "maxRestarts"),
+    "trainer image": (lambda s: trainer(s).update(image="other:1"),
+                      "spec.template.spec.containers[0]", "spec.image"),
+    "trainer NODE_NAME": (lambda s: trainer(s)["env"].append({"name": "NODE_NAME", "value": "x"}),
+                          "spec.template.spec.containers[0]", "NODE_NAME"),
+    "a GPU request": (lambda s: trainer(s)["resources"].update(limits={"nvidia.com/gpu": 8}),
+                      "spec.template.spec.containers[0]", "gpusPerNode"),
+    "the shm volume": (lambda s: s["template"]["spec"]["volumes"].append(
+        {"name": "tessera-shm", "emptyDir": {}}), "spec.template.spec.volumes", "tessera-shm"),
+    "an operator label": (lambda s: s["template"].update(metadata={
+        "labels": {"tessera.dev/job": "other"}}), "spec.template.metadata.labels",
+        "tessera.dev/"),
+    "a scrape annotation": (lambda s: s["template"]["metadata"]["annotations"].update({
+        "prometheus.io/port": "1"}), "spec.template.metadata.annotations", "prometheus.io/"),
+    "a checkpoint on no volume": (lambda s: s["checkpointPolicy"].update(path="/elsewhere/x"),
+                                  "spec.checkpointPolicy.path", "volume the trainer container"),
+    "a checkpoint on a read-only mount": (
+        lambda s: trainer(s)["volumeMounts"][0].update(readOnly=True),
+        "spec.checkpointPolicy.path", "writable"),
+    "a checkpoint on a path's prefix only": (
+        lambda s: s["checkpointPolicy"].update(path="/checkpoints-other/run"),
+        "spec.checkpointPolicy.path", "volume the trainer container"),
+}
+
+
+@pytest.mark.parametrize("mutate,field,words", OPERATOR_OWNED.values(),
+                         ids=OPERATOR_OWNED.keys())
+def test_what_the_operator_owns_is_refused_naming_the_field(jobs, namespace, mutate, field,
+                                                            words):
+    body = example()
+    mutate(body["spec"])
+    message = refusal(lambda: create(jobs, namespace, body))
+    assert field in message and words in message, message
+    assert jobs.list_namespaced_custom_object(GROUP, VERSION, namespace, JOB_PLURAL)[
+        "items"] == []
+
+
+def test_the_template_carries_what_training_pods_need(jobs, namespace):
+    """Fields the schema does not list (securityContext, resourceClaims, envFrom, ...) are kept
+    as written, for the API server to check when the pods are made."""
+    body = example()
+    pod = body["spec"]["template"]["spec"]
+    pod |= {"securityContext": {"runAsNonRoot": True, "seccompProfile": {
+                "type": "RuntimeDefault"}},
+            "imagePullSecrets": [{"name": "registry"}], "schedulerName": "custom",
+            "resourceClaims": [{"name": "domain", "resourceClaimTemplateName": "imex"}]}
+    trainer(body["spec"]).update(envFrom=[{"secretRef": {"name": "keys"}}],
+                                 securityContext={"allowPrivilegeEscalation": False})
+    created = create(jobs, namespace, body)
+    stored = created["spec"]["template"]["spec"]
+    assert stored["resourceClaims"] == pod["resourceClaims"]
+    assert stored["securityContext"] == pod["securityContext"]
+    assert trainer(created["spec"])["envFrom"] == [{"secretRef": {"name": "keys"}}]
+    assert created["spec"]["suspend"] is False
+    assert created["spec"]["failurePolicy"]["maxRestarts"] == 3
+
+
+IMMUTABLE: dict[str, Callable[[dict], None]] = {
+    "model": lambda s: s["model"].update(hidden=8192),
+    "tensorParallelSize": lambda s: s.update(tensorParallelSize=4),
+    "dataParallelReplicas": lambda s: s.update(dataParallelReplicas=1),
+    "pipelineParallelSize": lambda s: s.update(pipelineParallelSize=2, totalGPUs=32),
+    "gpusPerNode": lambda s: s.update(gpusPerNode=4),
+    "totalGPUs": lambda s: s.update(totalGPUs=24),
+    "scaleUpDomainLabel": lambda s: s.update(scaleUpDomainLabel="rack"),
+    "managedBy": lambda s: s.update(managedBy="kueue.x-k8s.io/multikueue"),
+}
+
+
+@pytest.mark.parametrize("field", IMMUTABLE)
+def test_each_immutable_field_is_refused_with_its_name(jobs, namespace, field):
+    created = create(jobs, namespace, example())
+    edited = copy.deepcopy(created)
+    IMMUTABLE[field](edited["spec"])
+    name = created["metadata"]["name"]
+    message = refusal(lambda: jobs.replace_namespaced_custom_object(
+        GROUP, VERSION, namespace, JOB_PLURAL, name, edited))
+    assert f"spec.{field}" in message and "immutable" in message, message
+    assert jobs.get_namespaced_custom_object(GROUP, VERSION, namespace, JOB_PLURAL, name)[
+        "spec"] == created["spec"]
+
+
+def test_the_other_fields_stay_editable(jobs, namespace):
+    """What the operator applies live (power, health, the failure policy), at the next attempt
+    (image, args, steps, the template, checkpoints) or at once (suspend, TTL) may change."""
+    created = create(jobs, namespace, example())
+    edited = copy.deepcopy(created)
+    spec = edited["spec"]
+    spec |= {"image": "tessera-trainer:0.2.0", "args": ["--lr=0.0001"], "steps": 2000,
+             "globalBatch": 128, "suspend": True, "ttlSecondsAfterFinished": 600}
+    spec["powerPolicy"]["boostCapWatts"] = 650
+    spec["failurePolicy"] |= {"mode": "NTP", "maxRestarts": 5, "fatalXIDs": [79]}
+    spec["checkpointPolicy"]["intervalSteps"] = 100
+    spec["template"]["spec"]["tolerations"].append({"key": "x", "operator": "Exists"})
+    replaced = jobs.replace_namespaced_custom_object(
+        GROUP, VERSION, namespace, JOB_PLURAL, created["metadata"]["name"], edited)
+    assert replaced["spec"] == spec

@@ -1,0 +1,231 @@
+"""A job's life on the local cluster, driven as a platform team drives it: a job that mounts a
+shared claim, reads a secret and gets a memory /dev/shm trains, checkpoints there and completes
+(`kubectl wait --for=condition=Complete`), then goes with its TTL; a job suspended in the middle
+of a relayout holds no pod and no power target until resumed, and continues the loss sequence
+from its checkpoint; a trainer pod killed for a reason other than a GPU is restarted within the
+budget and the job carries on from its checkpoint; pods a Pod Security level refuses are a
+condition, not a silent stall; a job another controller manages is left alone.
+
+The losses are compared with a failure-free run of the same job (the local launcher, same seed):
+the steps each attempt trains are each done once after the checkpoint it resumed from, at the
+losses of that run within 1e-4 (the bound the user-flow test holds different layouts to).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch.distributed as dist
+import yaml
+from jobharness import GPUS, NODES, JobFlow, condition, records, shared, small_job
+from kubernetes import client
+
+from ntp.launch import launch_local
+from tessera_contracts.api import ATTEMPT_LABEL, ROLE_LABEL
+from tessera_contracts.generation import Generation, Gpu, Rendezvous
+from tessera_contracts.model_shape import ModelShape
+
+pytestmark = pytest.mark.jobapi
+
+LOSS_TOLERANCE = 1e-4
+
+
+def _apply(flow: JobFlow, job: dict[str, Any], tmp_path: Path) -> None:
+    manifest = tmp_path / f"{job['metadata']['name']}.yaml"
+    manifest.write_text(yaml.safe_dump(job))
+    flow.kubectl("apply", "-f", str(manifest))
+
+
+def _trainer_pods(flow: JobFlow, name: str) -> list[dict[str, Any]]:
+    return [p for p in flow.pods(name) if p["metadata"]["labels"].get(ROLE_LABEL) == "trainer"]
+
+
+def _losses(flow: JobFlow, name: str) -> dict[int, float]:
+    """Step -> loss, as the ranks of the job's running trainer pods logged them."""
+    losses: dict[int, float] = {}
+    for pod in _trainer_pods(flow, name):
+        for r in records(flow.logs(pod["metadata"]["name"])):
+            if "loss" in r:
+                losses.setdefault(r["step"], r["loss"])
+    return losses
+
+
+def _reference(job: dict[str, Any], tmp: Path) -> dict[int, float]:
+    """Global rank 0's losses by step of the same job without failures (the local launcher,
+    its first layout throughout)."""
+    spec = job["spec"]
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    replicas = tuple(tuple(Gpu(f"gpu-node-{r}", i) for i in range(GPUS)) for r in range(NODES))
+    first = Generation(1, ModelShape.from_spec(spec["model"]), spec["globalBatch"],
+                       spec["failurePolicy"]["mode"], replicas, Rendezvous("127.0.0.1",
+                                                                           store.port))
+    launch_local(first, ["--until-step", str(spec["steps"]), "--out", str(tmp),
+                         *spec["args"]], timeout_s=600, store=store)
+    ran = json.loads((tmp / "rank0.json").read_text())
+    return dict(zip(sorted(map(int, ran["step_ends"])), ran["losses"], strict=True))
+
+
+def _agent_pid(node: str, job: str) -> int:
+    """The host pid of the node agent of `job` on simulated `node` (its container's main
+    process, which the node runs in namespaces of its own)."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"ntp.nodeagent" in argv and job.encode() in argv and \
+                f"NODE_NAME={node}".encode() in environ:
+            return int(entry.name)
+    raise AssertionError(f"no node agent of {job} on {node}")
+
+
+def test_a_job_with_a_claim_a_secret_and_shm_trains_checkpoints_and_completes(flow, tmp_path):
+    claim, files = shared(flow, "checkpoints")
+    client.CoreV1Api(flow.api).create_namespaced_secret(flow.namespace, {
+        "metadata": {"name": "training"}, "stringData": {"lr": "0.001"}})
+    job = small_job("rich", claim, steps=24, interval=10)
+    # The learning rate comes from the secret, through the environment into every rank's
+    # command line ($(VAR) in args): the job trains only if the secret reached the container.
+    job["spec"]["args"] = ["--lr=$(TRAINING_LR)"]
+    trainer = job["spec"]["template"]["spec"]["containers"][0]
+    trainer["env"] = [{"name": "TRAINING_LR", "valueFrom": {"secretKeyRef": {
+        "name": "training", "key": "lr"}}}]
+    job["spec"]["ttlSecondsAfterFinished"] = 5
+    _apply(flow, job, tmp_path)
+    pods = flow.wait("the trainer pods", lambda: _trainer_pods(flow, "rich"),
+                     lambda p: len(p) == NODES)
+    for pod in pods:
+        (container,) = pod["spec"]["containers"]
+        mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+        volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
+        assert volumes[mounts["/dev/shm"]]["emptyDir"] == {"medium": "Memory"}
+        assert volumes[mounts["/checkpoints"]]["persistentVolumeClaim"]["claimName"] == claim
+
+    waited = flow.kubectl("wait", "--for=condition=Complete", "ntpjob/rich", "--timeout=600s",
+                          check=False)
+    assert waited.returncode == 0, (waited.stderr, flow.status("rich"))
+    # Every 10 steps and at the end, on the claim every node shares.
+    assert (files / "run" / "dense.pt").is_file()
+    # The TTL: the job goes, and its pods with it.
+    flow.wait("the finished job deleted", lambda: flow.job("rich"), lambda j: j is None)
+    flow.wait("its pods gone", lambda: flow.pods("rich"), lambda p: p == [])
+
+
+def test_suspend_mid_relayout_then_resume_continues_from_the_checkpoint(flow, tmp_path):
+    claim, _ = shared(flow, "checkpoints")
+    job = small_job("held", claim, steps=40, interval=5)
+    reference = _reference(job | {"spec": job["spec"] | {"steps": 44}}, tmp_path)
+    _apply(flow, job, tmp_path)
+    flow.wait("training past step 12", lambda: flow.status("held"),
+              lambda s: s.get("phase") == "Running" and s.get("step", 0) >= 12)
+    assert flow.targets("held"), "an NTP-PW job has power targets while it runs"
+
+    # An edit the running pods cannot take is said to wait for the next attempt.
+    flow.patch("held", {"steps": 44})
+    pending = flow.wait("UpToDate False", lambda: condition(flow.status("held"), "UpToDate"),
+                        lambda c: c.get("status") == "False")
+    assert pending["reason"] == "RestartPending" and "spec.steps" in pending["message"]
+
+    # A relayout under way (GPU 1 of node 0 cordoned: its replica to TP 1), then Kueue's
+    # suspend: the pods go, and the power targets with them.
+    flow.kubectl("annotate", "node", "gpu-node-0", "tessera.dev/cordoned-gpus=1")
+    flow.wait("generation 2 published", lambda: flow.status("held").get("layoutGeneration"),
+              lambda g: g == 2)
+    flow.patch("held", {"suspend": True})
+    status = flow.wait("Suspended", lambda: flow.status("held"),
+                       lambda s: s.get("phase") == "Suspended")
+    assert condition(status, "Suspended")["status"] == "True"
+    flow.wait("no pod left", lambda: flow.pods("held"), lambda p: p == [])
+    assert flow.targets("held") == []
+    assert status["attempt"] == 1 and status["restarts"] == 0
+
+    # Resumed: a new attempt on the layout as it is now, from the last checkpoint, to the
+    # steps the spec now asks for.
+    flow.patch("held", {"suspend": False})
+    pods = flow.wait("the next attempt's trainer pods", lambda: _trainer_pods(flow, "held"),
+                     lambda p: len(p) == NODES)
+    assert {p["metadata"]["labels"][ATTEMPT_LABEL] for p in pods} == {"1"}
+    status = flow.wait("Complete", lambda: flow.status("held"),
+                       lambda s: s.get("phase") in ("Succeeded", "Failed"))
+    assert status["phase"] == "Succeeded", status
+    assert condition(status, "UpToDate")["status"] == "True"
+    assert status["tpLayout"] in ("", "1,2")  # a finished job keeps no plan
+    losses = _losses(flow, "held")
+    resumed = min(losses)
+    assert (resumed - 1) % 5 == 0 and resumed > 10, sorted(losses)  # after a checkpoint
+    assert sorted(losses) == list(range(resumed, 45))
+    assert losses == pytest.approx({s: reference[s] for s in losses}, abs=LOSS_TOLERANCE)
+    flow.kubectl("annotate", "node", "gpu-node-0", "tessera.dev/cordoned-gpus-")
+
+
+def test_a_trainer_pod_killed_is_restarted_from_the_checkpoint(flow, tmp_path):
+    claim, _ = shared(flow, "checkpoints")
+    job = small_job("crash", claim, steps=30, interval=5)
+    job["spec"]["failurePolicy"]["maxRestarts"] = 1
+    reference = _reference(job, tmp_path)
+    _apply(flow, job, tmp_path)
+    flow.wait("training past step 8", lambda: flow.status("crash"),
+              lambda s: s.get("step", 0) >= 8)
+    os.kill(_agent_pid("gpu-node-1", "crash"), signal.SIGKILL)  # an OOM kill, say
+
+    status = flow.wait("the restart", lambda: flow.status("crash"),
+                       lambda s: s.get("restarts") == 1)
+    assert status["attempt"] == 1
+    status = flow.wait("Complete", lambda: flow.status("crash"),
+                       lambda s: s.get("phase") in ("Succeeded", "Failed"))
+    assert status["phase"] == "Succeeded", status
+    assert condition(status, "Complete")["status"] == "True"
+    # The downtime is restart badput in the job's goodput.
+    earlier = status["earlierAttempts"]
+    assert earlier["badputSeconds"]["restart"] > 0 and status["goodput"] < 1
+    losses = _losses(flow, "crash")
+    resumed = min(losses)
+    assert (resumed - 1) % 5 == 0 and resumed > 5, sorted(losses)
+    assert sorted(losses) == list(range(resumed, 31))
+    assert losses == pytest.approx({s: reference[s] for s in losses}, abs=LOSS_TOLERANCE)
+
+
+def test_pods_a_pod_security_level_refuses_are_a_condition(flow, tmp_path):
+    client.CoreV1Api(flow.api).patch_namespace(flow.namespace, {"metadata": {"labels": {
+        "pod-security.kubernetes.io/enforce": "restricted"}}})
+    claim, _ = shared(flow, "checkpoints")
+    job = small_job("strict", claim, steps=10, interval=5)
+    _apply(flow, job, tmp_path)
+    ready = flow.wait("Ready False", lambda: condition(flow.status("strict"), "Ready"),
+                      lambda c: c.get("reason") == "PodRejected")
+    assert "restricted" in ready["message"], ready
+    assert flow.pods("strict") == []  # none made: all the job's pods or none
+    # What the level asks for, in the template: the pods are made.
+    template = job["spec"]["template"]["spec"]
+    template["securityContext"] = {"runAsNonRoot": True, "runAsUser": 1000,
+                                   "seccompProfile": {"type": "RuntimeDefault"}}
+    template["containers"][0]["securityContext"] = {
+        "allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+    _apply(flow, job, tmp_path)
+    flow.wait("the pods made", lambda: flow.pods("strict"), lambda p: len(p) == NODES + 1)
+    flow.kubectl("delete", "ntpjob", "strict", "--wait=true")
+
+
+def test_a_job_another_controller_manages_is_left_alone(flow, tmp_path):
+    claim, _ = shared(flow, "checkpoints")
+    theirs = small_job("theirs", claim, steps=10, interval=5)
+    theirs["spec"]["managedBy"] = "kueue.x-k8s.io/multikueue"
+    _apply(flow, theirs, tmp_path)
+    ours = small_job("ours", claim, steps=10, interval=5)
+    ours["spec"]["suspend"] = True
+    _apply(flow, ours, tmp_path)
+    # The operator saw both (it reconciled the later one); it made nothing for the other.
+    flow.wait("ours Suspended", lambda: flow.status("ours"),
+              lambda s: s.get("phase") == "Suspended")
+    left = flow.job("theirs")
+    assert left is not None and "status" not in left, left.get("status")
+    assert not left["metadata"].get("finalizers")
+    assert flow.pods("theirs") == []
