@@ -227,6 +227,8 @@ def _stopped(observed: Observed, now: datetime, life: Lifecycle) -> Desired:
         generation=int(job["metadata"].get("generation", 0)),
         layout_generation=int(previous.get("layoutGeneration", 0)) if finished else 0,
         trained=trained, life=life, outdated=_outdated(observed))
+    if finished:  # the layout it ended on
+        status |= {key: previous[key] for key in ("tpLayout", "replicas") if key in previous}
     ttl = life.delete_job_in
     return Desired(status=status, events=_condition_events(previous, status),
                    delete_pods=life.delete_pods,

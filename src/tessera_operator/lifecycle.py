@@ -87,14 +87,17 @@ def lifecycle(job: Mapping[str, Any], pods: Sequence[Mapping[str, Any]],
         failed, done = outcome(workload.trainer_pods(mine, job))
         budget = int(spec["failurePolicy"]["maxRestarts"])
         if failed is not None and restarts < budget:
+            # The restart's downtime counts from the failure: the attempt's reports end at
+            # their last write, and the failed node's agent wrote none after.
             spent = Account.of_attempt(reports, resumes_at(spec, reports))
             return Lifecycle(Stage.STOPPING, attempt + 1, restarts + 1, earlier.plus(spent),
-                             format_time(now), ended=True, delete_pods=_live(pods))
+                             failed.at or format_time(now), ended=True,
+                             delete_pods=_live(pods))
         if failed is not None:
             reason = "RestartLimitReached" if budget else "TrainerFailed"
             more = f" after {restarts} restart(s), failurePolicy.maxRestarts {budget}" \
                 if budget else ""
-            finish = Finish(False, reason, failed + more, format_time(now))
+            finish = Finish(False, reason, failed.message + more, format_time(now))
         elif done:
             finish = Finish(True, "StepsDone", "every trainer pod finished the job's steps",
                             format_time(now))
@@ -156,16 +159,24 @@ def finished(status: Mapping[str, Any]) -> Finish | None:
     return None
 
 
-def outcome(trainer_pods: Sequence[Mapping[str, Any]]) -> tuple[str | None, bool]:
-    """Why the first failed trainer pod failed (None: none did), and whether all succeeded."""
+@dataclass(frozen=True)
+class Failure:
+    """The first trainer pod of an attempt that failed."""
+
+    message: str
+    at: str | None  # when its container ended (RFC 3339), when the kubelet says
+
+
+def outcome(trainer_pods: Sequence[Mapping[str, Any]]) -> tuple[Failure | None, bool]:
+    """The first failed trainer pod (None: none did), and whether all succeeded."""
     for pod in trainer_pods:
         status = pod.get("status") or {}
         if status.get("phase") == FAILED:
             why = next((s["state"]["terminated"] for s in status.get("containerStatuses") or []
                         if (s.get("state") or {}).get("terminated")), {})
             reason = why.get("reason") or status.get("reason") or "Error"
-            return (f"trainer pod {pod['metadata']['name']} failed: {reason} (exit code "
-                    f"{why.get('exitCode', '?')})"), False
+            return Failure(f"trainer pod {pod['metadata']['name']} failed: {reason} (exit code "
+                           f"{why.get('exitCode', '?')})", why.get("finishedAt")), False
     done = bool(trainer_pods) and all((p.get("status") or {}).get("phase") == SUCCEEDED
                                       for p in trainer_pods)
     return None, done

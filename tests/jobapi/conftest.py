@@ -52,5 +52,10 @@ def flow(installed: tuple[launcher.ControlPlane, cluster.Cluster]) -> Iterator[J
             name, field_selector="metadata.name=default").items, timeout=60,
             error=lambda _: TimeoutError(f"no default service account in {name}"))
         yield JobFlow(plane, running, api, name)
+        # The next test gets the nodes' GPUs free: every pod of this one gone.
+        core.delete_namespace(name)
+        probes.poll_until(lambda: core.list_namespaced_pod(name).items, lambda pods: not pods,
+                          timeout=HANG_S, error=lambda last: TimeoutError(
+                              f"pods of {name} left: {[p.metadata.name for p in last]}"))
 
 

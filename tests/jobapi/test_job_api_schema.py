@@ -54,6 +54,8 @@ OPERATOR_OWNED: dict[str, tuple[Callable[[dict], None], str, str]] = {
                       "spec.template.spec.affinity.nodeAffinity", "pins each trainer pod"),
     "restartPolicy": (lambda s: s["template"]["spec"].update(restartPolicy="Always"),
                       "spec.template.spec.restartPolicy", "maxRestarts"),
+    "no API token": (lambda s: s["template"]["spec"].update(automountServiceAccountToken=False),
+                     "spec.template.spec.automountServiceAccountToken", "node agent"),
     "trainer image": (lambda s: trainer(s).update(image="other:1"),
                       "spec.template.spec.containers[0]", "spec.image"),
     "trainer NODE_NAME": (lambda s: trainer(s)["env"].append({"name": "NODE_NAME", "value": "x"}),
@@ -119,6 +121,8 @@ IMMUTABLE: dict[str, Callable[[dict], None]] = {
     "totalGPUs": lambda s: s.update(totalGPUs=24),
     "scaleUpDomainLabel": lambda s: s.update(scaleUpDomainLabel="rack"),
     "managedBy": lambda s: s.update(managedBy="kueue.x-k8s.io/multikueue"),
+    "template.spec.serviceAccountName": lambda s: s["template"]["spec"].update(
+        serviceAccountName="trainers"),
 }
 
 

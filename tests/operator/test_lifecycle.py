@@ -123,6 +123,12 @@ CASES = {
         _job(_status(), failurePolicy=_restarts(3)), _failed(),
         Lifecycle(Stage.STOPPING, 1, 1, SPENT, AT, ended=True, delete_pods=EVERY_POD),
         REPORTS),
+    "a failure the kubelet timed: the restart's downtime counts from it": Case(
+        _job(_status(), failurePolicy=_restarts(3)),
+        [*_failed()[:2], _pod("node-1", 0, "Failed", terminated=OOM | {
+            "finishedAt": "2026-01-01T00:00:00Z"})],
+        Lifecycle(Stage.STOPPING, 1, 1, SPENT, "2026-01-01T00:00:00Z", ended=True,
+                  delete_pods=EVERY_POD), REPORTS),
     "the third failure of three restarts: still a restart": Case(
         _job(_status(2, 2), failurePolicy=_restarts(3)), _failed(2),
         Lifecycle(Stage.STOPPING, 3, 3, SPENT, AT, ended=True, delete_pods=EVERY_POD),
