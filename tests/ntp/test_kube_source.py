@@ -72,7 +72,7 @@ def trainer_api(control_plane, admin_api, namespace) -> Iterator[client.ApiClien
     """The trainer pod's identity as the operator makes it (`workload.identity`: get/list/watch
     on its job's layout ConfigMap, get/patch on its progress ConfigMap, nothing else)."""
     job = {"apiVersion": "tessera.dev/v1alpha1", "kind": "NTPTrainingJob",
-           "metadata": {"name": JOB, "namespace": namespace, "uid": "no-job"}}
+           "metadata": {"name": JOB, "namespace": namespace, "uid": "no-job"}, "spec": {}}
     for obj in workload.identity(job):
         # No job object exists here: an owner reference to it would have the garbage
         # collector remove the identity.
