@@ -1,7 +1,8 @@
 """A node's GPU health as every reader sees it: per GPU healthy, failed or unknown, with its
 recent XIDs. The node's health agent (tessera_agents.health) publishes it in the node's GPUHealth
 object (`render`); the operator and the demo read that object back (`parse`), and each job
-decides which XIDs end a GPU for it (`is_fatal`).
+decides which XIDs end a GPU for it (`is_fatal`), except those after which the device is gone
+(`DEVICE_GONE_XIDS`): those end it for every job, and the node publishes it Failed.
 
 `parse` trusts nothing the API server hands it (a hand edit, another agent's version, a server
 without the CRD's schema): an object no reader can use is a `MalformedHealth` naming the field,
@@ -22,6 +23,10 @@ from tessera_contracts.powertarget import format_time
 
 # The NVIDIA device plugin's rule: every XID is fatal except these application errors.
 APPLICATION_XIDS = frozenset({13, 31, 43, 45, 68, 109})
+# XIDs after which the device itself is gone, whatever a job tolerates: nothing runs on it
+# until it is reset (DCGM's own health module rates 79 FAIL, isolate). Fatal for every job,
+# and a node publishes such a GPU Failed.
+DEVICE_GONE_XIDS: Mapping[int, str] = {79: "the GPU fell off the bus"}
 # A node's health agent writes its GPUHealth at least this often, changed or not; readers count
 # an object older than three refreshes as unknown: one lost write is tolerated, a dead agent not.
 REFRESH_S = 120.0
@@ -65,7 +70,10 @@ class NodeHealth:
 
 
 def is_fatal(xid: int, fatal_xids: Set[int] | None = None) -> bool:
-    """Whether `xid` ends a GPU for the job: by its `fatalXIDs`, else the device plugin's rule."""
+    """Whether `xid` ends a GPU for the job: always for a DEVICE_GONE_XIDS one, else by its
+    `fatalXIDs`, else by the device plugin's rule."""
+    if xid in DEVICE_GONE_XIDS:
+        return True
     if fatal_xids is None:
         return xid not in APPLICATION_XIDS
     return xid in fatal_xids

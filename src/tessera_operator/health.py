@@ -106,17 +106,56 @@ def from_gpu_health(objects: Iterable[object], gpus_per_node: int,
     """GPUs that DCGM shows failed for the job, from the nodes' GPUHealth objects.
 
     A GPU is failed when its node reports it Failed (a DCGM health watch failing on something
-    other than an XID) or lists a recent XID in `fatal_xids`, the job's `failurePolicy.fatalXIDs`
-    (None: the NVIDIA device plugin's rule, every XID but the application errors). It is unknown,
-    neither failed nor healthy, when the node reports it Unknown, does not list it, published
-    last more than `max_age` seconds before `now` (Unix seconds) or published nothing at all
-    (`nodes`: the job's nodes, when given; one without an object is unknown, and objects of
-    other nodes are not read). Each node with unknown GPUs gets one line in the problems, saying
-    which and why; an object that does not parse (`gpuhealth.parse`) makes its node's GPUs
-    unknown, and what parsing skipped is in the problems too.
+    other than an XID, or an XID after which the device is gone: 79, off the bus) or lists a
+    recent XID that `gpuhealth.is_fatal` makes fatal for the job: one in `fatal_xids`, the job's
+    `failurePolicy.fatalXIDs` (None: the NVIDIA device plugin's rule, every XID but the
+    application errors), or one after which the device is gone, whatever the list. It is
+    unknown, neither failed nor healthy, when the node reports it Unknown, does not list it,
+    published last more than `max_age` seconds before `now` (Unix seconds) or published nothing
+    at all (`nodes`: the job's nodes, when given; one without an object is unknown, and objects
+    of other nodes are not read). Each node with unknown GPUs gets one line in the problems,
+    saying which and why; an object that does not parse (`gpuhealth.parse`) makes its node's
+    GPUs unknown, and what parsing skipped is in the problems too. `gpu_failures` says why each
+    failed GPU is failed.
     """
+    failed, unknown, problems = _judge(objects, gpus_per_node, fatal_xids, now=now, nodes=nodes,
+                                       max_age=max_age)
+    return Health(frozenset(failed), problems, unknown)
+
+
+def gpu_failures(objects: Iterable[object], gpus_per_node: int,
+                 fatal_xids: Iterable[int] | None, *, now: float,
+                 nodes: Iterable[str] | None = None,
+                 max_age: float = GPU_HEALTH_STALE_AFTER_S) -> dict[GpuId, str]:
+    """Each GPU that `from_gpu_health` (same arguments) finds failed for the job, with why, for
+    the job's status: its node reports it Failed (with the node's reason), or which of its
+    recent XIDs end it for this job (in the job's fatalXIDs, by the device plugin's rule, or
+    fatal for every job)."""
+    return _judge(objects, gpus_per_node, fatal_xids, now=now, nodes=nodes,
+                  max_age=max_age)[0]
+
+
+def _why_failed(gpu: gpuhealth.GpuHealth, fatal: frozenset[int] | None) -> str | None:
+    """Why the job counts `gpu` failed, None when it does not."""
+    if gpu.state is State.FAILED:
+        return f"its node reports it Failed: {_shown_reason(gpu.reason or 'no reason given')}"
+    ending = [x for x in gpu.xids if is_fatal(x, fatal)]
+    if not ending:
+        return None
+    gone = [f"XID {x} ({gpuhealth.DEVICE_GONE_XIDS[x]}), fatal for every job"
+            for x in ending if x in gpuhealth.DEVICE_GONE_XIDS]
+    if gone:
+        return f"recent {', '.join(gone)}"
+    rule = "the device plugin's rule" if fatal is None else "the job's fatalXIDs"
+    return f"recent XID {_ranges(ending)}, fatal by {rule}"
+
+
+def _judge(objects: Iterable[object], gpus_per_node: int, fatal_xids: Iterable[int] | None, *,
+           now: float, nodes: Iterable[str] | None, max_age: float,
+           ) -> tuple[dict[GpuId, str], frozenset[GpuId], tuple[str, ...]]:
+    """Failed GPUs with why, unknown GPUs, problems: `from_gpu_health` says how."""
     fatal = None if fatal_xids is None else frozenset(fatal_xids)
-    failed: set[GpuId] = set()
+    failed: dict[GpuId, str] = {}
     unknown: set[GpuId] = set()
     problems: list[str] = []
     every = range(gpus_per_node)
@@ -158,9 +197,9 @@ def from_gpu_health(objects: Iterable[object], gpus_per_node: int,
         reasons: dict[str, list[int]] = {}
         for i in every:
             gpu = listed.get(i)
-            if gpu is not None and (gpu.state is State.FAILED or
-                                    any(is_fatal(x, fatal) for x in gpu.xids)):
-                failed.add((name, i))
+            why_failed = None if gpu is None else _why_failed(gpu, fatal)
+            if why_failed is not None:
+                failed[(name, i)] = why_failed
             elif gpu is None or gpu.state is State.UNKNOWN:
                 why = "not listed" if gpu is None else \
                     gpu.reason or f"state {gpuhealth.STATE_NAMES[gpu.state]}"
@@ -169,7 +208,7 @@ def from_gpu_health(objects: Iterable[object], gpus_per_node: int,
             not_known(name, indices, why)
     for node in sorted((wanted or frozenset()) - published):
         not_known(node, every, "the node published no GPUHealth")
-    return Health(frozenset(failed), tuple(problems), frozenset(unknown))
+    return failed, frozenset(unknown), tuple(problems)
 
 
 def hold_unknown(health: Health, in_force: Iterable[GpuId] | None,

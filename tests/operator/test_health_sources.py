@@ -37,7 +37,7 @@ def published(node: str, fail: dict[int, int] = {}, *, at: float = NOW,  # noqa:
 
 
 def test_an_xid_fails_the_gpu_only_when_it_is_in_the_jobs_fatal_list() -> None:
-    objects = [published("a", {3: 79}), published("b", {5: 13}), published("c")]
+    objects = [published("a", {3: 48}), published("b", {5: 13}), published("c")]
     by_crd = health.from_gpu_health(objects, GPUS, CRD_DEFAULT, now=NOW)
     assert by_crd.failed == {("a", 3)}
     assert by_crd.unknown == frozenset() and by_crd.problems == ()

@@ -2,8 +2,9 @@
 
 Every `--interval` it reads its own node's exporter, classifies the GPUs (`dcgm.assess`),
 damps flaps and publishes the facts in the node's cluster-scoped `GPUHealth` object, named after
-the node: per GPU Healthy, Failed (a DCGM health watch failing on something other than an XID)
-or Unknown, and the recent XIDs, which each job judges by its own `fatalXIDs`
+the node: per GPU Healthy, Failed (a DCGM health watch failing on something other than an XID,
+or an XID after which the device is gone: 79, off the bus) or Unknown, and the recent XIDs,
+which each job judges by its own `fatalXIDs`
 (`tessera_operator.health.from_gpu_health`); the object's form is
 `tessera_contracts.gpuhealth.render`'s. It writes only when a GPU's state or XIDs change,
 and otherwise once per `--refresh`, so that `observedAt` tells a reader the object is current.
@@ -14,19 +15,23 @@ manifests/power-controller/admission.yaml lets an agent write its own node's obj
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import math
 import os
 import signal
+import socket
+import ssl
 import threading
 import time
-import urllib.error
-import urllib.request
+import urllib.parse
 from collections.abc import Callable
+from contextlib import closing
 from dataclasses import dataclass, field, replace
-from http.client import HTTPException
+from http.client import HTTPConnection, HTTPException, HTTPSConnection
 from typing import Any
 
+from tessera_agents.bounded import call_all, open_connection, shut_at
 from tessera_agents.health.dcgm import MAX_PAGE_BYTES, FlapDamper, assess
 from tessera_agents.kube import api_client, is_node_name
 from tessera_contracts.api import GPU_HEALTH_PLURAL, GROUP, HEALTH_AGENT_MANAGER, VERSION
@@ -49,45 +54,62 @@ class FetchError(Exception):
     """The exporter did not answer with a page."""
 
 
-class _NoRedirect(urllib.request.HTTPRedirectHandler):
-    """The page comes from the node's own exporter or not at all."""
-
-    def redirect_request(self, *args: Any, **kwargs: Any) -> None:
-        return None
-
-
-# No proxy from the environment either: the exporter is on the node's own address.
-_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}), _NoRedirect())
+@functools.cache
+def _tls() -> ssl.SSLContext:
+    return ssl.create_default_context()
 
 
 def fetch_page(url: str, timeout_s: float) -> str:
     """The exporter's page, at most MAX_PAGE_BYTES + 1 bytes (so that `classify` can tell a page
-    that is too large), read within `timeout_s` in all; FetchError says why there is none."""
+    that is too large), read within `timeout_s` in all: name, connection, TLS, status line,
+    headers and body under one deadline (`bounded.shut_at`). No proxy and no redirect: the page
+    comes from the node's own exporter or not at all. FetchError says why there is none."""
     deadline = time.monotonic() + timeout_s
-    chunks: list[bytes] = []
-    size = 0
+    parts = urllib.parse.urlsplit(url)
+    tls = parts.scheme == "https"
     try:
-        with _OPENER.open(url, timeout=timeout_s) as response:
+        host, port = parts.hostname or "", parts.port or (443 if tls else 80)
+        sock = open_connection(host, port, timeout_s)
+    except (OSError, ValueError) as err:  # ValueError: a port that is not a number
+        raise FetchError(f"{url}: {err!r}") from err
+    late = FetchError(f"{url}: no page within {timeout_s:g} s")
+    with closing(sock), shut_at(sock, deadline - time.monotonic()) as expired:
+        try:
+            page = _get(sock, url, parts, tls)
+        except (OSError, HTTPException, ValueError) as err:
+            raise (late if expired.is_set() else FetchError(f"{url}: {err!r}")) from err
+    if expired.is_set():  # the shutdown ends a response where it stands, headers or body
+        raise late
+    return page
+
+
+def _get(sock: socket.socket, url: str, parts: urllib.parse.SplitResult, tls: bool) -> str:
+    host = parts.hostname or ""
+    connection = (HTTPSConnection if tls else HTTPConnection)(host, parts.port)
+    try:
+        connection.sock = _tls().wrap_socket(sock, server_hostname=host) if tls else sock
+        target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+        connection.request("GET", target, headers={"Accept": "text/plain"})
+        with connection.getresponse() as response:
+            if not 200 <= response.status < 300:
+                raise FetchError(f"HTTP {response.status} from {url}")
+            chunks: list[bytes] = []
+            size = 0
             while size <= MAX_PAGE_BYTES:
-                if time.monotonic() > deadline:
-                    raise FetchError(f"page not read within {timeout_s:g} s")
                 chunk = response.read1(min(1 << 16, MAX_PAGE_BYTES + 1 - size))
                 if not chunk:
                     break
                 chunks.append(chunk)
                 size += len(chunk)
-    except urllib.error.HTTPError as err:
-        raise FetchError(f"HTTP {err.code} from {url}") from err
-    except urllib.error.URLError as err:
-        raise FetchError(f"{url}: {err.reason}") from err
-    except (OSError, HTTPException, ValueError) as err:
-        raise FetchError(f"{url}: {err!r}") from err
+    finally:
+        connection.close()
     return b"".join(chunks).decode("utf-8", errors="replace")
 
 
 def as_facts(observed: NodeHealth) -> NodeHealth:
-    """`observed` as this node publishes it: classified with no XID fatal (so Failed means a
-    failure no job's list decides), each GPU's recent XIDs named for the jobs to judge."""
+    """`observed` as this node publishes it: classified with no XID of a job's list fatal (so
+    Failed means a failure no job's list decides: a health watch failing on something other
+    than an XID, or a device gone), each GPU's recent XIDs named for the jobs to judge."""
     return replace(observed, gpus=tuple(
         replace(g, reason=f"recent XID {', '.join(map(str, g.xids))}: each job's fatalXIDs "
                           "decide")
@@ -118,16 +140,23 @@ class HealthAgent:
     _published: tuple[Any, ...] | None = None
     _published_at: float = -math.inf
     _logged: frozenset[str] = frozenset()
+    _fetch_error: str | None = None
 
     def step(self) -> NodeHealth:
         """Read the exporter once and publish if a GPU's state or XIDs changed, or the last
-        write is `refresh_s` old; returns what it would publish. A failed write is logged and
-        tried again at the next step."""
+        write is `refresh_s` old; returns what it would publish. A failed read is logged when
+        its error changes; a failed write is logged and tried again at the next step."""
         error = None
         try:
             self._page, self._fetched_at = self.fetch(), self.wall()
         except FetchError as err:
             error = str(err)
+        if error != self._fetch_error:
+            if error is not None:
+                log.warning("exporter of %s: %s", self.node, error)
+            else:
+                log.info("exporter of %s answers again", self.node)
+            self._fetch_error = error
         now = self.wall()
         observed = as_facts(assess(self._page, fetched_at=self._fetched_at, now=now,
                                    gpus=self.gpus or MAX_GPUS, fatal_xids=(),
@@ -163,7 +192,10 @@ class HealthAgent:
 
 
 class KubePublisher:
-    """Writes the node's GPUHealth by server-side apply (creating it the first time)."""
+    """Writes the node's GPUHealth by server-side apply (creating it the first time), within
+    `timeout_s` in all: the client's timeout bounds each read of the answer, not the answer, so
+    a write still unanswered at the deadline is abandoned (TimeoutError) and the next step's
+    write goes on."""
 
     def __init__(self, api_client: Any, timeout_s: float) -> None:
         from kubernetes import client
@@ -171,10 +203,14 @@ class KubePublisher:
         self._api, self._timeout = client.CustomObjectsApi(api_client), timeout_s
 
     def __call__(self, body: dict[str, Any]) -> None:
-        self._api.patch_cluster_custom_object(
-            GROUP, VERSION, GPU_HEALTH_PLURAL, body["metadata"]["name"], body,
+        name = body["metadata"]["name"]
+        result = call_all({name: lambda: self._api.patch_cluster_custom_object(
+            GROUP, VERSION, GPU_HEALTH_PLURAL, name, body,
             field_manager=HEALTH_AGENT_MANAGER, force=True,
-            _content_type="application/apply-patch+yaml", _request_timeout=self._timeout)
+            _content_type="application/apply-patch+yaml", _request_timeout=self._timeout)},
+            self._timeout)[name]
+        if isinstance(result, Exception):
+            raise result
 
 
 def _parser() -> argparse.ArgumentParser:

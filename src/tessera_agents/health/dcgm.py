@@ -11,10 +11,11 @@ Verdict for one GPU, from its samples on one page:
 
 1. No health series at all (no last-XID gauge, no XID count or total, no health status): unknown.
 2. A DCGM health watch at FAIL for a reason other than an XID: failed.
-3. A recent XID that is fatal for the job: failed. Recent means the last-XID gauge, and the XIDs
-   in the exporter's count window (or, without that family, its totals since start), unless the
-   last-XID gauge reads 0: the GPU was reset since, so counts from before are history. A later
-   XID can overwrite 79 in the gauge; the counts still show it.
+3. A recent XID after which the device is gone (79, off the bus: `DEVICE_GONE_XIDS`), whatever
+   the job's list, or one that is fatal for the job: failed. Recent means the last-XID gauge,
+   and the XIDs in the exporter's count window (or, without that family, its totals since
+   start), unless the last-XID gauge reads 0: the GPU was reset since, so counts from before
+   are history. A later XID can overwrite 79 in the gauge; the counts still show it.
 4. A health watch at FAIL for an XID with no fatal XID recent: healthy (the job's `fatalXIDs`
    decide which XIDs end a GPU), noted; with no XID to judge it by: failed.
 5. Otherwise healthy (a WARN is noted).
@@ -25,8 +26,8 @@ healthy or failed (`NodeHealth.error` says why); a bad sample (an index out of r
 implausible value, another host's sample) is skipped with the reason.
 
 Every verdict also lists the GPU's recent XIDs, fatal or not (`GpuHealth.xids`): the node agent
-classifies with no XID fatal and publishes them for each job to judge
-(`tessera_agents.health.agent`).
+classifies with no XID of a job's list fatal (a device that is gone is still failed) and
+publishes them for each job to judge (`tessera_agents.health.agent`).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from collections.abc import Iterable, Set
 from dataclasses import dataclass, field, replace
 
 from tessera_contracts.gpuhealth import (
+    DEVICE_GONE_XIDS,
     MAX_GPUS,
     MAX_XID,
     GpuHealth,
@@ -275,6 +277,10 @@ def _verdict(index: int, ev: _Evidence | None, fatal_xids: Set[int] | None) -> G
                              ev.last_xid if ev.last_xid and is_fatal(ev.last_xid, fatal_xids)
                              else None, xids)
     fatal = {xid for xid in recent if is_fatal(xid, fatal_xids)}
+    gone = fatal & DEVICE_GONE_XIDS.keys()
+    if gone:
+        xid = max(gone)
+        return GpuHealth(index, State.FAILED, f"XID {xid}: {DEVICE_GONE_XIDS[xid]}", xid, xids)
     if fatal:
         xid = ev.last_xid if ev.last_xid in fatal else max(fatal)
         return GpuHealth(index, State.FAILED, f"XID {xid}, fatal for this job", xid, xids)
