@@ -5,14 +5,14 @@ sum of the node's power limits never exceeds the target's budget when the budget
 raises are ramped by at most `step_mw` per decision while cuts apply at once (lowering power is the
 safe direction); with no target nothing changes (the last safe state is held). Every limit asked for
 is a whole watt (`WATT`), because the driver keeps whole watts and would round a fraction up as
-readily as down. All powers in milliwatts. No I/O: the agent, the simulator and the tests drive this
-directly.
+readily as down. All powers in milliwatts. No I/O (`decide_after_cuts` makes its cuts through the
+caller's function): the agent, the simulator and the tests drive this directly.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
 from typing import TypeVar
 
 from tessera_contracts.powertarget import PowerTarget
@@ -35,7 +35,7 @@ class DeviceView:
 
 @dataclass(frozen=True)
 class Decision:
-    """The limits to change now: `lower` first, then `raise_` (trimmed by `admit_raises`)."""
+    """The limits to change now: `lower` first, then `raise_` (see `decide_after_cuts`)."""
 
     reason: str  # "apply", "hold: <why>", or "infeasible: <why>"
     goals: dict[int, int] = field(default_factory=dict)
@@ -118,20 +118,36 @@ def decide(devices: list[DeviceView], target: PowerTarget | None, step_mw: int) 
     return Decision(reason, goals, lower, {i: v for i, v in raise_.items() if v > live[i].limit_mw})
 
 
-def admit_raises(
-    limits_now: Mapping[int, int], raises: Mapping[int, int], budget_mw: int
-) -> dict[int, int]:
-    """Trim `raises` so the node's limits, as they actually are now, stay within the budget.
+def decide_after_cuts(
+    devices: list[DeviceView],
+    target: PowerTarget | None,
+    step_mw: int,
+    cut: Callable[[dict[int, int]], Mapping[int, int]],
+) -> Decision:
+    """Decide, make the cuts through `cut`, and admit raises only against the limits the GPUs
+    then hold.
 
-    Cuts that failed to apply leave less headroom; each raise then gets the same fraction of what
-    it asked for (down to a whole watt), so no GPU is favoured by its index.
+    `cut` applies cuts and returns the limit each GPU it tried holds afterwards (read back; the
+    higher of its old and asked limit when that cannot be known). A GPU left above what it was
+    asked refused its cut: it is counted where it is, uncontrollable, and the others are cut
+    deeper, round after round, until a decision needs no cut. That decision's raises fit the
+    budget with every GPU where it really is, however many GPUs refused in however many rounds.
+    Each round ends the loop or fixes one more GPU, so there are at most len(devices) + 1.
+    Returns the last decision (`lower` empty: its cuts are made).
     """
-    asked = {i: v - limits_now[i] for i, v in raises.items() if v > limits_now[i]}
-    headroom = budget_mw - sum(limits_now.values())
-    total = sum(asked.values())
-    if total <= headroom:
-        return dict(raises)
-    if headroom <= 0:
-        return {}
-    trimmed = {i: floor_to(limits_now[i] + a * headroom // total, WATT) for i, a in asked.items()}
-    return {i: v for i, v in trimmed.items() if v > limits_now[i]}
+    views = list(devices)
+    while True:
+        decision = decide(views, target, step_mw)
+        if not decision.lower:
+            return decision
+        held = cut(decision.lower)
+        views = [_after_cut(v, decision.lower, held) for v in views]
+
+
+def _after_cut(view: DeviceView, asked: Mapping[int, int], held: Mapping[int, int]) -> DeviceView:
+    if view.index not in asked:
+        return view
+    now = held[view.index]
+    if now > asked[view.index]:
+        return DeviceView(view.index, 0, 0, now, controllable=False)
+    return replace(view, limit_mw=now)

@@ -38,7 +38,7 @@ class Source:
             raise ConnectionRefusedError("apiserver down")
         return self.obj
 
-    def report(self, status) -> None:
+    def report(self, status, uid) -> None:
         if self.down:
             raise ConnectionRefusedError("apiserver down")
         self.reports.append(status)
@@ -205,11 +205,53 @@ def test_status_reports_the_generation_whose_budget_is_in_effect(tmp_path: Path)
     assert source.reports[-1]["appliedGeneration"] == 8 and sum(sim.limits_mw()) <= 1000 * W
 
 
+@pytest.mark.hardening
+@pytest.mark.parametrize(("start_w", "ramp_w", "end_w"), [
+    # No raise: GPU 1's refusal of the second round's cut must be made up by a third round
+    # (without one the node stays at 1,700 W, step after step).
+    ((700, 400, 400, 400), None, [700, 400, 250, 250]),
+    # GPU 3 asks for a raise in every round: admitted only against what the GPUs then hold
+    # (1,700 W with the second round's raise, 1,750 W with the first's).
+    ((700, 400, 400, 200), 500, [700, 400, 250, 250]),
+])
+def test_gpus_refusing_cuts_in_successive_rounds_keep_the_node_within_its_budget(
+    tmp_path: Path, start_w: tuple[int, ...], ramp_w: int | None, end_w: list[int]
+) -> None:
+    agent, sim, source = _agent(tmp_path)
+    for i, w in enumerate(start_w):
+        sim.set_limit(i, w * W)
+    source.obj = to_object(make_target(budget_w=1600, base_w=400, ramp_step_w=ramp_w))
+    sim.inject(0, "no_permission", op="set")
+    sim.inject(1, "no_permission", op="set")
+    for _ in range(3):
+        agent.step()
+        assert sim.limits_mw() == [w * W for w in end_w]
+        assert sim.rejected() == []
+    assert source.reports[-1]["state"] == "Applied" and source.reports[-1]["limitWatts"] == 1600
+
+
+@pytest.mark.hardening
+def test_leaving_with_gpus_refusing_cuts_in_successive_rounds_keeps_the_share(
+    tmp_path: Path,
+) -> None:
+    """On SIGTERM the share holds as in a step: GPUs 0, 2 and 3 back at their 700 W default
+    (a driver reload) and GPUs 0 and 1 refusing every change; cuts that stop after one deeper
+    round leave 1,700 W on the 1,600 W share."""
+    agent, sim, _ = _agent(tmp_path, budget_w=1600, base_w=400)
+    agent.step()
+    for i in (0, 2, 3):
+        sim.restore_default(sim.gpus()[i].uuid)
+    sim.inject(0, "no_permission", op="set")
+    sim.inject(1, "no_permission", op="set")
+    assert agent.leave() == sorted(g.uuid for g in sim.gpus()[:2])
+    assert sim.limits_mw() == [700 * W, 400 * W, 250 * W, 250 * W]
+
+
 def test_a_failed_status_write_is_retried_on_the_next_step(tmp_path: Path) -> None:
     agent, sim, source = _agent(tmp_path, budget_w=2000, base_w=500)
     source.obj["metadata"]["generation"] = 1
 
-    def refused(status) -> None:
+    def refused(status, uid) -> None:
         raise ConnectionResetError("reset")
 
     source.report, written = refused, source.reports

@@ -31,7 +31,7 @@ class Source:
     def fetch(self):
         return self.obj
 
-    def report(self, status) -> None:
+    def report(self, status, uid) -> None:
         """Status writes are the channel's business: not part of this property."""
 
 

@@ -178,6 +178,32 @@ def test_an_agent_may_write_only_its_own_nodes_status(
             power_targets.withdraw(operator, node)
 
 
+@pytest.mark.hardening
+def test_an_agents_status_lands_only_on_the_object_it_acted_on(
+    control_plane, admin_api: client.ApiClient, power_api
+) -> None:
+    """A status written for a target deleted since is refused, not put on the target created
+    again under the node's name: that one may have another spec at the same generation, and
+    a status saying it is in effect would let the operator raise the rest of the rack."""
+    operator, node = power_api(NS, OPERATOR), _node()
+    old = create_target(operator, _targets(node, set()))
+    power_targets.withdraw(operator, node)
+    new = create_target(operator, _targets(node, {1}))
+    agent = _token_client(control_plane, _node_token(admin_api, node))
+    source = target_source.KubeTargetSource(agent, node, timeout_s=5)
+    status = {"observedGeneration": 1, "appliedGeneration": 1, "state": "Applied"}
+    try:
+        with pytest.raises(target_source.SourceError, match="422"):
+            source.report(status, old["metadata"]["uid"])
+        assert "status" not in power_targets.fetch(operator, node)
+        source.report(status, new["metadata"]["uid"])
+        assert power_targets.fetch(operator, node)["status"] == status
+    finally:
+        source.close()
+        agent.close()
+        power_targets.withdraw(operator, node)
+
+
 def test_admission_policy_refuses_writers_that_rbac_lets_through(
     admin_api: client.ApiClient, power_api, namespace: str
 ) -> None:
@@ -378,6 +404,30 @@ def test_boost_release_and_sigterm_restore_through_the_api(agent: AgentProcess, 
     assert time.monotonic() - started < 10  # well inside the DaemonSet's 30 s grace period
     assert agent.gpus.limits_mw() == [500 * W] * 5 + [200 * W] + [500 * W] + [boost]
     assert len(agent.managed()) == 8  # for the next agent
+
+
+@pytest.mark.hardening
+def test_a_target_created_again_with_the_same_spec_gets_its_status(
+    agent: AgentProcess, power_api
+) -> None:
+    """Deleted and created again with the same spec, a target is a new object at generation 1
+    whose status would read exactly as the old one's did: the agent still writes it, since in a
+    rack across nodes the operator's raises wait on it."""
+    operator, owner = power_api(NS, OPERATOR), _owner()
+    target = _targets(agent.node, set())
+    _set_target(operator, owner, target)
+    agent.start()
+    _wait("the status", lambda: _in_effect(power_targets.fetch(operator, agent.node)))
+    first = power_targets.fetch(operator, agent.node)
+
+    power_targets.withdraw(operator, agent.node)
+    _set_target(operator, owner, target)
+    again = power_targets.fetch(operator, agent.node)
+    assert again["metadata"]["generation"] == first["metadata"]["generation"]
+    assert again["metadata"]["uid"] != first["metadata"]["uid"] and "status" not in again
+    _wait("the new object's status",
+          lambda: _in_effect(power_targets.fetch(operator, agent.node)), timeout=30)
+    assert power_targets.fetch(operator, agent.node)["status"] == first["status"]
 
 
 def _boosted(agent: AgentProcess, operator, owner, *args: str) -> PowerTarget:

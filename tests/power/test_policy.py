@@ -1,11 +1,12 @@
-"""The agent's pure policy: device bounds, the budget, the ramp, and holding without a target."""
+"""The agent's pure policy: device bounds, the budget, the ramp, holding without a target, and
+raises admitted only against the limits the GPUs hold after their cuts."""
 
 from __future__ import annotations
 
 import pytest
 from powertest import make_target
 
-from tessera_core.power_policy import DeviceView, admit_raises, decide, fit_budget
+from tessera_core.power_policy import DeviceView, decide, decide_after_cuts, fit_budget
 
 pytestmark = pytest.mark.power
 
@@ -67,16 +68,7 @@ def test_infeasible_budget_puts_everything_at_its_minimum_and_says_so() -> None:
     assert d.reason.startswith("infeasible") and d.lower == {0: 200 * W, 1: 200 * W}
 
 
-def test_admit_raises_shares_whatever_headroom_failed_cuts_left() -> None:
-    now = {0: 700 * W, 1: 500 * W, 2: 500 * W}  # GPU 0 should have been cut but was not
-    admitted = admit_raises(now, {1: 600 * W, 2: 550 * W}, 1760 * W)
-    assert sum(admitted.values()) - 1000 * W + 700 * W <= 1760 * W
-    assert admitted == {1: 540 * W, 2: 520 * W}
-    assert admit_raises(now, {1: 600 * W}, 1700 * W) == {}
-    assert admit_raises(now, {1: 600 * W}, 1800 * W) == {1: 600 * W}
-
-
-def test_goals_raises_and_admitted_shares_are_whole_watts() -> None:
+def test_goals_and_raises_are_whole_watts() -> None:
     # 1400 W over three GPUs is 466.67 W each: a driver rounding to the nearest watt would land
     # at 1401 W, so the agent must ask for whole watts that fit.
     t = make_target(budget_w=1400, base_w=700)
@@ -86,6 +78,48 @@ def test_goals_raises_and_admitted_shares_are_whole_watts() -> None:
     d = decide(odd, make_target(budget_w=4000, base_w=5000), 50 * W)
     assert d.goals == {0: 699 * W} and d.raise_ == {0: 550 * W}
     assert decide(odd, make_target(base_w=1), 50 * W).goals == {0: 201 * W}
-    admitted = admit_raises({0: 500 * W, 1: 500 * W, 2: 500 * W},
-                            {0: 600 * W, 1: 600 * W, 2: 600 * W}, 1600 * W)
-    assert admitted == {0: 533 * W, 1: 533 * W, 2: 533 * W}
+
+
+class Node:
+    """GPUs for `decide_after_cuts`: each holds what it is asked, except those in `refusing`,
+    which keep their limit, and those in `over`, which hold that many mW more than asked."""
+
+    def __init__(self, *limits_w: int, refusing: set[int] = frozenset(),
+                 over: dict[int, int] | None = None) -> None:
+        self.devices = _gpus(*limits_w)
+        self.limits = {d.index: d.limit_mw for d in self.devices}
+        self.refusing, self.over, self.rounds = refusing, over or {}, 0
+
+    def cut(self, cuts: dict[int, int]) -> dict[int, int]:
+        self.rounds += 1
+        for i, mw in cuts.items():
+            if i not in self.refusing:
+                self.limits[i] = mw + self.over.get(i, 0)
+        return {i: self.limits[i] for i in cuts}
+
+    def after(self, raises: dict[int, int]) -> list[int]:
+        return [raises.get(i, mw) // W for i, mw in sorted(self.limits.items())]
+
+
+@pytest.mark.hardening
+def test_raises_are_admitted_against_what_gpus_hold_after_refusals_in_successive_rounds() -> None:
+    """GPU 0 refuses its cut; the others are cut deeper, and then GPU 1 refuses that deeper cut.
+    GPU 3, below its share, asks for a raise in every round: only the last round's, decided
+    with both refusals counted, fits. Raising as the first round planned ends at 1,750 W, as
+    the second at 1,700 W, on a 1,600 W budget that every GPU but the two can still meet."""
+    node = Node(700, 400, 400, 200, refusing={0, 1})
+    d = decide_after_cuts(node.devices, make_target(budget_w=1600, base_w=400), 500 * W,
+                          node.cut)
+    assert node.rounds == 3 and not d.lower and d.raise_ == {3: 250 * W}
+    assert node.after(d.raise_) == [700, 400, 250, 250]
+
+
+@pytest.mark.hardening
+def test_a_gpu_that_holds_more_than_it_was_asked_counts_as_refusing() -> None:
+    """A driver that rounds a cut up (or silently keeps part of it): the GPU is counted where it
+    holds, and the budget is met by the others."""
+    node = Node(700, 700, 700, 700, over={0: 30 * W})
+    d = decide_after_cuts(node.devices, make_target(budget_w=1600, base_w=400), 50 * W,
+                          node.cut)
+    assert node.after(d.raise_) == [430, 390, 390, 390]
+    assert sum(node.after(d.raise_)) <= 1600

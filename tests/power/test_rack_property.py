@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import tempfile
+import uuid
 from pathlib import Path
 
 import pytest
@@ -58,7 +59,8 @@ class Rack:
             body = to_object(target)
             obj = self.objects.get(node)
             if obj is None:
-                self.objects[node] = body | {"metadata": {"name": node, "generation": 1}}
+                self.objects[node] = body | {"metadata": {"name": node, "generation": 1,
+                                                          "uid": uuid.uuid4().hex}}
             elif obj["spec"] != body["spec"]:
                 obj["spec"] = body["spec"]
                 obj["metadata"]["generation"] += 1
@@ -94,11 +96,11 @@ class Source:
     def fetch(self):
         return copy.deepcopy(self._rack.objects.get(self._node))
 
-    def report(self, status) -> None:
+    def report(self, status, uid) -> None:
         obj = self._rack.objects.get(self._node)
-        if obj is not None:  # a merge patch of the status: None deletes the field
-            merged = obj.get("status", {}) | status
-            obj["status"] = {k: v for k, v in merged.items() if v is not None}
+        if obj is None or obj["metadata"]["uid"] != uid:
+            raise LookupError(f"no target {self._node} with uid {uid}")
+        obj["status"] = {k: v for k, v in status.items() if v is not None}
 
 
 def _agent(rack: Rack, node: str, state: Path) -> Agent:

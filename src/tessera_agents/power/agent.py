@@ -34,7 +34,7 @@ from tessera_contracts.powertarget import (
     render_status,
     to_object,
 )
-from tessera_core.power_policy import WATT, Decision, DeviceView, admit_raises, clamp, decide
+from tessera_core.power_policy import WATT, Decision, DeviceView, clamp, decide_after_cuts
 
 log = logging.getLogger("tessera.power-agent")
 
@@ -42,11 +42,12 @@ log = logging.getLogger("tessera.power-agent")
 class TargetSource(Protocol):
     """Where the agent reads its node's target object (the API server in production): the object,
     None when there is none (404), or an exception when it cannot be known; and where it reports
-    the object's status (an exception when that fails)."""
+    the status of the object with `uid`, the one the agent acted on, and no other (an exception
+    when that fails, or when that object is gone)."""
 
     def fetch(self) -> dict[str, Any] | None: ...
 
-    def report(self, status: dict[str, Any]) -> None: ...
+    def report(self, status: dict[str, Any], uid: str | None) -> None: ...
 
 
 class Fetched(Enum):
@@ -70,6 +71,7 @@ class Agent:
     restore_timeout_s: float = 10.0
     target: PowerTarget | None = None
     generation: int | None = None  # metadata.generation of the object last read
+    uid: str | None = None  # metadata.uid of the object last read
     status: NodeStatus = field(init=False)
     # GPUs a previous agent left changed, until the operator's target says what to do with them.
     recovering: bool = field(init=False)
@@ -78,7 +80,9 @@ class Agent:
     _uuids: dict[int, str] = field(default_factory=dict, init=False)  # last seen per index
     _last_warning: dict[str, str] = field(default_factory=dict, init=False)
     _invalid: str | None = field(default=None, init=False)  # why the object read is refused
-    _reported: dict[str, Any] | None = field(default=None, init=False)  # the status written
+    # The object (uid) whose status was last written, and what: a target deleted and created
+    # again with the same spec gets the same status, and must still get it.
+    _reported: tuple[str | None, dict[str, Any]] | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         self.status = NodeStatus(node=self.node)
@@ -121,11 +125,13 @@ class Agent:
             self._error("target", err)
             return Fetched.UNREACHABLE
         if obj is None:
-            self.target, self.generation = None, None
+            self.target, self.generation, self.uid = None, None, None
             return Fetched.ABSENT
-        generation = (obj.get("metadata") or {}).get("generation") if isinstance(obj, dict) else 0
+        meta = (obj.get("metadata") or {}) if isinstance(obj, dict) else {}
+        generation, uid = meta.get("generation"), meta.get("uid")
         valid_generation = isinstance(generation, int) and not isinstance(generation, bool)
         self.generation = generation if valid_generation else None
+        self.uid = uid if isinstance(uid, str) else None
         try:
             target = parse_object(obj, self.node)
         except InvalidTarget as err:
@@ -274,9 +280,11 @@ class Agent:
 
     def _apply(
         self, changes: dict[int, int], readings: dict[int, GpuReading | None]
-    ) -> set[int]:
-        """Set limits (recording each GPU first), refreshing `readings`; the GPUs that failed."""
-        failed = set()
+    ) -> dict[int, int]:
+        """Set limits (recording each GPU first); the limit each GPU holds afterwards, also put
+        in `readings`: as read back, or, when the GPU cannot be read, the limit set, or after a
+        failed set the higher of the old and the asked one (a failed call may have taken)."""
+        held = {}
         for index, milliwatts in changes.items():
             gpu, where = readings[index], f"GPU {index}"
             assert gpu is not None  # the policy only changes GPUs it could read
@@ -284,22 +292,26 @@ class Agent:
                 # Write-ahead: a GPU that cannot be recorded is not changed.
                 self.managed.record(gpu.uuid, milliwatts)
                 self.backend.set_limit(index, milliwatts)
+                taken = True
             except (PowerError, OSError) as err:
                 self._error(where, err)
-                failed.add(index)
-                continue
-            self._known_mw[index] = milliwatts
+                taken = False
             try:
                 readings[index] = after = self.backend.read(index)  # the driver may round
-                self._known_mw[index] = after.limit_mw
-                self.managed.record(gpu.uuid, after.limit_mw)
-                self._ok(where)
             except PowerError as err:
-                readings[index] = replace(gpu, limit_mw=milliwatts)
                 self._error(where, err)
-            except OSError as err:  # the GPU is set; the record keeps the value asked for
-                self._error("state file", err)
-        return failed
+                assumed = milliwatts if taken else max(gpu.limit_mw, milliwatts)
+                readings[index] = after = replace(gpu, limit_mw=assumed)
+            else:
+                if taken:
+                    self._ok(where)
+            self._known_mw[index] = held[index] = after.limit_mw
+            if taken:
+                try:
+                    self.managed.record(gpu.uuid, after.limit_mw)
+                except OSError as err:  # the GPU is set; the record keeps the value asked for
+                    self._error("state file", err)
+        return held
 
     def step(self) -> NodeStatus:
         try:
@@ -313,23 +325,11 @@ class Agent:
         self._check_indices(gpus)
         readings = self._read_all(gpus)
         views, goal = self._views(readings), self._goal()
-        decision = decide(views, goal, self.step_mw)
+        decision = decide_after_cuts(views, goal, self.step_mw,
+                                     functools.partial(self._apply, readings=readings))
         if decision.infeasible:
             self._warn("budget", decision.reason)
-
-        stuck = self._apply(decision.lower, readings)
-        if stuck:
-            # A GPU that refused its cut keeps its limit: decide again with it fixed, so the
-            # others are cut further and the budget still holds.
-            views = [
-                DeviceView(v.index, 0, 0, v.limit_mw, False) if v.index in stuck else v
-                for v in views
-            ]
-            decision = decide(views, goal, self.step_mw)
-            self._apply(decision.lower, readings)
-        if goal is not None and decision.raise_:
-            limits = {v.index: self._limit(v, readings) for v in views}
-            self._apply(admit_raises(limits, decision.raise_, goal.budget_w * WATT), readings)
+        self._apply(decision.raise_, readings)
 
         limits = {v.index: self._limit(v, readings) for v in views}
         self.status = self._render(gpus, readings, decision, goal)
@@ -360,14 +360,14 @@ class Agent:
             state, message = "Ramping", "within budget, raising toward the targets"
         status = render_status(generation=self.generation, in_effect=in_effect, state=state,
                                message=message, limits_mw=limits)
-        if status == self._reported:
+        if (self.uid, status) == self._reported:
             return
         try:
-            self.source.report(status)
+            self.source.report(status, self.uid)
         except Exception as err:  # the loop is the retry: the next step writes it again
             self._error("status", err)
             return
-        self._reported = status
+        self._reported = (self.uid, status)
         self._ok("status")
 
     def _limit(self, view: DeviceView, readings: dict[int, GpuReading | None]) -> int:
@@ -437,44 +437,45 @@ class Agent:
                 self._error(f"GPU {index}", r)
             else:
                 self._known_mw[index] = r.limit_mw
-        views = self._views(readings)
-        # A step of 0 admits no raise: leaving only ever cuts.
-        decision = decide(views, goal, 0)
-        stuck = self._cut_within(decision.lower, readings, functools.partial(within, share=0.7))
-        if stuck:
-            views = [DeviceView(v.index, 0, 0, v.limit_mw, False) if v.index in stuck else v
-                     for v in views]
-            decision = decide(views, goal, 0)
-            stuck |= self._cut_within(decision.lower, readings,
-                                      functools.partial(within, share=1.0))
+        # The first round of cuts may take 70% of the time; deeper rounds share what is left.
+        shares, refused = iter([0.7]), set()
+
+        def cut(cuts: dict[int, int]) -> dict[int, int]:
+            held = self._cut_within(cuts, readings,
+                                    functools.partial(within, share=next(shares, 1.0)))
+            refused.update(i for i, mw in held.items() if mw > cuts[i])
+            return held
+
+        decide_after_cuts(self._views(readings), goal, 0, cut)  # a step of 0: only ever cuts
         names = {g.index: g.uuid or self._uuids.get(g.index, f"GPU {g.index}") for g in listed}
-        return sorted(names[i] for i in stuck | {i for i, r in readings.items() if r is None})
+        return sorted(names[i] for i in refused | {i for i, r in readings.items() if r is None})
 
     def _cut_within(
         self,
         cuts: dict[int, int],
         readings: dict[int, GpuReading | None],
         within: Callable[[dict[Any, Callable[[], Any]]], dict[Any, Any]],
-    ) -> set[int]:
-        """Apply `cuts` all at once (recorded first), bounded; the GPUs that did not take them."""
-        calls = {}
+    ) -> dict[int, int]:
+        """Apply `cuts` all at once (recorded first), bounded; the limit each GPU then holds, also
+        put in `readings` (its old one where the cut failed or did not answer in time)."""
+        calls, held = {}, {}
         for index, milliwatts in cuts.items():
             gpu = readings[index]
             assert gpu is not None  # the policy only changes GPUs it could read
+            held[index] = gpu.limit_mw
             try:
                 self.managed.record(gpu.uuid, milliwatts)
             except OSError as err:  # a GPU that cannot be recorded is not changed
                 self._error("state file", err)
                 continue
             calls[index] = functools.partial(self.backend.set_limit, index, milliwatts)
-        failed = set(cuts) - set(calls)
         for index, result in within(calls).items():
             if isinstance(result, Exception):
                 self._error(f"GPU {index}", result)
-                failed.add(index)
             else:
-                self._known_mw[index] = cuts[index]
-        return failed
+                self._known_mw[index] = held[index] = cuts[index]
+                readings[index] = replace(readings[index], limit_mw=cuts[index])
+        return held
 
     # restore -------------------------------------------------------------------------------
 

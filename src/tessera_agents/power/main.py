@@ -112,7 +112,7 @@ class _Unconfigured:
     def fetch(self) -> dict[str, Any] | None:
         raise self.err
 
-    def report(self, status: dict[str, Any]) -> None:
+    def report(self, status: dict[str, Any], uid: str | None) -> None:
         raise self.err
 
 

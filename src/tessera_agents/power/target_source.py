@@ -107,12 +107,20 @@ class KubeTargetSource:
             if self._stop.is_set():
                 w.stop()
 
-    def report(self, status: dict[str, Any]) -> None:
-        """Merge `status` into the object's status (None values delete their fields)."""
+    def report(self, status: dict[str, Any], uid: str | None) -> None:
+        """Make `status` (less its None values) the status of the object with `uid`, the one the
+        agent acted on. The name alone could be a target deleted and created again since, with
+        another spec: a status saying the budget of its generation is in effect would let the
+        operator raise the rest of the rack on a cut never made. So the write is a JSON patch
+        that first tests the uid (the API server ignores a uid in a merge patch of the status)
+        and fails on any other object; the next step writes to the one seen then."""
+        patch = [{"op": "test", "path": "/metadata/uid", "value": uid},
+                 {"op": "add", "path": "/status",
+                  "value": {k: v for k, v in status.items() if v is not None}}]
         try:
             _api(self._client).patch_cluster_custom_object_status(
-                GROUP, VERSION, PLURAL, self._node, {"status": status},
-                _request_timeout=self._timeout)
+                GROUP, VERSION, PLURAL, self._node, patch,
+                _content_type="application/json-patch+json", _request_timeout=self._timeout)
         except Exception as err:
             raise _source_error(err) from err
 
