@@ -25,6 +25,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from ntp.distributed import report_death
+from ntp.rendezvous import serve
 from tessera_contracts.generation import Generation
 from tessera_core.plan import JobLayout
 
@@ -98,7 +99,7 @@ def launch_local(
     each kills itself (SIGKILL) in its first generation.
     """
     if store is None:
-        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        store = serve("127.0.0.1", 0)
     if isinstance(layout, Generation):
         if layout.rendezvous.port != store.port:
             raise ValueError(

@@ -1,13 +1,17 @@
-"""The job's rendezvous (`python -m ntp.rendezvous --port P`): hosts its TCPStore, nothing else.
+"""The job's rendezvous (`python -m ntp.rendezvous --host ADDR --port P`): hosts its TCPStore,
+nothing else.
 
 The store outlives every rank and every node agent, so losing any of them cannot take the
-rendezvous down. It prints one line when it listens and exits 0 on SIGTERM (or SIGINT).
+rendezvous down. It listens on `--host` only (in a pod: its pod IP), so two jobs, or two local
+clusters, on one machine each keep the same port to themselves. It prints one line when it
+listens and exits 0 on SIGTERM (or SIGINT).
 """
 
 from __future__ import annotations
 
 import argparse
 import signal
+import socket
 import sys
 import threading
 
@@ -15,8 +19,19 @@ import torch.distributed as dist
 
 
 def serve(host: str, port: int) -> dist.TCPStore:
-    """The job's store, listening on `host`:`port` (0: a free port, see `.port`)."""
-    return dist.TCPStore(host, port, is_master=True, wait_for_workers=False)
+    """The job's store, listening on `host`:`port` only (0: a free port, see `.port`).
+
+    TCPStore's own server listens on every address whatever `host` says, so a store on one
+    pod's address would answer clients of any other address with that port (another cluster's
+    trainers among them); it is handed a socket bound to `host` instead (either backend,
+    libuv or not, takes one)."""
+    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    # SO_REUSEADDR (create_server sets it): a restarted rendezvous rebinds its port at once.
+    listener = socket.create_server((host, port), family=family)
+    bound = listener.getsockname()[1]
+    # The store owns the descriptor from here (its server closes it).
+    return dist.TCPStore(host, bound, is_master=True, wait_for_workers=False,
+                         master_listen_fd=listener.detach())
 
 
 def main(argv: list[str] | None = None) -> int:

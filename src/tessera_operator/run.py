@@ -21,7 +21,8 @@ def _parser() -> argparse.ArgumentParser:
     scope.add_argument("--all-namespaces", action="store_true",
                        help="watch NTPTrainingJobs in every namespace (the default)")
     p.add_argument("--liveness", metavar="URL",
-                   help="serve kopf's liveness probe, e.g. http://0.0.0.0:8080/healthz")
+                   help="serve kopf's liveness probe on this address only, e.g. "
+                        "http://$POD_IP:8080/healthz")
     p.add_argument("--verbose", action="store_true", help="debug logging")
     return p
 

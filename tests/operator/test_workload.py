@@ -243,8 +243,12 @@ def test_the_rendezvous_pod_takes_only_what_places_and_starts_it_from_the_templa
     assert container["name"] == "rendezvous" and container["image"] == job["spec"]["image"]
     assert container["securityContext"] == {"allowPrivilegeEscalation": False,
                                             "capabilities": {"drop": ["ALL"]}}
-    # No GPU, no environment, no mount: nothing of the trainer container.
-    assert not {"resources", "env", "envFrom", "volumeMounts"} & set(container)
+    # No GPU, no mount, nothing of the trainer container; its only variable is its pod IP, the
+    # one address it listens on.
+    assert not {"resources", "envFrom", "volumeMounts"} & set(container)
+    assert container["env"] == [{"name": "POD_IP",
+                                 "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}]
+    assert container["args"] == ["--host", "$(POD_IP)", "--port", str(workload.RENDEZVOUS_PORT)]
     assert workload.placed_nodes([pod], job) == {}
     assert workload.pod_node(pod) is None
 
@@ -397,3 +401,16 @@ def test_a_trainer_pod_being_deleted_marks_its_node_as_leaving() -> None:
                                  "node-d")
     other["metadata"]["deletionTimestamp"] = "2026-12-01T10:00:00Z"
     assert workload.leaving_nodes([going, staying, rendezvous, other], job) == {"node-a"}
+
+
+def test_a_job_takes_whole_nodes_only() -> None:
+    # a: two GPUs asked for by another pod; b: more GPUs than the job's per node; c: the rest
+    # of the node held by a rendezvous pod, which asks for no GPU
+    nodes = [_node("a", 8), _node("b", 16), _node("c", 8), _node("d", 8)]
+    pods = [_pod_on("a", 2), _pod_on("c", 0)]
+    spec = JobSpec.from_spec(_job(gpusPerNode=8, totalGPUs=16)["spec"])
+    views = workload.node_views(nodes, pods, {}, DOMAIN)
+    assert workload.place(spec, 2, views) == ("c", "d")
+    problem = workload.place(spec, 3, views)
+    assert isinstance(problem, Problem) and "whole nodes" in problem.message
+    assert "found 2 such nodes of 4" in problem.message
