@@ -49,7 +49,8 @@ from kubernetes import client, watch
 from tessera_contracts.api import CORDON_ANNOTATION
 from tessera_dev import paths, probes, processes, simnodes
 from tessera_dev.controlplane import crds, launcher, manifests
-from tessera_operator.handlers import GROUP, PLURAL, RESYNC_INTERVAL_S, VERSION
+from tessera_operator.handlers import GROUP, PLURAL, VERSION
+from tessera_operator.reconcile import RESYNC_INTERVAL_S
 
 P99_TARGET_S = 1.0
 MEMORY_LIMIT_MIB = 512  # manifests/operator/deployment.yaml

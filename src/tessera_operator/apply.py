@@ -33,6 +33,8 @@ from tessera_operator.observed import Observed, child_view
 from tessera_operator.settings import API_TIMEOUT_S
 
 APPLY = "application/apply-patch+yaml"
+# The finalizer of operators that released power targets in a delete handler (`drop_finalizer`).
+FINALIZER = "tessera.dev/operator"
 REFUSED = (400, 403, 422)  # the API server's answers to a pod it will not admit as written
 
 # The API call that server-side applies each kind of child other than a pod.
@@ -111,11 +113,23 @@ def leftovers(api: client.ApiClient, job: Mapping[str, Any], wanted: Desired) ->
 
 def delete_job(api: client.ApiClient, job: Mapping[str, Any]) -> None:
     """Delete the finished job (ttlSecondsAfterFinished): the garbage collector takes its
-    children, its finalizer its power targets."""
+    children (its power targets are released already)."""
     meta = job["metadata"]
     _gone(lambda: client.CustomObjectsApi(api).delete_namespaced_custom_object(
         GROUP, VERSION, meta["namespace"], JOB_PLURAL, meta["name"],
         body={"preconditions": {"uid": meta["uid"]}}, _request_timeout=API_TIMEOUT_S))
+
+
+def drop_finalizer(api: client.ApiClient, job: Mapping[str, Any]) -> None:
+    """Remove FINALIZER, which an operator that released power targets from a delete handler
+    put on the jobs it made: nothing removes it any more, and it would hold their deletion."""
+    meta = job["metadata"]
+    kept = [f for f in meta.get("finalizers") or [] if f != FINALIZER]
+    # the resourceVersion makes a concurrent change of the list fail rather than be undone
+    client.CustomObjectsApi(api).patch_namespaced_custom_object(
+        GROUP, VERSION, meta["namespace"], JOB_PLURAL, meta["name"],
+        {"metadata": {"finalizers": kept, "resourceVersion": meta["resourceVersion"]}},
+        _content_type="application/merge-patch+json", _request_timeout=API_TIMEOUT_S)
 
 
 def _gone(delete: Callable[[], Any]) -> None:

@@ -16,7 +16,15 @@ from typing import Any
 from tessera_contracts.progress import JobProgress, Phase
 from tessera_contracts.vocabulary import FailurePolicy
 from tessera_operator.lifecycle import Lifecycle, Stage
-from tessera_operator.planner import Boost, JobPlan, Problem, ReplicaKey, gpu_name
+from tessera_operator.planner import (
+    Boost,
+    GpuId,
+    JobPlan,
+    Problem,
+    ReplicaKey,
+    below_base_cap,
+    gpu_name,
+)
 
 # Far below the CRD's 32768: a status must stay small whatever the number of replicas.
 MESSAGE_MAX = 2048
@@ -56,13 +64,16 @@ def _ready(plan: JobPlan | None, problems: Sequence[Problem], notes: Sequence[st
                      f"{len(plan.replicas)} replicas at TP {plan.spec.tp}" + suffix)
 
 
-def _degraded(plan: JobPlan | None) -> Condition:
+def _degraded(plan: JobPlan | None, why: Mapping[GpuId, str]) -> Condition:
     if plan is None or not plan.replicas:
         return Condition("Degraded", False, "NotRunning", "no replica is running")
     reduced = [r for r in plan.replicas if r.tp < plan.spec.tp]
     if reduced:
+        def failed(gpu: GpuId) -> str:
+            return gpu_name(gpu) + (f": {why[gpu]}" if gpu in why else "")
+
         parts = [f"replica {r.index} at TP {r.tp} (failed "
-                 f"{', '.join(map(gpu_name, r.failed_gpus())) or 'none: packed with one'})"
+                 f"{', '.join(map(failed, r.failed_gpus())) or 'none: packed with one'})"
                  for r in reduced]
         return Condition("Degraded", True, "ReducedTensorParallelism", "; ".join(parts))
     if len(plan.replicas) < plan.spec.dp:
@@ -76,6 +87,9 @@ def _power(plan: JobPlan | None, held: Sequence[str]) -> Condition:
         return Condition("PowerBoosted", False, "NotNTPPW",
                          "power boosts need failurePolicy.mode NTP-PW and a powerPolicy")
     boosted = [r for r in plan.replicas if r.power_ratio > 1.0]
+    capped = below_base_cap(plan.spec, plan.racks)
+    if capped is not None:
+        return Condition("PowerBoosted", False, "BudgetBelowBaseCap", capped)
     if not boosted:
         return Condition("PowerBoosted", False, "NoReducedReplica", "every GPU at its base cap")
     parts = [f"replica {r.index} (TP {r.tp}): x{r.power_ratio:.3f} power, capped at "
@@ -135,15 +149,17 @@ def conditions(
     plan: JobPlan | None, problems: Sequence[Problem], notes: Sequence[str] = (),
     held: Sequence[str] = (), trained: JobProgress | None = None,
     life: Lifecycle | None = None, outdated: Sequence[str] = (),
+    why: Mapping[GpuId, str] | None = None,
 ) -> tuple[Condition, ...]:
     """Ready, Degraded and PowerBoosted; `notes` (ignored health input) go into Ready's message,
     `held` (nodes whose power raise waits for a cut elsewhere in the rack) into PowerBoosted's.
     With the trainers' progress, also Training (what the trainers did, not only the plan).
     With the job's lifecycle, Suspended and UpToDate (`outdated`: spec fields the pods lack),
-    and Complete or Failed once it finished; a job that runs no attempt has no plan."""
+    and Complete or Failed once it finished; a job that runs no attempt has no plan. `why`:
+    what a health source says of a failed GPU, shown beside it in Degraded."""
     if life is not None and life.stage is not Stage.RUNNING:
         return (*_stopped(life), *_lifecycle(life, outdated))
-    found = (_ready(plan, problems, notes), _degraded(plan), _power(plan, held))
+    found = (_ready(plan, problems, notes), _degraded(plan, why or {}), _power(plan, held))
     if trained is not None:
         found = (*found, _training(trained))
     return found if life is None else (*found, *_lifecycle(life, outdated))
@@ -217,17 +233,21 @@ def render(
     trained: JobProgress | None = None,
     life: Lifecycle | None = None,
     outdated: Sequence[str] = (),
+    tp_layout: str | None = None,
+    why: Mapping[GpuId, str] | None = None,
 ) -> dict[str, Any]:
     """The job's whole status. `previous` is the status as observed, `now` an RFC 3339 time;
     `trained` the trainers' progress (None: not observed), `life` where the job is in its life
-    (None: running, its first attempt), `outdated` the spec fields its pods lack."""
+    (None: running, its first attempt), `outdated` the spec fields its pods lack, `tp_layout`
+    the layout of the generation in force (None: the plan's, none being published), `why` what
+    a health source says of a failed GPU."""
     before = {c.get("type"): c for c in previous.get("conditions") or []}
     replicas = _replicas(plan) if plan else []
     if plan and len(replicas) < len(plan.replicas):
         notes = (*notes, f"status.replicas lists {len(replicas)} of {len(plan.replicas)} "
                          "replicas, the reduced ones first")
     rendered = []
-    for c in conditions(plan, problems, notes, held, trained, life, outdated):
+    for c in conditions(plan, problems, notes, held, trained, life, outdated, why):
         status = "True" if c.status else "False"
         old = before.get(c.type) or {}
         since = old.get("lastTransitionTime") if old.get("status") == status else None
@@ -236,9 +256,10 @@ def render(
                          "lastTransitionTime": since or now})
     status = {
         "observedGeneration": generation,
-        "phase": phase(plan, trained, life),
+        # no layout published yet: nothing trains, whatever the plan
+        "phase": phase(plan if layout_generation else None, trained, life),
         "layoutGeneration": layout_generation,
-        "tpLayout": plan.tp_layout if plan else "",
+        "tpLayout": tp_layout if tp_layout is not None else plan.tp_layout if plan else "",
         "replicas": replicas,
         "conditions": rendered,
     }
@@ -256,8 +277,9 @@ def render(
 
 
 def changed(previous: Mapping[str, Any], current: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """Conditions whose status, reason or message differ from before: one Event each."""
+    """Conditions whose status or reason differ from before: one Event each. A message alone
+    (a step count, a boost ratio moving) is no transition: an Event each would be a stream."""
     before = {c.get("type"): c for c in previous.get("conditions") or []}
-    key = ("status", "reason", "message")
+    key = ("status", "reason")
     return [c for c in current["conditions"]
             if tuple(c[k] for k in key) != tuple((before.get(c["type"]) or {}).get(k) for k in key)]

@@ -25,7 +25,14 @@ from typing import Any
 
 from tessera_contracts import progress
 from tessera_contracts.api import ATTEMPT_LABEL, JOB_LABEL, JOB_MANAGER
-from tessera_contracts.generation import LAYOUT_KEY, Generation, Gpu, Rendezvous, layout_configmap
+from tessera_contracts.generation import (
+    LAYOUT_KEY,
+    Generation,
+    GenerationError,
+    Gpu,
+    Rendezvous,
+    layout_configmap,
+)
 from tessera_contracts.powertarget import (
     InvalidTarget,
     PowerTarget,
@@ -33,6 +40,7 @@ from tessera_contracts.powertarget import (
     parse_object,
     reported_limits,
 )
+from tessera_core.plan import generation_layout
 from tessera_operator import conditions, health, lifecycle, planner, workload
 from tessera_operator.lifecycle import Lifecycle, Stage
 from tessera_operator.observed import Layout, Observed
@@ -171,7 +179,9 @@ def desired(spec: planner.JobSpec | planner.Problem, observed: Observed, now: da
         plan, problems, previous, now=format_time(now),
         generation=int(job["metadata"].get("generation", 0)),
         layout_generation=layout_generation, notes=notes, held=held, trained=trained,
-        life=life, outdated=_outdated(observed))
+        life=life, outdated=_outdated(observed),
+        tp_layout=None if in_force is None else planner.format_layout(in_force.tp_degrees),
+        why=planned.signal.reasons)
     events = []
     if layout_generation != int(previous.get("layoutGeneration", 0)) and plan is not None:
         events.append(Event("Normal", "LayoutChanged",
@@ -293,8 +303,11 @@ def _plan(spec: planner.JobSpec | planner.Problem, observed: Observed, now: date
     if isinstance(placed, planner.Problem):
         return _Planned(problems=(placed,))
     placement, nodes = placed
+    domains = planner.node_domains(nodes, spec.domain_label)
+    if (unpowered := planner.budget_problem(spec, domains)) is not None:
+        return _Planned(problems=(unpowered,))
     signal, lost = _health(observed, spec, placement, nodes, now)
-    plan = planner.plan(spec, planner.node_domains(nodes, spec.domain_label), signal.failed)
+    plan = planner.plan(spec, domains, signal.failed)
     return _Planned(placement, plan, plan.problems, signal, lost)
 
 
@@ -434,6 +447,16 @@ def _generation(observed: Observed, plan: planner.JobPlan, step: int,
                                          [Gpu(n, i) for n, i in lost], at_step=step)
     if following is None:
         return None, previous
+    if previous is not None and step >= int(job["spec"]["steps"]):
+        # a rank reported the job's last step: the others finish it in the generation in force,
+        # and a new one would start ranks (a GPU back) that nobody comes to meet
+        return None, previous
+    try:
+        generation_layout(following)  # what every rank computes from it
+    except GenerationError as exc:
+        raise LayoutBlocked("LayoutUnplannable", (
+            f"generation {following.generation} cannot be trained (globalBatch {batch}, TP "
+            f"{plan.tp_layout}): {exc}; it is not published")) from exc
     attempt = int((job.get("status") or {}).get("attempt", 0))
     return layout_document(job, following, attempt), following
 

@@ -1,7 +1,8 @@
 """kopf handlers: each maps an event to the jobs it concerns and reconciles them
 (`reconcile.reconcile`); and kopf's indices, which the mapping and the reconciles read.
 
-Triggers: the job created, changed or resumed, and its slow resync timer; one of its pods
+Triggers: the job seen (created, or listed when the operator starts) or its spec changed, and
+its slow resync (`jobqueue.JobQueue.after`); one of its pods
 changing phase or address (the rendezvous gets one: generation 1 can be published; a trainer
 ends); a node agent's progress report; a change to one of its nodes' labels, GPUs, cordons or
 schedulability (and any node change for the jobs too few nodes fit); a GPU's state or
@@ -13,14 +14,15 @@ for it, or a target someone else deleted. Watch-triggered reconciles go through 
 Indices (kept by kopf from its watches, complete before any handler runs): jobs by UID, the
 jobs their status says are Unschedulable, the jobs placed on each node (from their trainer
 pods), each node's GPUHealth, and each job's children as `observed.child_view` sees them.
-Every handler but the job's own is a coroutine: kopf runs a plain function in a thread, a
-hand-off per watch event that a storm of them (a thousand pods marked not ready) would pay
-each; only a reconcile goes to a thread.
+Every handler is a coroutine: kopf runs a plain function in a thread, a hand-off per watch
+event that a storm of them (a thousand pods marked not ready) would pay each; only a reconcile
+and the writes it does not make go to a thread.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -31,16 +33,13 @@ from urllib3.exceptions import HTTPError
 
 from tessera_contracts import api
 from tessera_contracts.api import JOB_LABEL, ROLE_LABEL
-from tessera_operator import apply, observe, power_targets, reconcile, workload
+from tessera_operator import apply, desired, observe, power_targets, reconcile, workload
 from tessera_operator.jobqueue import JobKey
 from tessera_operator.observed import child_view
 from tessera_operator.workload import TRAINER
 
 GROUP, VERSION, PLURAL = api.GROUP, api.VERSION, api.JOB_PLURAL
 RBAC = "rbac.authorization.k8s.io"
-# Watches drive every change; the timer only re-observes what a watch or a failed reconcile may
-# have missed. Its cost is five reads per job per interval, whatever the number of nodes.
-RESYNC_INTERVAL_S = 300.0
 RETRY_DELAY_S = 5.0
 
 JOBS_OWN = {JOB_LABEL: kopf.PRESENT}
@@ -96,54 +95,61 @@ async def children(namespace: str, labels: kopf.Labels, body: kopf.Body, **_: An
 # ----------------------------------------------------------------------------------------------
 
 
-def _ours(spec: kopf.Spec, **_: Any) -> bool:
-    """A job this operator reconciles: another controller's (`spec.managedBy`) is left alone,
-    without a finalizer or an annotation of kopf's."""
-    return spec.get("managedBy") in (None, api.JOB_MANAGER)
+@kopf.on.event(GROUP, VERSION, PLURAL)
+async def on_job(type: str | None, namespace: str, name: str, body: kopf.Body, memo: kopf.Memo,
+                 logger: logging.Logger, gpu_health: kopf.Index, children: kopf.Index,
+                 **_: Any) -> None:
+    """Reconcile a job when it appears (also at the operator's start) or its spec changes
+    (`metadata.generation`; our own status writes do not count); release its power targets when
+    it is gone. The job carries nothing of kopf's, no diff base, progress annotation nor
+    finalizer: an object of any size the API server stores is reconciled and deleted alike, and
+    a deletion never waits for the operator."""
+    key = (namespace, name)
+    if type == "DELETED":
+        memo.seen.changed(("NTPTrainingJob", namespace, name), None)
+        await asyncio.to_thread(_released, memo, key, dict(body), logger)
+        return
+    if not desired.ours(body):
+        return
+    if apply.FINALIZER in (body["metadata"].get("finalizers") or ()):
+        await asyncio.to_thread(_attempt, lambda: apply.drop_finalizer(memo.api, dict(body)),
+                                f"removing the finalizer of job {namespace}/{name}", logger)
+    facts = (body["metadata"].get("uid"), body["metadata"].get("generation"))
+    if memo.seen.changed(("NTPTrainingJob", namespace, name), facts):
+        await _reconcile_soon(memo, key, logger, observe.Indices(gpu_health, children))
 
 
-@kopf.on.resume(GROUP, VERSION, PLURAL, when=_ours)
-@kopf.on.create(GROUP, VERSION, PLURAL, when=_ours)
-@kopf.on.update(GROUP, VERSION, PLURAL, when=_ours)
-@kopf.timer(GROUP, VERSION, PLURAL, interval=RESYNC_INTERVAL_S, initial_delay=RESYNC_INTERVAL_S,
-            when=_ours)
-def on_job(namespace: str, name: str, memo: kopf.Memo, logger: logging.Logger,
-           gpu_health: kopf.Index, children: kopf.Index, **_: Any) -> None:
-    indices = observe.Indices(gpu_health, children)
-    _retrying(lambda: _reconcile(memo, (namespace, name), logger, indices))
+def _released(memo: kopf.Memo, key: JobKey, job: dict[str, Any], logger: logging.Logger) -> None:
+    """The job is gone: its power targets are deleted (the garbage collector cannot delete
+    cluster-scoped targets for a namespaced owner), and each agent settles its GPUs at the base
+    cap inside its last budget share. After any reconcile in flight: one that read the job
+    before its deletion could otherwise write a target after this released them."""
+    # On failure, the targets' handler deletes those no job owns on their next event, or when
+    # the operator starts.
+    with memo.queue.running(key):
+        if _attempt(lambda: apply.release_power(memo.api, job),
+                    f"releasing the power targets of deleted job {key[0]}/{key[1]}", logger):
+            logger.info(f"job {key[0]}/{key[1]} deleted; released its power targets")
+    memo.queue.forget(key)
 
 
 def _reconcile(memo: kopf.Memo, key: JobKey, logger: logging.Logger,
                indices: observe.Indices) -> None:
-    """Reconcile the job, and again when it asks to be at a time (its TTL)."""
+    """Reconcile the job, and again at the time it asks for (its resync, its TTL)."""
     later = reconcile.reconcile(memo, key, logger, indices)
     if later is not None:
         memo.queue.after(key, later, lambda: _reconcile_watched(memo, key, logger, indices))
 
 
-@kopf.on.delete(GROUP, VERSION, PLURAL, when=_ours)
-def on_job_deleted(namespace: str, name: str, body: kopf.Body, memo: kopf.Memo,
-                   logger: logging.Logger, **_: Any) -> None:
-    """The trainer is gone: its power targets are deleted, and each agent settles its GPUs at
-    the base cap inside its last budget share. A finalizer holds the job until this ran, since
-    the garbage collector cannot delete cluster-scoped targets for a namespaced owner."""
-    key = (namespace, name)
-    # After any reconcile in flight: one that read the job before its deletion could otherwise
-    # write a target after this released them (reconciles that start later see the deletion).
-    with memo.queue.running(key):
-        _retrying(lambda: apply.release_power(memo.api, dict(body)))
-    logger.info(f"released the power targets of {namespace}/{name}")
-    memo.queue.forget(key)
-
-
-def _retrying(action: Callable[[], None]) -> None:
+def _attempt(action: Callable[[], None], what: str, logger: logging.Logger) -> bool:
+    """Run an API write that a later event or the operator's restart tries again; a failure
+    is logged with the API server's reason."""
     try:
         action()
-    except ApiException as exc:
-        raise kopf.TemporaryError(f"API server answered {exc.status}: {exc.reason}",
-                                  delay=RETRY_DELAY_S) from exc
-    except HTTPError as exc:
-        raise kopf.TemporaryError(f"API server unreachable: {exc}", delay=RETRY_DELAY_S) from exc
+    except (ApiException, HTTPError) as exc:
+        logger.warning(f"{what} failed: {_reason(exc)}")
+        return False
+    return True
 
 
 # ----------------------------------------------------------------------------------------------
@@ -224,13 +230,22 @@ async def on_gpu_health(type: str, name: str, status: kopf.Status, memo: kopf.Me
 
 
 @kopf.on.event(GROUP, VERSION, api.POWER_TARGET_PLURAL)
-async def on_power_target(type: str, labels: kopf.Labels, memo: kopf.Memo,
+async def on_power_target(type: str | None, name: str, labels: kopf.Labels, memo: kopf.Memo,
                           logger: logging.Logger, job_keys: kopf.Index, gpu_health: kopf.Index,
                           children: kopf.Index, **_: Any) -> None:
     """Reconcile the job of a target whose raise waits for cuts, when an agent reports one in
-    effect; and a job whose target someone else deleted. Our own writes trigger nothing more."""
+    effect; and a job whose target someone else deleted. Our own writes trigger nothing more.
+    A target whose job is gone is deleted."""
     uid = labels.get(power_targets.JOB_UID_LABEL)
-    for key in set(job_keys.get(uid, ())):
+    keys = set(job_keys.get(uid, ()))
+    # A job's target whose job no longer exists (the indices are complete before any handler
+    # runs): the job went while the operator was away, or its release failed. Nothing asks for
+    # this power. A target no job made is someone else's.
+    if uid and not keys and type != "DELETED" and await asyncio.to_thread(
+            _attempt, lambda: power_targets.withdraw(memo.api, name),
+            f"deleting power target {name} of a gone job", logger):
+        logger.info(f"deleted power target {name}: its job (uid {uid}) is gone")
+    for key in keys:
         if type == "DELETED" or memo.queue.holds(key):
             await _reconcile_soon(memo, key, logger, observe.Indices(gpu_health, children))
 
@@ -248,5 +263,17 @@ def _reconcile_watched(memo: kopf.Memo, key: JobKey, logger: logging.Logger,
     try:
         _reconcile(memo, key, logger, indices)
     except (ApiException, HTTPError) as exc:
-        # The job's resync timer runs the same reconcile within RESYNC_INTERVAL_S.
-        logger.warning(f"reconcile of {key[0]}/{key[1]} after a watch event failed: {exc}")
+        logger.warning(f"reconcile of job {key[0]}/{key[1]} failed, again in "
+                       f"{RETRY_DELAY_S:.0f} s: {_reason(exc)}")
+        memo.queue.after(key, RETRY_DELAY_S,
+                         lambda: _reconcile_watched(memo, key, logger, indices))
+
+
+def _reason(exc: Exception) -> str:
+    """What the API server said (its Status message), else the error."""
+    if isinstance(exc, ApiException):
+        try:
+            return f"{exc.status} {json.loads(exc.body or '')['message']}"
+        except (ValueError, KeyError, TypeError):
+            return f"{exc.status} {exc.reason}"
+    return str(exc)

@@ -9,7 +9,7 @@ produces a `Health`, and `merge` combines them, so the planner sees one shape wh
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from tessera_contracts import gpuhealth
@@ -31,10 +31,12 @@ class Health:
     failed: frozenset[GpuId] = frozenset()
     problems: tuple[str, ...] = ()
     unknown: frozenset[GpuId] = frozenset()
+    # why a failed GPU is failed, where its source says more than that it is (DCGM's verdict)
+    reasons: Mapping[GpuId, str] = field(default_factory=dict)
 
     def merge(self, other: Health) -> Health:
         return Health(self.failed | other.failed, self.problems + other.problems,
-                      self.unknown | other.unknown)
+                      self.unknown | other.unknown, {**self.reasons, **other.reasons})
 
 
 def from_cordons(nodes: Iterable[Mapping[str, Any]], gpus_per_node: int) -> Health:
@@ -115,24 +117,12 @@ def from_gpu_health(objects: Iterable[object], gpus_per_node: int,
     at all (`nodes`: the job's nodes, when given; one without an object is unknown, and objects
     of other nodes are not read). Each node with unknown GPUs gets one line in the problems,
     saying which and why; an object that does not parse (`gpuhealth.parse`) makes its node's
-    GPUs unknown, and what parsing skipped is in the problems too. `gpu_failures` says why each
-    failed GPU is failed.
+    GPUs unknown, and what parsing skipped is in the problems too. The reasons say why each
+    failed GPU is failed, for the job's status.
     """
     failed, unknown, problems = _judge(objects, gpus_per_node, fatal_xids, now=now, nodes=nodes,
                                        max_age=max_age)
-    return Health(frozenset(failed), problems, unknown)
-
-
-def gpu_failures(objects: Iterable[object], gpus_per_node: int,
-                 fatal_xids: Iterable[int] | None, *, now: float,
-                 nodes: Iterable[str] | None = None,
-                 max_age: float = GPU_HEALTH_STALE_AFTER_S) -> dict[GpuId, str]:
-    """Each GPU that `from_gpu_health` (same arguments) finds failed for the job, with why, for
-    the job's status: its node reports it Failed (with the node's reason), or which of its
-    recent XIDs end it for this job (in the job's fatalXIDs, by the device plugin's rule, or
-    fatal for every job)."""
-    return _judge(objects, gpus_per_node, fatal_xids, now=now, nodes=nodes,
-                  max_age=max_age)[0]
+    return Health(frozenset(failed), problems, unknown, failed)
 
 
 def _why_failed(gpu: gpuhealth.GpuHealth, fatal: frozenset[int] | None) -> str | None:
@@ -231,7 +221,8 @@ def hold_unknown(health: Health, in_force: Iterable[GpuId] | None,
         by_node.setdefault(node, []).append(index)
     notes = tuple(f"node {node}: GPUs {_ranges(indices)} stay out of the layout while their "
                   "health is unknown" for node, indices in sorted(by_node.items()))
-    return Health(health.failed | frozenset(held), health.problems + notes, health.unknown)
+    return Health(health.failed | frozenset(held), health.problems + notes, health.unknown,
+                  health.reasons)
 
 
 def _shown_reason(reason: str) -> str:

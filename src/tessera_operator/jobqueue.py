@@ -13,12 +13,18 @@ kind of event that reconciles a job only while it waits.
 
 from __future__ import annotations
 
+import heapq
 import threading
+import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
 JobKey = tuple[str, str]  # (namespace, name)
+# Timed reconciles (resyncs, TTLs, retries) run in these threads: a slow one must not delay the
+# others, and thousands of jobs must not hold a thread each while they wait.
+TIMED_WORKERS = 4
 
 
 class JobQueue:
@@ -30,7 +36,14 @@ class JobQueue:
         self._locks: defaultdict[JobKey, threading.Lock] = defaultdict(threading.Lock)
         self._waiting: set[JobKey] = set()
         self._held: set[JobKey] = set()
-        self._timers: dict[JobKey, threading.Timer] = {}
+        # key -> (when, sequence, run): the one timed reconcile each job waits for; the heap
+        # holds (when, sequence, key), entries whose sequence is no longer the key's are stale.
+        self._due: dict[JobKey, tuple[float, int, Callable[[], object]]] = {}
+        self._heap: list[tuple[float, int, JobKey]] = []
+        self._sequence = 0
+        self._wake = threading.Condition(self._guard)
+        self._clock: threading.Thread | None = None
+        self._workers = ThreadPoolExecutor(TIMED_WORKERS, thread_name_prefix="timed-reconcile")
 
     def add(self, key: JobKey) -> bool:
         """A watch event asks for a reconcile of `key`; False when one is already waiting to
@@ -68,17 +81,41 @@ class JobQueue:
             return key in self._held
 
     def after(self, key: JobKey, seconds: float, run: Callable[[], object]) -> None:
-        """Call `run` (a reconcile of `key`) in `seconds`, in a thread of its own: a job that
-        needs one at a time (its TTL) rather than on an event. A later call replaces an
-        earlier one."""
-        timer = threading.Timer(max(0.0, seconds), run)
-        timer.daemon = True
+        """Call `run` (a reconcile of `key`) in `seconds`, in a worker thread: a job that needs
+        one at a time (its resync, its TTL, a retry) rather than on an event. A later call
+        replaces an earlier one."""
         with self._guard:
-            earlier = self._timers.pop(key, None)
-            self._timers[key] = timer
-        if earlier is not None:
-            earlier.cancel()
-        timer.start()
+            self._sequence += 1
+            when = time.monotonic() + max(0.0, seconds)
+            self._due[key] = (when, self._sequence, run)
+            heapq.heappush(self._heap, (when, self._sequence, key))
+            if self._clock is None:
+                self._clock = threading.Thread(target=self._tick, name="job-queue-clock",
+                                               daemon=True)
+                self._clock.start()
+            self._wake.notify()
+
+    def _tick(self) -> None:
+        while True:
+            with self._guard:
+                run = self._next_due()
+            self._workers.submit(run)
+
+    def _next_due(self) -> Callable[[], object]:
+        """Wait (holding the guard's condition) for the earliest timed reconcile, and take it."""
+        while True:
+            while self._heap and self._due.get(self._heap[0][2], (0, -1))[1] != self._heap[0][1]:
+                heapq.heappop(self._heap)
+            if not self._heap:
+                self._wake.wait()
+                continue
+            when, _, key = self._heap[0]
+            delay = when - time.monotonic()
+            if delay > 0:
+                self._wake.wait(delay)
+                continue
+            heapq.heappop(self._heap)
+            return self._due.pop(key)[2]
 
     def forget(self, key: JobKey) -> None:
         """The job is gone: keep nothing of it."""
@@ -86,6 +123,4 @@ class JobQueue:
             self._locks.pop(key, None)
             self._held.discard(key)
             self._waiting.discard(key)
-            timer = self._timers.pop(key, None)
-        if timer is not None:
-            timer.cancel()
+            self._due.pop(key, None)

@@ -18,7 +18,7 @@ same decisions. The steps of `plan`:
 from __future__ import annotations
 
 import statistics
-from collections.abc import Iterable, Mapping, Set
+from collections.abc import Iterable, Mapping, Sequence, Set
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 from itertools import groupby
@@ -185,19 +185,8 @@ class JobPlan:
 
     @property
     def tp_layout(self) -> str:
-        """TP degree per replica, "8,7,8"; past the status field's 4096 characters (thousands
-        of replicas) runs of equal degrees are written "8x1200,7,8x100", and what still does not
-        fit ends in ",... (N replicas)"."""
-        full = ",".join(str(r.tp) for r in self.replicas)
-        if len(full) <= TP_LAYOUT_MAX:
-            return full
-        runs = [(tp, len(list(same))) for tp, same in groupby(r.tp for r in self.replicas)]
-        text = ",".join(str(tp) if n == 1 else f"{tp}x{n}" for tp, n in runs)
-        if len(text) <= TP_LAYOUT_MAX:
-            return text
-        # Degrees that alternate do not run-length encode: the field shows what fits.
-        tail = f",... ({len(self.replicas)} replicas)"
-        return text[: TP_LAYOUT_MAX - len(tail)].rsplit(",", 1)[0] + tail
+        """TP degree per replica (`format_layout`)."""
+        return format_layout([r.tp for r in self.replicas])
 
     @property
     def degraded(self) -> bool:
@@ -288,6 +277,56 @@ def node_domains(nodes: Iterable[Mapping[str, Any]], label: str) -> dict[str, st
     return out
 
 
+def format_layout(degrees: Sequence[int]) -> str:
+    """TP degree per replica, "8,7,8"; past the status field's 4096 characters (thousands of
+    replicas) runs of equal degrees are written "8x1200,7,8x100", and what still does not fit
+    ends in ",... (N replicas)"."""
+    full = ",".join(map(str, degrees))
+    if len(full) <= TP_LAYOUT_MAX:
+        return full
+    runs = [(tp, len(list(same))) for tp, same in groupby(degrees)]
+    text = ",".join(str(tp) if n == 1 else f"{tp}x{n}" for tp, n in runs)
+    if len(text) <= TP_LAYOUT_MAX:
+        return text
+    # Degrees that alternate do not run-length encode: the field shows what fits.
+    tail = f",... ({len(degrees)} replicas)"
+    return text[: TP_LAYOUT_MAX - len(tail)].rsplit(",", 1)[0] + tail
+
+
+def racks_of(domains: Mapping[str, str]) -> dict[str, tuple[str, ...]]:
+    """Scale-up domain -> its nodes (from node -> domain), in a canonical order."""
+    return {d: tuple(sorted(n for n, dom in domains.items() if dom == d))
+            for d in sorted(set(domains.values()))}
+
+
+def budget_problem(spec: JobSpec, domains: Mapping[str, str]) -> Problem | None:
+    """InvalidSpec when a domain's rack budget cannot hold the job's GPUs there at the device
+    minimum: no plan could keep it, so the job must not take the GPUs at all."""
+    if spec.power is None:
+        return None
+    for rack, nodes in racks_of(domains).items():
+        try:
+            spec.power.budget(len(nodes) * spec.gpus_per_node)
+        except ValueError as exc:
+            return Problem("InvalidSpec", f"powerPolicy.rackBudgetWatts: domain {rack}: {exc}")
+    return None
+
+
+def below_base_cap(spec: JobSpec, racks: Mapping[str, tuple[str, ...]]) -> str | None:
+    """Why the job's GPUs run below their base cap with nothing failed: a rack budget smaller
+    than its GPUs at the base cap (None when every budget holds them)."""
+    policy = spec.power
+    if policy is None or policy.rack_budget_w is None:
+        return None
+    for rack, nodes in racks.items():
+        gpus = len(nodes) * spec.gpus_per_node
+        if policy.rack_budget_w < gpus * policy.base_w:
+            return (f"powerPolicy.rackBudgetWatts {policy.rack_budget_w} W holds domain {rack}'s "
+                    f"{gpus} GPUs at {policy.rack_budget_w // gpus} W each, below baseCapWatts "
+                    f"{policy.base_w} W: they run capped lower and no replica can be boosted")
+    return None
+
+
 def _slots(spec: JobSpec, racks: Mapping[str, tuple[str, ...]], failed: Set[GpuId],
            problems: list[Problem]) -> list[Group]:
     cap = spec.power.boost_cap_w / spec.power.base_w if spec.power else 1.0
@@ -313,8 +352,7 @@ def plan(spec: JobSpec, domains: Mapping[str, str], failed: Set[GpuId]) -> JobPl
     """The desired layout for `spec` on nodes `domains` (node -> domain) with `failed` GPUs."""
     problems: list[Problem] = []
     # 1. Scale-up domains and their fixed group slots, in a canonical order.
-    racks = {d: tuple(sorted(n for n, dom in domains.items() if dom == d))
-             for d in sorted(set(domains.values()))}
+    racks = racks_of(domains)
     groups = _slots(spec, racks, failed, problems)
     # 2. DROP keeps to the job's own groups; the other modes may use spare groups.
     if spec.mode is FailurePolicy.DROP:

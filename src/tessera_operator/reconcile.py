@@ -6,7 +6,7 @@ controller-runtime's reconcilers: observe (`observe`, reads only) -> decide the 
 deterministic child names, writes only where the world differs) -> the status rebuilt from the
 world, with Conditions and one event per decision. A job waiting for something (a rendezvous
 address, an agent's report) is brought back by that thing's watch event (`handlers`), and the
-resync timer catches up with anything missed.
+resync catches up with anything missed.
 """
 
 from __future__ import annotations
@@ -19,16 +19,22 @@ import kopf
 from tessera_operator import apply, desired, observe
 from tessera_operator.jobqueue import JobKey
 
+# Watches drive every change; the resync only re-observes what a watch may have missed. Its
+# cost is five reads per job per interval, whatever the number of nodes.
+RESYNC_INTERVAL_S = 300.0
+
 
 def reconcile(memo: kopf.Memo, key: JobKey, logger: logging.Logger,
               indices: observe.Indices) -> float | None:
     """Bring the job's children, layout, power targets and status in line with the world;
-    returns in how many seconds the job wants a reconcile of its own (its TTL), if it does."""
+    returns in how many seconds the job wants its next reconcile (its resync, or its TTL
+    sooner), None once it is gone or not ours."""
     api, queue = memo.api, memo.queue
     with queue.running(key):
         now = memo.clock()
-        # 1. Observe the job (gone: keep nothing of it; being deleted: its delete handler
-        #    releases what it holds; another controller's: leave it), then its world.
+        # 1. Observe the job (gone: keep nothing of it; being deleted: the garbage collector
+        #    takes its children, the deletion's event its power targets; another
+        #    controller's: leave it), then its world.
         job = observe.job(api, key)
         if job is None:
             queue.forget(key)
@@ -68,4 +74,4 @@ def reconcile(memo: kopf.Memo, key: JobKey, logger: logging.Logger,
         if not wanted.ended:
             apply.status(api, job, wanted.status)
         apply.events(job, wanted.events, logger)
-        return wanted.requeue_after
+        return min(wanted.requeue_after or RESYNC_INTERVAL_S, RESYNC_INTERVAL_S)

@@ -54,10 +54,6 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
         settings.watching.label_selectors[kind] = JOB_LABEL
     # Events come from our decisions; kopf's own log lines become events only when they warn.
     settings.posting.level = logging.WARNING
-    # Keep kopf's bookkeeping in annotations under our own prefix, never in the pruned status.
-    settings.persistence.finalizer = "tessera.dev/operator"
-    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="tessera.dev")
-    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix="tessera.dev")
     memo.setdefault("api", api_client())
     memo.setdefault("clock", lambda: datetime.now(UTC))
     memo.nodes = cache.NodeCache()

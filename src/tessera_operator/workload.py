@@ -96,6 +96,7 @@ class NodeView:
     name: str
     domain: str
     free_gpus: int  # allocatable GPUs less those that other pods asked for
+    gpus: int  # allocatable GPUs
 
 
 def _gpus(quantity: object) -> int:
@@ -156,18 +157,22 @@ def node_views(nodes: Iterable[Mapping[str, Any]], pods: Iterable[Mapping[str, A
         allocatable = _gpus(((node.get("status") or {}).get("allocatable") or {}).get(
             GPU_RESOURCE, 0))
         views.append(NodeView(meta["name"], labels.get(domain_label) or meta["name"],
-                              allocatable - taken.get(meta["name"], 0)))
+                              allocatable - taken.get(meta["name"], 0), allocatable))
     return views
 
 
 def place(spec: JobSpec, nodes: int, candidates: Sequence[NodeView]) -> tuple[str, ...] | Problem:
     """`nodes` nodes for the job, whole TP groups inside scale-up domains; or why not.
 
+    A job takes whole nodes: each with exactly gpusPerNode GPUs, none of them asked for by
+    another pod. Its plan, cordons, health and power target all name a node's GPUs by index
+    0..gpusPerNode-1, and a node has one power target: a job sharing a node with another
+    would act on GPUs the kubelet gave to the other.
     Domains with the most usable nodes go first (a job spreads over as few NVLink domains as
     it can), and from a domain only as many nodes as make whole TP groups are taken when a
     group spans nodes; within a domain, nodes by name, so placement is reproducible.
     """
-    usable = [n for n in candidates if n.free_gpus >= spec.gpus_per_node]
+    usable = [n for n in candidates if n.gpus == n.free_gpus == spec.gpus_per_node]
     domains: dict[str, list[str]] = {}
     for n in sorted(usable, key=lambda n: n.name):
         domains.setdefault(n.domain, []).append(n.name)
@@ -182,9 +187,9 @@ def place(spec: JobSpec, nodes: int, candidates: Sequence[NodeView]) -> tuple[st
         chosen.extend(names[:take])
     if len(chosen) < nodes:
         return Problem("Unschedulable", (
-            f"needs {nodes} nodes with {spec.gpus_per_node} free {GPU_RESOURCE} each "
-            f"(whole TP groups of {spec.tp} GPUs inside one scale-up domain); "
-            f"found {len(usable)} such nodes of {len(candidates)} matching the job's "
+            f"needs {nodes} whole nodes with {spec.gpus_per_node} {GPU_RESOURCE} each, none "
+            f"taken by another pod (whole TP groups of {spec.tp} GPUs inside one scale-up "
+            f"domain); found {len(usable)} such nodes of {len(candidates)} matching the job's "
             f"nodeSelector, in {len(domains)} domains"))
     return tuple(chosen)
 
@@ -381,7 +386,11 @@ def rendezvous_pod(job: Mapping[str, Any], attempt: int = 0) -> dict[str, Any]:
     kept = {k: pod_spec[k] for k in RENDEZVOUS_FIELDS if k in pod_spec}
     container = {"name": RENDEZVOUS, "image": spec["image"],
                  "command": ["python", "-m", "ntp.rendezvous"],
-                 "args": ["--port", str(RENDEZVOUS_PORT)],
+                 # Its pod IP only: pods that share the host's network (hostNetwork, the
+                 # local cluster's simulated nodes) then never share the store's port.
+                 "args": ["--host", "$(POD_IP)", "--port", str(RENDEZVOUS_PORT)],
+                 "env": [{"name": "POD_IP",
+                          "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}],
                  "ports": [{"name": "store", "containerPort": RENDEZVOUS_PORT}],
                  "securityContext": {"allowPrivilegeEscalation": False,
                                      "capabilities": {"drop": ["ALL"]}}}

@@ -244,3 +244,59 @@ def test_a_job_another_controller_manages_is_left_alone(flow, tmp_path):
     assert left is not None and "status" not in left, left.get("status")
     assert not left["metadata"].get("finalizers")
     assert flow.pods("theirs") == []
+
+
+def _ended_cleanly(flow: JobFlow, name: str, kind: str) -> dict[str, Any]:
+    """The job's final status once it is `kind` (Complete or Failed): conditions that match
+    the phase, no pod left running (the rendezvous included), every power target released."""
+    status = _finished(flow, name)
+    assert condition(status, kind)["status"] == "True", status
+    assert status["phase"] == ("Succeeded" if kind == "Complete" else "Failed")
+    assert condition(status, "Ready")["status"] == "False"
+    assert condition(status, "Ready")["reason"] == "Finished"
+    assert condition(status, "Degraded")["reason"] == "NotRunning"
+    assert condition(status, "PowerBoosted")["status"] == "False"
+    flow.wait("no pod of the job running", lambda: [
+        p["metadata"]["name"] for p in flow.pods(name)
+        if p.get("status", {}).get("phase") not in ("Succeeded", "Failed")], lambda p: p == [])
+    flow.wait("its power targets released", lambda: flow.targets(name), lambda t: t == [])
+    return status
+
+
+@pytest.mark.hardening
+def test_a_gpu_returned_in_the_last_steps_ends_the_job_cleanly(flow, tmp_path):
+    """The uncordon lands while the last steps train: whether the returned GPU's rank would
+    join before or after the end, the job succeeds on the layout it trained, at once."""
+    steps = 40
+    flow.kubectl("annotate", "node", "gpu-node-0", "tessera.dev/cordoned-gpus=1")
+    try:
+        claim, _ = shared(flow, "checkpoints")
+        job = small_job("ending", claim, steps=steps, interval=1000)
+        _apply(flow, job, tmp_path)
+        flow.wait("the last steps training", lambda: max(_losses(flow, "ending"), default=0),
+                  lambda step: step >= steps - 1)
+    finally:
+        flow.kubectl("annotate", "node", "gpu-node-0", "tessera.dev/cordoned-gpus-")
+    returned = time.monotonic()
+    status = _ended_cleanly(flow, "ending", "Complete")
+    took = time.monotonic() - returned
+    # A joiner nobody meets waited out the rendezvous timeout (600 s) before this held.
+    assert took < 30, f"{took:.1f} s from the uncordon to the job's end"
+    assert sorted(_losses(flow, "ending")) == list(range(1, steps + 1))  # each step once
+    assert status["tpLayout"] in ("1,2", "2,2"), status  # what trained last, either way
+    assert status["step"] == steps
+    print(f"\nGPU returned {steps - 1}+ of {steps} steps in: the job ended {took:.1f} s later "
+          f"on layout {status['tpLayout']}")
+
+
+@pytest.mark.hardening
+def test_a_failed_job_ends_cleanly(flow, tmp_path):
+    claim, _ = shared(flow, "checkpoints")
+    job = small_job("doomed", claim, steps=STEPS, interval=5)
+    job["spec"]["failurePolicy"]["maxRestarts"] = 0
+    _apply(flow, job, tmp_path)
+    flow.wait("training", lambda: max(_losses(flow, "doomed"), default=0), lambda s: s >= 3)
+    os.kill(_agent_pid("gpu-node-1", "doomed"), signal.SIGKILL)
+    status = _ended_cleanly(flow, "doomed", "Failed")
+    assert condition(status, "Failed")["reason"] == "TrainerFailed"
+    assert status["tpLayout"] == "2,2"

@@ -181,7 +181,7 @@ def test_a_gpu_off_the_bus_is_failed_for_every_job_and_the_job_decides_other_xid
     assert obj["status"]["failedGPUs"] == "3" and obj["status"]["xidGPUs"] == "3,5"
 
     def failures(fatal_xids: list[int] | None) -> dict[tuple[str, int], str]:
-        return health.gpu_failures([obj], GPUS, fatal_xids, now=now, nodes=[node])
+        return health.from_gpu_health([obj], GPUS, fatal_xids, now=now, nodes=[node]).reasons
 
     tolerant = failures([])
     assert tolerant.keys() == {(node, 3)}

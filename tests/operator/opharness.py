@@ -14,7 +14,7 @@ from kubernetes import client
 
 from tessera_dev import paths, probes, processes, simnodes
 from tessera_dev.controlplane import manifests
-from tessera_operator.handlers import RESYNC_INTERVAL_S
+from tessera_operator.reconcile import RESYNC_INTERVAL_S
 
 ROOT = paths.repo_root()
 SYSTEM_NS, OPERATOR_SA = "tessera-system", "tessera-operator"

@@ -3,6 +3,8 @@ status rebuilt from a plan (phase, conditions, transition times kept while nothi
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from tessera_contracts import api, cordon
@@ -109,3 +111,45 @@ def test_transition_times_change_only_with_the_status() -> None:
                      "PowerBoosted": "2026-01-01T00:09:00Z"}
     assert {c["type"] for c in conditions.changed(healthy, hit)} == {
         "Ready", "Degraded", "PowerBoosted"}
+
+
+def test_nothing_is_running_before_a_layout_is_published() -> None:
+    plan = planner.plan(SPEC, {"a": "a", "b": "b"}, set())
+    waiting = conditions.render(plan, plan.problems, {}, now="2026-01-01T00:00:00Z",
+                                generation=1, layout_generation=0)
+    assert waiting["phase"] == "Pending"
+    assert _by_type(waiting)["Ready"]["reason"] == "AllReplicasHealthy"  # the plan holds
+
+
+def test_the_status_shows_the_layout_in_force_and_why_a_gpu_failed() -> None:
+    plan = planner.plan(SPEC, {"a": "a", "b": "b"}, {("a", 3)})
+    why = {("a", 3): "recent XID 48, fatal by the job's fatalXIDs"}
+    # the plan has a GPU out; the generation in force (not yet replaced) still runs 8,8
+    status = conditions.render(plan, plan.problems, {}, now="2026-01-01T00:00:00Z",
+                               generation=1, layout_generation=1, tp_layout="8,8", why=why)
+    assert status["tpLayout"] == "8,8"
+    assert "replica 0 at TP 7 (failed a/3: recent XID 48, fatal by the job's fatalXIDs)" in \
+        _by_type(status)["Degraded"]["message"]
+
+
+def test_a_message_that_moves_is_no_event() -> None:
+    before = {"conditions": [{"type": "Training", "status": "True", "reason": "Running",
+                              "message": "step 1395/2000"}]}
+    after = {"conditions": [{"type": "Training", "status": "True", "reason": "Running",
+                             "message": "step 1338/2000"}]}
+    assert conditions.changed(before, after) == []
+    stopped = {"conditions": [{"type": "Training", "status": "True", "reason": "Reconfiguring",
+                               "message": "step 1340/2000"}]}
+    assert [c["reason"] for c in conditions.changed(after, stopped)] == ["Reconfiguring"]
+
+
+def test_a_rack_budget_below_the_base_caps_is_said() -> None:
+    spec = replace(SPEC, power=PowerPolicy(base_w=600, boost_cap_w=700, rack_budget_w=3000))
+    plan = planner.plan(spec, {"a": "a", "b": "b"}, set())
+    power = _by_type(_render(plan))["PowerBoosted"]
+    assert (power["status"], power["reason"]) == ("False", "BudgetBelowBaseCap")
+    assert "holds domain a's 8 GPUs at 375 W each, below baseCapWatts 600 W" in power["message"]
+    # below the device minimum, nothing could run: the job is refused before it has pods
+    assert planner.budget_problem(replace(spec, power=replace(
+        spec.power, rack_budget_w=1000)), {"a": "a"}).reason == "InvalidSpec"
+    assert planner.budget_problem(spec, {"a": "a"}) is None

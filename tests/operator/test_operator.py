@@ -374,23 +374,18 @@ def test_operator_never_hit_a_permission_error(running_operator: RunningOperator
     assert "Forbidden" not in log and not re.search(r"(?<![,\d])403(?!\d)", log), log[-3000:]
 
 
-def _handled(op: RunningOperator, job: str) -> str:
-    """What kopf recorded as the job's last handled configuration (after each update handler)."""
-    annotations = op.job(job)["metadata"].get("annotations") or {}
-    return annotations.get("tessera.dev/last-handled-configuration", "")
-
-
 def test_power_targets_are_written_only_when_they_change(running_operator: RunningOperator) -> None:
     op, job = running_operator, "unchanged"
     node, _ = op.create_nodes(job, 2)
     op.create_job(_example(job))
     first = op.wait(lambda: power_targets.fetch(op.admin, node), bool, "a power target")
-    # A reconcile that finds nothing changed (an edit of the job's annotations triggers one)
-    # leaves the target as it was: no renewal traffic.
-    client.CustomObjectsApi(op.admin).patch_namespaced_custom_object(
+    # A reconcile that finds nothing to change in power (an edit of the job's steps triggers
+    # one) leaves the target as it was: no renewal traffic.
+    edited = client.CustomObjectsApi(op.admin).patch_namespaced_custom_object(
         "tessera.dev", "v1alpha1", op.namespace, "ntptrainingjobs", job,
-        {"metadata": {"annotations": {"example.com/touched": "1"}}})
-    op.wait(lambda: _handled(op, job), lambda h: "example.com/touched" in h, "handled")
+        {"spec": {"steps": op.job(job)["spec"]["steps"] + 1}})
+    op.wait(lambda: op.status(job).get("observedGeneration"),
+            lambda g: g == edited["metadata"]["generation"], "the edit reconciled")
     after = power_targets.fetch(op.admin, node)
     assert after["metadata"]["resourceVersion"] == first["metadata"]["resourceVersion"]
 
@@ -432,7 +427,7 @@ def test_deleting_a_job_deletes_its_targets(running_operator: RunningOperator) -
     op.wait(lambda: _children(op, job), lambda c: c == {}, "nothing of the job left")
     # Deleted targets: each agent settles its GPUs at the base cap inside its last share.
     op.wait(lambda: power_targets.fetch(op.admin, node), lambda t: t is None, "target deleted")
-    # The operator's finalizer is gone with its work done: the job is really deleted.
+    # Nothing holds the job: it is really deleted.
     names = op.wait(lambda: {j["metadata"]["name"] for j in client.CustomObjectsApi(
         op.admin).list_namespaced_custom_object("tessera.dev", "v1alpha1", op.namespace,
                                                 "ntptrainingjobs")["items"]},
@@ -490,11 +485,12 @@ def test_a_layout_configmap_it_does_not_own_is_left_alone(
     assert op.status(job)["phase"] == "Pending"
     kept = core.read_namespaced_config_map(f"{job}-layout", op.namespace)
     assert kept.data == theirs["data"] and not kept.metadata.owner_references
-    # Its owner removes it; the next reconcile (any edit of the job triggers one) publishes.
+    # Its owner removes it; the next reconcile (an edit of the job's spec triggers one)
+    # publishes.
     core.delete_namespaced_config_map(f"{job}-layout", op.namespace)
     client.CustomObjectsApi(op.admin).patch_namespaced_custom_object(
         "tessera.dev", "v1alpha1", op.namespace, "ntptrainingjobs", job,
-        {"metadata": {"annotations": {"example.com/touched": "1"}}})
+        {"spec": {"steps": op.job(job)["spec"]["steps"] + 1}})
     # Ready comes with the plan; the layout follows once the rendezvous has its address.
     op.wait(lambda: (_phase_layout(op, job), op.status(job).get("layoutGeneration")),
             lambda s: s == (("Running", "8,8"), 1), "Running 8,8, generation 1 published")

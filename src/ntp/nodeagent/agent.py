@@ -63,7 +63,7 @@ from ntp.distributed import (
 )
 from ntp.nodeagent.progress import RELAY_GRACE_S, NodeProgress, Reporter
 from ntp.sources import FileGenerationSource
-from tessera_contracts.generation import Generation, GenerationError, Gpu
+from tessera_contracts.generation import Generation, GenerationError, Gpu, Rendezvous
 from tessera_contracts.invocation import (
     RankInvocation,
 )
@@ -172,6 +172,7 @@ class RankProcess:
     rank: int
     generation: int
     proc: subprocess.Popen
+    joining: bool = False  # it waits for the survivors of the generation before its own
 
 
 class NodeAgent:
@@ -200,6 +201,7 @@ class NodeAgent:
         self.store: dist.TCPStore | None = None
         self.finished = False
         self.failed_after_finish: list[str] = []
+        self.abandoned: set[int] = set()  # joiners stopped because the job finished first
         self._unusable: set[int] = set()  # generations whose document was logged as bad
         self.progress = NodeProgress(node, until_step)
         self.reporter = Reporter(self.progress, publish)
@@ -273,10 +275,12 @@ class NodeAgent:
         """Mirror `generation` for the ranks and start the ranks it adds on this node."""
         previous, number = self.current, generation.generation
         if previous is None:
-            self.store = self.connect(generation)
+            self.store = self.connect(generation.rendezvous)
             before = self.source.get(number - 1) if number > 1 else None
             if before is not None:  # a joining rank reads the layout it joins from
                 self.mirror(number - 1, before)
+                # its survivors may finish the job there, and then never come to this one
+                self.watch_end(number - 1, generation.rendezvous, finish_only=True)
         elif generation.rendezvous != previous.rendezvous:
             raise AgentError(
                 f"generation {number} moves the rendezvous to {generation.rendezvous}; running "
@@ -284,7 +288,7 @@ class NodeAgent:
             )
         self.mirror(number, document)
         self.current = generation
-        self.watch_end(generation)
+        self.watch_end(number, generation.rendezvous)
         self.reporter.job_nodes(len({gpu.node for gpu in generation.gpus}))
         if previous is not None:
             self.progress.entered(generation)
@@ -327,9 +331,8 @@ class NodeAgent:
             log.info("%s: generation %d ended (%s) for generation %d", self.node, old, reason,
                      number)
 
-    def connect(self, generation: Generation) -> dist.TCPStore:
+    def connect(self, where: Rendezvous) -> dist.TCPStore:
         """A new connection to the job's store."""
-        where = generation.rendezvous
         try:
             return connect(where)
         except dist.DistError as exc:
@@ -344,24 +347,36 @@ class NodeAgent:
     def layout_path(self, number: int) -> Path:
         return self.work_dir / f"gen{number}.json"
 
-    def watch_end(self, generation: Generation) -> None:
-        """A thread waiting, on its own store connection, for the generation's end reason."""
-        store = self.connect(generation)
+    def watch_end(self, number: int, rendezvous: Rendezvous, finish_only: bool = False) -> None:
+        """A thread waiting, on its own store connection, for generation `number`'s end (with
+        `finish_only`, only an end that finished the job counts)."""
+        store = self.connect(rendezvous)
 
         def wait() -> None:
             try:
-                reason = wait_for_end(store, generation.generation)
+                reason = wait_for_end(store, number)
             except dist.DistNetworkError as exc:
                 self.events.put(("lost", str(exc).splitlines()[0]))
                 return
-            self.events.put(("end", (generation.generation, reason)))
+            if reason.kind is End.FINISHED or not finish_only:
+                self.events.put(("end", (number, reason)))
 
-        threading.Thread(target=wait, name=f"end-gen{generation.generation}", daemon=True).start()
+        threading.Thread(target=wait, name=f"end-gen{number}", daemon=True).start()
 
     def ended(self, number: int, reason: EndReason) -> None:
         log.info("%s: generation %d ended: %s", self.node, number, reason)
         if reason.kind is End.FINISHED:
             self.finished = True
+            # A rank joining a later generation waits for survivors that trained the last
+            # step in this one and left: nobody will ever come.
+            for pid, rank in self.ranks.items():
+                if rank.joining and rank.generation > number and pid not in self.abandoned:
+                    self.abandoned.add(pid)
+                    log.info("%s: the job finished in generation %d; stopping pid %d, which "
+                             "waited to join generation %d", self.node, number, pid,
+                             rank.generation)
+                    with contextlib.suppress(ProcessLookupError):
+                        rank.proc.terminate()
         elif reason.failed and number >= self.progress.generation:
             self.progress.interrupted(f"generation {number} {reason}")
 
@@ -370,7 +385,8 @@ class NodeAgent:
     def start(self, generation: Generation, rank: int, gpu: Gpu, join: bool) -> None:
         """One trainer process for global rank `rank` of `generation`, holding `gpu`."""
         if join:
-            if generation.at_step is not None and generation.at_step >= self.until_step:
+            if self.finished or self.progress.ledger.step >= self.until_step or (
+                    generation.at_step is not None and generation.at_step >= self.until_step):
                 log.info("%s: generation %d adds %s after the job's last step; not started",
                          self.node, generation.generation, gpu)
                 return
@@ -397,7 +413,7 @@ class NodeAgent:
         finally:
             if device is not None:
                 os.close(device)  # the rank holds the GPU now, not the agent
-        process = RankProcess(gpu, rank, generation.generation, proc)
+        process = RankProcess(gpu, rank, generation.generation, proc, join)
         self.ranks[proc.pid] = process
         log.info("%s: rank %d of generation %d on %s: pid %d%s", self.node, rank,
                  generation.generation, gpu, proc.pid, " (joining)" if join else "")
@@ -428,6 +444,11 @@ class NodeAgent:
         the generation it was in, and the node's other ranks carry on."""
         pid, code = process.proc.pid, process.proc.returncode
         del self.ranks[pid]
+        if pid in self.abandoned:
+            self.abandoned.discard(pid)
+            log.info("%s: pid %d on %s stopped before joining: the job had finished", self.node,
+                     pid, process.gpu)
+            return
         if code == 0:
             log.info("%s: pid %d on %s exited", self.node, pid, process.gpu)
             if not self.ranks and not self.finished and self.current is not None:

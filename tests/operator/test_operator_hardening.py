@@ -1,0 +1,148 @@
+"""Inputs that must not wedge the operator, on a real API server with the operator running
+under the shipped RBAC: a job of a mebibyte is reconciled and deleted like any other (kopf keeps
+nothing on it), a power target whose job is gone is released, a spec that cannot run says why
+before any pod holds a GPU, and a node another job holds is not shared."""
+
+from __future__ import annotations
+
+import copy
+import uuid
+from typing import Any
+
+import pytest
+import yaml
+from kubernetes import client
+from opharness import ROOT, RunningOperator
+
+from tessera_contracts.api import JOB_LABEL
+from tessera_dev import simnodes
+from tessera_operator import power_targets, workload
+
+pytestmark = pytest.mark.hardening
+
+EXAMPLE = yaml.safe_load((ROOT / "manifests/examples/ntpjob-small.yaml").read_text())
+JOBS = ("tessera.dev", "v1alpha1")
+
+
+def _job(name: str, **spec: Any) -> dict[str, Any]:
+    body = copy.deepcopy(EXAMPLE)
+    body["metadata"] = {"name": name}
+    body["spec"] |= spec
+    simnodes.place_in_pool(body["spec"], name)
+    return body
+
+
+def _pods(op: RunningOperator, job: str) -> list[str]:
+    return [p.metadata.name for p in client.CoreV1Api(op.admin).list_namespaced_pod(
+        op.namespace, label_selector=f"{JOB_LABEL}={job}").items]
+
+
+def _ready(op: RunningOperator, job: str) -> dict[str, Any]:
+    return next((c for c in op.status(job).get("conditions") or [] if c["type"] == "Ready"), {})
+
+
+def _jobs(op: RunningOperator) -> set[str]:
+    return {j["metadata"]["name"] for j in client.CustomObjectsApi(op.admin)
+            .list_namespaced_custom_object(*JOBS, op.namespace, "ntptrainingjobs")["items"]}
+
+
+def test_a_job_of_a_mebibyte_is_reconciled_and_deleted_cleanly(running_operator) -> None:
+    op, job = running_operator, "huge"
+    node, _ = op.create_nodes(job, 2)
+    op.create_job(_job(job, args=["x" * 4096] * 256))  # the schema's largest args: 1 MiB
+    op.wait(lambda: op.status(job).get("observedGeneration"), lambda g: g == 1, "reconciled")
+    op.wait(lambda: power_targets.fetch(op.admin, node), bool, "its power target")
+    meta = op.job(job)["metadata"]
+    # nothing of kopf's on the object: no diff base, no progress, no finalizer
+    assert not meta.get("finalizers") and not meta.get("annotations"), meta
+    client.CustomObjectsApi(op.admin).delete_namespaced_custom_object(
+        *JOBS, op.namespace, "ntptrainingjobs", job)
+    op.wait(lambda: _jobs(op), lambda names: job not in names, "the job gone")
+    op.wait(lambda: power_targets.fetch(op.admin, node), lambda t: t is None,
+            "its power target released")
+
+
+def test_a_power_target_whose_job_is_gone_is_released(running_operator) -> None:
+    op, job = running_operator, "owner"
+    node, _ = op.create_nodes(job, 2)
+    op.create_job(_job(job))
+    made = op.wait(lambda: power_targets.fetch(op.admin, node), bool, "a power target")
+    # As a job deleted while the operator was away leaves its targets: one whose job uid no
+    # job has.
+    orphan = f"orphan-{uuid.uuid4().hex[:6]}"
+    labels = made["metadata"]["labels"] | {power_targets.JOB_UID_LABEL: str(uuid.uuid4())}
+    client.CustomObjectsApi(op.admin).create_cluster_custom_object(
+        *JOBS, "gpupowertargets", {"apiVersion": "tessera.dev/v1alpha1",
+                                   "kind": made["kind"], "spec": made["spec"],
+                                   "metadata": {"name": orphan, "labels": labels}})
+    op.wait(lambda: power_targets.fetch(op.admin, orphan), lambda t: t is None,
+            "the orphan target deleted")
+    assert power_targets.fetch(op.admin, node) is not None  # its job's target stays
+
+
+# (what the spec asks for, the condition reason, words of its message)
+UNRUNNABLE = {
+    "budget below the GPUs' minimum": (
+        lambda s: s["powerPolicy"].update(rackBudgetWatts=1000), "InvalidSpec",
+        "cannot hold 8 GPUs at their 200 W minimum"),
+    "env name with =": (
+        lambda s: s["template"]["spec"]["containers"][0]["env"].append(
+            {"name": "A=B", "value": "1"}), "PodRejected", 'name: Invalid value: "A=B"'),
+    "image of one space": (lambda s: s.update(image=" "), "PodRejected", "image"),
+}
+
+
+@pytest.mark.parametrize("case", UNRUNNABLE)
+def test_a_spec_that_cannot_run_says_why_before_any_pod(running_operator, case) -> None:
+    op = running_operator
+    job = f"cannot-{uuid.uuid4().hex[:6]}"
+    op.create_nodes(job, 2)
+    mutate, reason, words = UNRUNNABLE[case]
+    body = _job(job)
+    mutate(body["spec"])
+    try:
+        op.create_job(body)
+    except client.ApiException as exc:  # refused by the schema: as good, said at once
+        assert exc.status == 422 and words in exc.body, exc.body
+        return
+    ready = op.wait(lambda: _ready(op, job), lambda c: c.get("reason") == reason, reason)
+    assert ready["status"] == "False" and words in ready["message"], ready
+    assert _pods(op, job) == []  # no GPU held
+    client.CustomObjectsApi(op.admin).delete_namespaced_custom_object(
+        *JOBS, op.namespace, "ntptrainingjobs", job)
+
+
+def test_a_node_another_pod_holds_is_not_shared(running_operator) -> None:
+    """Jobs take whole nodes: the plan, cordons, health and the node's one power target name
+    GPUs by index, which only hold for a node the job has to itself."""
+    op = running_operator
+    pool = f"shared-{uuid.uuid4().hex[:6]}"
+    taken, *free = op.create_nodes(pool, 3)
+    # someone else's pod holds 2 of the first node's 8 GPUs
+    core = client.CoreV1Api(op.admin)
+    op.wait(lambda: core.list_namespaced_service_account(
+        op.namespace, field_selector="metadata.name=default").items, bool,
+        "the namespace's default service account")
+    core.create_namespaced_pod(op.namespace, {
+        "metadata": {"name": "someone-else"},
+        "spec": {"nodeName": taken, "containers": [{
+            "name": "c", "image": "busybox",
+            "resources": {"limits": {"nvidia.com/gpu": "2"}}}]}})
+    first, second = _job("first"), _job("second")
+    for job in (first, second):
+        simnodes.place_in_pool(job["spec"], pool)
+    op.create_job(first)
+    op.wait(lambda: len(_pods(op, "first")), lambda n: n == 3, "the first job's pods")
+    placed = {workload.pod_node(op.admin.sanitize_for_serialization(p))
+              for p in core.list_namespaced_pod(
+                  op.namespace, label_selector=f"{JOB_LABEL}=first,tessera.dev/role=trainer").items}
+    assert placed == set(free)
+    # half a node would fit beside the other pod by free GPUs alone: not a whole node
+    second["spec"] |= {"tensorParallelSize": 4, "gpusPerNode": 4, "totalGPUs": 4,
+                       "dataParallelReplicas": 1}
+    second["spec"]["failurePolicy"]["minTensorParallelSize"] = 2
+    op.create_job(second)
+    ready = op.wait(lambda: _ready(op, "second"), lambda c: c.get("reason") == "Unschedulable",
+                    "the second Unschedulable")
+    assert "whole nodes" in ready["message"]
+    assert _pods(op, "second") == []
