@@ -30,6 +30,20 @@ from tessera_contracts import vocabulary
 from tessera_contracts.vocabulary import BADPUT_CATEGORIES, LOST_PROGRESS
 
 RESTART = vocabulary.Phase.RESTART.value  # the badput of a job's pods replaced
+# Every node writes its report into one ConfigMap, and every write sends the whole object
+# (all nodes' reports, ~400 B each) to etcd and to each watcher: at 2,000 nodes that object is
+# ~800 kB, so a write per node per 1 s step would be 1.6 GB/s, and even one per node every
+# 10 s 160 MB/s. So a node writes when its state or generation changes and otherwise every
+# REPORT_EVERY_S, stretched so that the job's nodes together write at most JOB_WRITES_PER_S
+# times a second (16 MB/s there): `report_period`.
+REPORT_EVERY_S = 10.0
+JOB_WRITES_PER_S = 20.0
+
+
+def report_period(nodes: int) -> float:
+    """The longest a node's report goes unwritten while its state and generation hold, in a job
+    of `nodes` nodes: how far a report's step may lag its ranks."""
+    return max(REPORT_EVERY_S, nodes / JOB_WRITES_PER_S)
 
 
 class State(StrEnum):

@@ -201,11 +201,13 @@ def status(api: client.ApiClient, job: Mapping[str, Any], wanted: Mapping[str, A
 
 def events(job: Mapping[str, Any], found: tuple[Event, ...], logger: logging.Logger) -> None:
     """Post each event on the job (kopf.event, not kopf.info: the posting level keeps kopf's
-    own chatter out of Events); a new layout is logged too."""
+    own chatter out of Events); a new layout is logged too, naming the job (the logger may be
+    another object's: the event that triggered the reconcile)."""
+    meta = job["metadata"]
     for event in found:
         kopf.event(job, type=event.type, reason=event.reason, message=event.message)
         if event.reason == "LayoutChanged":
-            logger.info(event.message)
+            logger.info(f"job {meta['namespace']}/{meta['name']}: {event.message}")
 
 
 def _api_message(exc: ApiException) -> str:

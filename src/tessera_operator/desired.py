@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from datetime import datetime
@@ -149,7 +150,6 @@ def desired(spec: planner.JobSpec | planner.Problem, observed: Observed, now: da
         plan, problems = None, (planner.Problem("PodRejected", rejected), *problems)
     # 4. The trainers' progress drives the boosts and the step a planned switch happens at.
     reports = progress.read_reports(observed.reports, sorted(set(planned.placement.values())))
-    step = max((r.step for r in reports.values() if r is not None), default=0)
     layout_generation = int(previous.get("layoutGeneration", 0))
     targets: dict[str, PowerTarget] = {}
     layout: dict[str, Any] | None = None
@@ -157,7 +157,7 @@ def desired(spec: planner.JobSpec | planner.Problem, observed: Observed, now: da
     if plan is not None:
         try:
             plan, targets = _power(plan, observed, reports, planned.lost.failed)
-            layout, in_force = _generation(observed, plan, step, planned.lost.failed)
+            layout, in_force = _generation(observed, plan, reports, planned.lost.failed)
         except planner.SpecError as exc:
             plan, problems = None, (planner.Problem("InvalidSpec", str(exc)), *problems)
             targets = {}
@@ -412,13 +412,28 @@ def _counted_watts(current: Mapping[str, Mapping[str, Any]], lost: frozenset[pla
     return counted
 
 
-def _generation(observed: Observed, plan: planner.JobPlan, step: int,
+def planned_step(reports: Mapping[str, progress.NodeReport | None]) -> int:
+    """The step a planned change is published for: one the ranks have not passed yet, so that
+    they switch exactly there. A report is up to one report period old when it is read, so the
+    ranks may be that much further: the fastest pace reported tells how many steps that is.
+    Before any pace, the step reported (the ranks switch at the first boundary after it)."""
+    found = [r for r in reports.values() if r is not None]
+    step = max((r.step for r in found), default=0)
+    paces = [r.step_seconds for r in found if r.step_seconds]
+    if not paces:
+        return step
+    return step + math.ceil(progress.report_period(len(reports)) / min(paces)) + 1
+
+
+def _generation(observed: Observed, plan: planner.JobPlan,
+                reports: Mapping[str, progress.NodeReport | None],
                 lost: frozenset[planner.GpuId]
                 ) -> tuple[dict[str, Any] | None, Generation | None]:
     """The layout ConfigMap to publish (None: nothing new) and the generation in force then.
 
     A new generation follows the plan once the rendezvous pod has an address (planned changes
-    at `step`, the last one reported; `lost`: GPUs whose processes died with them).
+    at `planned_step`; `lost`: GPUs whose processes died with them), and never once a rank
+    reported the job's last step or for a switch after it.
     LayoutBlocked when the ConfigMap is someone else's (never overwritten nor adopted: an
     ownerReference would have the garbage collector delete it with the job), when the
     generation published is lost, or when the next one outgrows a ConfigMap."""
@@ -444,12 +459,15 @@ def _generation(observed: Observed, plan: planner.JobPlan, step: int,
         rendezvous = rendezvous or previous.rendezvous
     batch = int(job["spec"].get("globalBatch", workload.DEFAULT_GLOBAL_BATCH))
     following = workload.generation_for(plan, batch, rendezvous, previous,
-                                         [Gpu(n, i) for n, i in lost], at_step=step)
+                                         [Gpu(n, i) for n, i in lost],
+                                         at_step=planned_step(reports))
     if following is None:
         return None, previous
-    if previous is not None and step >= int(job["spec"]["steps"]):
-        # a rank reported the job's last step: the others finish it in the generation in force,
-        # and a new one would start ranks (a GPU back) that nobody comes to meet
+    steps = int(job["spec"]["steps"])
+    reported = max((r.step for r in reports.values() if r is not None), default=0)
+    if previous is not None and (reported >= steps or (following.at_step or 0) >= steps):
+        # The ranks finish the job in the generation in force: a new one would start ranks (a
+        # GPU back) that nobody comes to meet.
         return None, previous
     try:
         generation_layout(following)  # what every rank computes from it

@@ -267,6 +267,12 @@ def _reconcile_watched(memo: kopf.Memo, key: JobKey, logger: logging.Logger,
                        f"{RETRY_DELAY_S:.0f} s: {_reason(exc)}")
         memo.queue.after(key, RETRY_DELAY_S,
                          lambda: _reconcile_watched(memo, key, logger, indices))
+    except Exception:
+        # A fault of the operator's, not of the API: retried at the resync, not in a loop.
+        logger.exception(f"reconcile of job {key[0]}/{key[1]} failed, again in "
+                         f"{reconcile.RESYNC_INTERVAL_S:.0f} s")
+        memo.queue.after(key, reconcile.RESYNC_INTERVAL_S,
+                         lambda: _reconcile_watched(memo, key, logger, indices))
 
 
 def _reason(exc: Exception) -> str:

@@ -342,3 +342,15 @@ def test_the_rejection_and_the_edited_fields_are_named_in_the_conditions() -> No
     assert current["message"].startswith("spec.image changed since the running pods were made")
     assert "spec.template" not in current["message"]
     assert ("Warning", "RestartPending") in {(e.type, e.reason) for e in edited.events}
+
+
+def test_a_planned_switch_is_published_for_a_step_the_ranks_have_not_passed() -> None:
+    # Reports are up to one report period (10 s) old when read: at 0.5 s a step the ranks may
+    # be 20 steps further, so the switch is planned one step past that.
+    slow = NodeReport("a", 1, 100, 1000, State.TRAINING, step_seconds=1.0)
+    fast = NodeReport("b", 1, 98, 1000, State.TRAINING, step_seconds=0.5)
+    assert desired.planned_step({"a": slow, "b": fast}) == 100 + 20 + 1
+    # before any pace: the step reported, the ranks switching at the first boundary after it
+    starting = NodeReport("a", 1, 3, 1000, State.TRAINING)
+    assert desired.planned_step({"a": starting, "b": None}) == 3
+    assert desired.planned_step({}) == 0

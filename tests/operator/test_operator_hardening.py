@@ -89,6 +89,9 @@ UNRUNNABLE = {
         lambda s: s["template"]["spec"]["containers"][0]["env"].append(
             {"name": "A=B", "value": "1"}), "PodRejected", 'name: Invalid value: "A=B"'),
     "image of one space": (lambda s: s.update(image=" "), "PodRejected", "image"),
+    "cpu: lots": (
+        lambda s: s["template"]["spec"]["containers"][0]["resources"]["requests"].update(
+            cpu="lots"), "PodRejected", "quantities must match"),
 }
 
 

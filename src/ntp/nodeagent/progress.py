@@ -10,7 +10,7 @@ from collections import deque
 from collections.abc import Callable
 
 from tessera_contracts.generation import Generation
-from tessera_contracts.progress import NodeReport, State
+from tessera_contracts.progress import NodeReport, State, report_period
 from tessera_contracts.rank_events import (
     EventKind,
     RankEvent,
@@ -26,14 +26,6 @@ log = logging.getLogger("ntp.nodeagent.agent")
 # The report's step time is the mean of this many recent steps, and its compute time that of
 # every rank of the node over as many recent steps of the generation they run.
 RECENT_STEPS = 20
-# Every node writes its report into one ConfigMap, and every write sends the whole object
-# (all nodes' reports, ~400 B each) to etcd and to each watcher: at 2,000 nodes that object is
-# ~800 kB, so a write per node per 1 s step would be 1.6 GB/s, and even one per node every
-# 10 s 160 MB/s. So a node writes when its state or generation changes and otherwise every
-# REPORT_EVERY_S, stretched so that the job's nodes together write at most JOB_WRITES_PER_S
-# times a second (16 MB/s there).
-REPORT_EVERY_S = 10.0
-JOB_WRITES_PER_S = 20.0
 # How long a rank's exit waits for the agent to read the rest of its output (a process it
 # started could keep the pipe open).
 RELAY_GRACE_S = 5.0
@@ -212,7 +204,7 @@ class NodeProgress:
 class Reporter:
     """Publishes the node's report from a thread of its own, so that a slow or unreachable
     API never holds up the agent's loop (which reaps ranks and reports their deaths): at once
-    when the state or generation changes, otherwise every `period_s` (see REPORT_EVERY_S).
+    when the state or generation changes, otherwise every `period_s` (`progress.report_period`).
     A failed write is logged; the next report retries."""
 
     def __init__(self, progress: NodeProgress, publish: Callable[[NodeReport], None] | None,
@@ -220,7 +212,7 @@ class Reporter:
         self.progress = progress
         self.publish = publish
         self.clock = clock
-        self.period_s = REPORT_EVERY_S
+        self.period_s = report_period(1)
         self._sent: tuple[tuple[State, int], float] | None = None
         self._pending: NodeReport | None = None
         self._closed = False
@@ -232,7 +224,7 @@ class Reporter:
 
     def job_nodes(self, count: int) -> None:
         """The job runs on `count` nodes: stretch the period to keep its writes bounded."""
-        self.period_s = max(REPORT_EVERY_S, count / JOB_WRITES_PER_S)
+        self.period_s = report_period(count)
 
     def due(self) -> bool:
         """Whether a report is due now; if so, it counts as sent."""
