@@ -149,7 +149,9 @@ def desired(spec: planner.JobSpec | planner.Problem, observed: Observed, now: da
     if rejected is not None:
         plan, problems = None, (planner.Problem("PodRejected", rejected), *problems)
     # 4. The trainers' progress drives the boosts and the step a planned switch happens at.
-    reports = progress.read_reports(observed.reports, sorted(set(planned.placement.values())))
+    reports, refused_reports = _agreed(
+        progress.read_reports(observed.reports, sorted(set(planned.placement.values()))),
+        observed)
     layout_generation = int(previous.get("layoutGeneration", 0))
     targets: dict[str, PowerTarget] = {}
     layout: dict[str, Any] | None = None
@@ -167,7 +169,7 @@ def desired(spec: planner.JobSpec | planner.Problem, observed: Observed, now: da
     if in_force is not None:
         layout_generation = in_force.generation
     # 5. The status, rebuilt; an event per decision.
-    notes = planned.signal.problems
+    notes = (*planned.signal.problems, *refused_reports)
     held: tuple[str, ...] = ()
     if refused is None:
         held = plan_sync(observed.targets, list(targets.values())).held
@@ -189,6 +191,31 @@ def desired(spec: planner.JobSpec | planner.Problem, observed: Observed, now: da
     return Desired(planned.placement, _children(job, planned.placement, life.attempt), layout,
                    observed.layout.resource_version, targets, held, status,
                    (*events, *_condition_events(previous, status)), delete_configmaps=stale)
+
+
+def _agreed(reports: Mapping[str, progress.NodeReport | None], observed: Observed
+            ) -> tuple[dict[str, progress.NodeReport | None], tuple[str, ...]]:
+    """The reports that agree with what the node's ranks were told, and a line for each one
+    refused (read as no report): a node's pod writes its own report, so it can claim anything
+    of itself, but not a job of other steps than its pods run, nor to have finished short of
+    them. The job's step is then the lowest node's, and its success every trainer pod's."""
+    told = {workload.until_step(pod) for pod in workload.trainer_pods(observed.pods, observed.job)}
+    until = told.pop() if len(told) == 1 else None
+    agreed: dict[str, progress.NodeReport | None] = {}
+    refused = []
+    for node, report in reports.items():
+        agreed[node] = report
+        if report is None or until is None:
+            continue
+        if report.steps != until:
+            why = f"it claims a job of {report.steps} steps, its pods run {until}"
+        elif report.state is progress.State.FINISHED and report.step < until:
+            why = f"it claims to have finished at step {report.step} of {until}"
+        else:
+            continue
+        agreed[node] = None
+        refused.append(f"node {node}'s progress report refused: {why}")
+    return agreed, tuple(refused)
 
 
 def _life(observed: Observed, now: datetime) -> Lifecycle:

@@ -35,7 +35,7 @@ from tessera_contracts.generation import (
     layout_configmap,
     next_generation,
 )
-from tessera_contracts.invocation import AgentInvocation
+from tessera_contracts.invocation import AgentInvocation, InvocationError
 from tessera_contracts.progress import progress_configmap as progress_name
 from tessera_operator.planner import JobPlan, JobSpec, Problem
 
@@ -192,6 +192,18 @@ def place(spec: JobSpec, nodes: int, candidates: Sequence[NodeView]) -> tuple[st
             f"domain); found {len(usable)} such nodes of {len(candidates)} matching the job's "
             f"nodeSelector, in {len(domains)} domains"))
     return tuple(chosen)
+
+
+def until_step(pod: Mapping[str, Any]) -> int | None:
+    """The job's last step as a trainer pod's node agent was told it (None: not a trainer pod
+    this operator made, or args it cannot read)."""
+    for container in (pod.get("spec") or {}).get("containers") or []:
+        if container.get("name") == TRAINER:
+            try:
+                return AgentInvocation.from_args(container.get("args") or []).until_step
+            except InvocationError:
+                return None
+    return None
 
 
 def trainer_pods(pods: Iterable[Mapping[str, Any]], job: Mapping[str, Any]

@@ -354,3 +354,16 @@ def test_a_planned_switch_is_published_for_a_step_the_ranks_have_not_passed() ->
     starting = NodeReport("a", 1, 3, 1000, State.TRAINING)
     assert desired.planned_step({"a": starting, "b": None}) == 3
     assert desired.planned_step({}) == 0
+
+
+@pytest.mark.parametrize("forged", [
+    NodeReport(B, 1, 999_999, 999_999, State.FINISHED),  # another job's steps
+    NodeReport(B, 1, 500, 1000, State.FINISHED),  # finished short of the steps
+])
+def test_a_report_that_disagrees_with_its_pods_is_refused(forged: NodeReport) -> None:
+    observed = replace(TRAINING, reports=dict([_report(A, 118),
+                                               (report_key(B), forged.to_json())]))
+    status = _desired(observed, NOW).status
+    ready = next(c for c in status["conditions"] if c["type"] == "Ready")
+    assert f"node {B}'s progress report refused" in ready["message"]
+    assert status["step"] == 118 and status["phase"] == "Reconfiguring"
