@@ -102,6 +102,9 @@ class NodeReport:
     productive_seconds: float = 0.0
     wall_seconds: float = 0.0
     badput_seconds: Mapping[str, float] = field(default_factory=dict)
+    # When the report was made (Unix seconds, the node's clock); None: not said. How far its
+    # step may lag the ranks when it is read (`progress_age`).
+    reported_at: float | None = None
 
     def __post_init__(self) -> None:
         _check(self.to_dict())  # one validation, whoever builds the report
@@ -134,6 +137,8 @@ class NodeReport:
             "wallSeconds": self.wall_seconds,
             "badputSeconds": dict(self.badput_seconds),
         }
+        if self.reported_at is not None:
+            out["reportedAt"] = self.reported_at
         return out
 
     @classmethod
@@ -155,6 +160,7 @@ class NodeReport:
             productive_seconds=d.get("productiveSeconds", 0.0),
             wall_seconds=d.get("wallSeconds", 0.0),
             badput_seconds=dict(d.get("badputSeconds", {})),
+            reported_at=d.get("reportedAt"),
         )
 
     def to_json(self) -> str:
@@ -192,7 +198,7 @@ def _check(document: object) -> Mapping[str, Any]:
         raise ReportError(f"state: one of {', '.join(State)}, got {d['state']!r}")
     if not isinstance(d.get("message", ""), str):
         raise ReportError(f"message: a string, got {d['message']!r}")
-    for key in ("stepSeconds", "computeSeconds"):
+    for key in ("stepSeconds", "computeSeconds", "reportedAt"):
         if d.get(key) is not None:
             _seconds(d, key)
     if not 0.0 <= _seconds(d, "goodput") <= 1.0:

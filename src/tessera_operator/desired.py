@@ -159,7 +159,7 @@ def desired(spec: planner.JobSpec | planner.Problem, observed: Observed, now: da
     if plan is not None:
         try:
             plan, targets = _power(plan, observed, reports, planned.lost.failed)
-            layout, in_force = _generation(observed, plan, reports, planned.lost.failed)
+            layout, in_force = _generation(observed, plan, reports, planned.lost.failed, now)
         except planner.SpecError as exc:
             plan, problems = None, (planner.Problem("InvalidSpec", str(exc)), *problems)
             targets = {}
@@ -439,22 +439,34 @@ def _counted_watts(current: Mapping[str, Mapping[str, Any]], lost: frozenset[pla
     return counted
 
 
-def planned_step(reports: Mapping[str, progress.NodeReport | None]) -> int:
-    """The step a planned change is published for: one the ranks have not passed yet, so that
-    they switch exactly there. A report is up to one report period old when it is read, so the
-    ranks may be that much further: the fastest pace reported tells how many steps that is.
-    Before any pace, the step reported (the ranks switch at the first boundary after it)."""
+# Between a report's reading and its generation reaching every rank: the status and document
+# writes, the node agents' watch and their copy for the ranks.
+PUBLISH_LEAD_S = 2.0
+
+
+def planned_step(reports: Mapping[str, progress.NodeReport | None], now: float) -> int:
+    """The step a planned change is published for (`now`: Unix seconds): one the ranks have
+    not reached yet, so that they switch exactly there. They may be past the last step reported
+    by what they trained since (the report's age, at most one report period; the whole period
+    for a report that does not say when it was made) and until the document reaches them
+    (PUBLISH_LEAD_S), at the fastest pace reported. Before any pace, the step reported (the
+    ranks switch at the first boundary after it)."""
     found = [r for r in reports.values() if r is not None]
-    step = max((r.step for r in found), default=0)
+    if not found:
+        return 0
+    newest = max(found, key=lambda r: r.step)
     paces = [r.step_seconds for r in found if r.step_seconds]
     if not paces:
-        return step
-    return step + math.ceil(progress.report_period(len(reports)) / min(paces)) + 1
+        return newest.step
+    period = progress.report_period(len(reports))
+    age = period if newest.reported_at is None else min(max(now - newest.reported_at, 0.0),
+                                                        period)
+    return newest.step + math.ceil((age + PUBLISH_LEAD_S) / min(paces))
 
 
 def _generation(observed: Observed, plan: planner.JobPlan,
                 reports: Mapping[str, progress.NodeReport | None],
-                lost: frozenset[planner.GpuId]
+                lost: frozenset[planner.GpuId], now: datetime
                 ) -> tuple[dict[str, Any] | None, Generation | None]:
     """The layout ConfigMap to publish (None: nothing new) and the generation in force then.
 
@@ -487,7 +499,7 @@ def _generation(observed: Observed, plan: planner.JobPlan,
     batch = int(job["spec"].get("globalBatch", workload.DEFAULT_GLOBAL_BATCH))
     following = workload.generation_for(plan, batch, rendezvous, previous,
                                          [Gpu(n, i) for n, i in lost],
-                                         at_step=planned_step(reports))
+                                         at_step=planned_step(reports, now.timestamp()))
     if following is None:
         return None, previous
     steps = int(job["spec"]["steps"])

@@ -345,15 +345,22 @@ def test_the_rejection_and_the_edited_fields_are_named_in_the_conditions() -> No
 
 
 def test_a_planned_switch_is_published_for_a_step_the_ranks_have_not_passed() -> None:
-    # Reports are up to one report period (10 s) old when read: at 0.5 s a step the ranks may
-    # be 20 steps further, so the switch is planned one step past that.
-    slow = NodeReport("a", 1, 100, 1000, State.TRAINING, step_seconds=1.0)
-    fast = NodeReport("b", 1, 98, 1000, State.TRAINING, step_seconds=0.5)
-    assert desired.planned_step({"a": slow, "b": fast}) == 100 + 20 + 1
+    now = NOW.timestamp()
+    # Read 3 s after it was made, at 0.5 s a step at the fastest: the ranks may be 6 steps past
+    # the newest report, and 4 more before the document reaches them.
+    fresh = NodeReport("a", 1, 100, 1000, State.TRAINING, step_seconds=1.0, reported_at=now - 3)
+    fast = NodeReport("b", 1, 98, 1000, State.TRAINING, step_seconds=0.5, reported_at=now - 9)
+    assert desired.planned_step({"a": fresh, "b": fast}, now) == 100 + 6 + 4
+    # a report that does not say when: a whole report period (10 s) old
+    unstamped = replace(fresh, reported_at=None)
+    assert desired.planned_step({"a": unstamped, "b": fast}, now) == 100 + 20 + 4
+    # a clock ahead or far behind counts as no older than 0 s or one period
+    ahead = replace(fresh, reported_at=now + 60)
+    assert desired.planned_step({"a": ahead, "b": fast}, now) == 100 + 0 + 4
     # before any pace: the step reported, the ranks switching at the first boundary after it
     starting = NodeReport("a", 1, 3, 1000, State.TRAINING)
-    assert desired.planned_step({"a": starting, "b": None}) == 3
-    assert desired.planned_step({}) == 0
+    assert desired.planned_step({"a": starting, "b": None}, now) == 3
+    assert desired.planned_step({}, now) == 0
 
 
 @pytest.mark.parametrize("forged", [

@@ -8,6 +8,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import replace
 
 from tessera_contracts.generation import Generation
 from tessera_contracts.progress import NodeReport, State, report_period
@@ -254,7 +255,8 @@ class Reporter:
     def _write(self, report: NodeReport) -> None:
         assert self.publish is not None
         try:
-            self.publish(report)
+            # stamped as it leaves: the operator reads from it how far the ranks may be past it
+            self.publish(replace(report, reported_at=round(time.time(), 3)))
         except Exception as exc:  # the API, a full disk: the next report retries
             status = getattr(exc, "status", None)  # an API error's HTTP status and reason
             why = f"{status} {getattr(exc, 'reason', '')}" if status is not None \
