@@ -37,9 +37,12 @@ def _plan(budget: int | None = 5600, failed: frozenset = frozenset({("a", 3)})) 
     return plan(spec, {"a": "a", "b": "b"}, failed)
 
 
+STEPS = 100_000
+
+
 def _report(node: str, step: int, compute_s: float | None,
             state: State = State.TRAINING) -> NodeReport:
-    return NodeReport(node=node, generation=2, step=step, steps=100_000, state=state,
+    return NodeReport(node=node, generation=2, step=step, steps=STEPS, state=state,
                       compute_seconds=compute_s)
 
 
@@ -196,6 +199,7 @@ def test_progress_reports_move_the_reduced_replicas_power(running_operator: Runn
         node_a, {"metadata": {"annotations": {"tessera.dev/cordoned-gpus": "3"}}})
     body = copy.deepcopy(EXAMPLE)
     body["metadata"] = {"name": job}
+    body["spec"]["steps"] = STEPS  # what the reports below say the ranks were told
     simnodes.place_in_pool(body["spec"], job)
     policy = body["spec"]["powerPolicy"]
     policy["rackBudgetWatts"] = 8 * policy["boostCapWatts"]  # the budget is not what binds
