@@ -92,7 +92,7 @@ def _create_pod(api: client.ApiClient, pod: Mapping[str, Any], dry_run: bool = F
             _request_timeout=API_TIMEOUT_S, **({"dry_run": "All"} if dry_run else {}))
     except ApiException as exc:
         if exc.status in REFUSED:
-            return f"pod {pod['metadata']['name']}: {_api_message(exc)}"
+            return f"pod {pod['metadata']['name']}: {api_message(exc)}"
         if exc.status != 409:
             raise
     return None
@@ -169,7 +169,7 @@ def power(api: client.ApiClient, observed: Observed, wanted: Desired) -> str | N
     except ApiException as exc:
         if exc.status not in (400, 422):
             raise
-        return _api_message(exc)
+        return api_message(exc)
     return None
 
 
@@ -210,7 +210,8 @@ def events(job: Mapping[str, Any], found: tuple[Event, ...], logger: logging.Log
             logger.info(f"job {meta['namespace']}/{meta['name']}: {event.message}")
 
 
-def _api_message(exc: ApiException) -> str:
+def api_message(exc: ApiException) -> str:
+    """What the API server said (its Status message), else the status and reason."""
     try:
         return str(json.loads(exc.body)["message"])
     except (TypeError, ValueError, KeyError):

@@ -22,7 +22,6 @@ and the writes it does not make go to a thread.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -276,10 +275,4 @@ def _reconcile_watched(memo: kopf.Memo, key: JobKey, logger: logging.Logger,
 
 
 def _reason(exc: Exception) -> str:
-    """What the API server said (its Status message), else the error."""
-    if isinstance(exc, ApiException):
-        try:
-            return f"{exc.status} {json.loads(exc.body or '')['message']}"
-        except (ValueError, KeyError, TypeError):
-            return f"{exc.status} {exc.reason}"
-    return str(exc)
+    return apply.api_message(exc) if isinstance(exc, ApiException) else str(exc)

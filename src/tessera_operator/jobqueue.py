@@ -36,9 +36,9 @@ class JobQueue:
         self._locks: defaultdict[JobKey, threading.Lock] = defaultdict(threading.Lock)
         self._waiting: set[JobKey] = set()
         self._held: set[JobKey] = set()
-        # key -> (when, sequence, run): the one timed reconcile each job waits for; the heap
-        # holds (when, sequence, key), entries whose sequence is no longer the key's are stale.
-        self._due: dict[JobKey, tuple[float, int, Callable[[], object]]] = {}
+        # key -> (sequence, run): the one timed reconcile each job waits for; the heap holds
+        # (when, sequence, key), entries whose sequence is no longer the key's are stale.
+        self._due: dict[JobKey, tuple[int, Callable[[], object]]] = {}
         self._heap: list[tuple[float, int, JobKey]] = []
         self._sequence = 0
         self._wake = threading.Condition(self._guard)
@@ -87,7 +87,7 @@ class JobQueue:
         with self._guard:
             self._sequence += 1
             when = time.monotonic() + max(0.0, seconds)
-            self._due[key] = (when, self._sequence, run)
+            self._due[key] = (self._sequence, run)
             heapq.heappush(self._heap, (when, self._sequence, key))
             if self._clock is None:
                 self._clock = threading.Thread(target=self._tick, name="job-queue-clock",
@@ -104,7 +104,7 @@ class JobQueue:
     def _next_due(self) -> Callable[[], object]:
         """Wait (holding the guard's condition) for the earliest timed reconcile, and take it."""
         while True:
-            while self._heap and self._due.get(self._heap[0][2], (0, -1))[1] != self._heap[0][1]:
+            while self._heap and self._due.get(self._heap[0][2], (-1,))[0] != self._heap[0][1]:
                 heapq.heappop(self._heap)
             if not self._heap:
                 self._wake.wait()
@@ -115,7 +115,7 @@ class JobQueue:
                 self._wake.wait(delay)
                 continue
             heapq.heappop(self._heap)
-            return self._due.pop(key)[2]
+            return self._due.pop(key)[1]
 
     def forget(self, key: JobKey) -> None:
         """The job is gone: keep nothing of it."""
