@@ -1,128 +1,357 @@
-"""Layout-independent checkpoints: gather any layout into one dense state dict, load into any."""
+"""Sharded checkpoints (torch.distributed.checkpoint): each rank writes the units it holds, and a
+rank of any later layout reads only the units it needs.
+
+A job's checkpoint directory holds complete checkpoints `step-00000016/` (DCP's files and
+`.metadata`, plus `tessera.json`: step, data position, model arguments, layout). One is written
+as `step-00000016.partial/` and renamed once every rank's part and the metadata are on disk, so a
+half-written checkpoint is never loaded; the last `keep` are kept.
+
+Keys are `model/<name>`, `exp_avg/<name>` and `exp_avg_sq/<name>` with the dense (whole-model)
+shape, and `rng/cpu`. A rank's local tensor goes in as it is, with the DCP "checkpointable
+tensor" fields saying which runs of its rows or columns are which global ones: NTP holds any set
+of units, so one local tensor is several chunks, and nothing is gathered or copied dense.
+Replica 0 writes (each unit once: KV copies at their lowest holder, replicated tensors at its
+rank 0); every replica holds the same state.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import json
+import os
+import re
+import shutil
+import warnings
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed import ProcessGroup
 
-from ntp.sharding import (
-    counted_units,
-    dense_shape,
-    element_index,
-    local_index,
-    shard_tensor,
-    spec_of,
-)
+from ntp.model import ModelArgs
+from ntp.sharding import counted_units, dense_shape, local_positions, spec_of, unit_size
 from tessera_contracts.model_shape import ModelShape
 from tessera_core.plan import RankShard
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
-DenseState = dict[str, Any]  # {"model": {name: tensor}, "optimizer": {...} | None}
+PARTS = ("model", *MOMENTS)
+INFO = "tessera.json"
+PARTIAL = ".partial"
+_NAME = re.compile(r"step-(\d{8})")
 
 
-def gather_tensor(
-    name: str,
-    local: torch.Tensor,
-    shape: ModelShape,
-    shards: Sequence[RankShard],
-    rank: int,
-    group: ProcessGroup,
-) -> torch.Tensor | None:
-    """The dense tensor (on the CPU) of a parameter-shaped local tensor, at rank 0 of the TP
-    group; None on the other ranks. Every rank of the group calls it."""
+class CheckpointError(ValueError):
+    """A checkpoint that does not fit the model, or a path that holds none."""
+
+
+def checkpoint_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def is_complete(path: Path) -> bool:
+    return _NAME.fullmatch(path.name) is not None and (path / INFO).is_file()
+
+
+def latest(path: Path) -> Path | None:
+    """The newest complete checkpoint under a job's checkpoint directory, or `path` itself
+    when it is one; None when there is none yet."""
+    if is_complete(path):
+        return path
+    if not path.is_dir():
+        return None
+    done = sorted(p for p in path.iterdir() if p.is_dir() and is_complete(p))
+    return done[-1] if done else None
+
+
+def read_info(checkpoint: Path) -> dict[str, Any]:
+    return json.loads((checkpoint / INFO).read_text())
+
+
+def read_args(checkpoint: Path) -> ModelArgs:
+    return ModelArgs(**read_info(checkpoint)["model"])
+
+
+@contextmanager
+def _one_process() -> Iterator[None]:
+    """DCP without a process group, on purpose: every rank reads on its own, and the tools run
+    in one process (DCP warns that it assumes so)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        yield
+
+
+def _key(part: str, name: str) -> str:
+    return f"{part}/{name}"
+
+
+# -- a local tensor as chunks of the dense one -------------------------------------------------
+
+
+def _runs(ids: Sequence[int], positions: Sequence[int]) -> list[tuple[int, int, int]]:
+    """(first id, first local position, length) of each run consecutive in both."""
+    runs: list[tuple[int, int, int]] = []
+    for u, pos in zip(ids, positions, strict=True):
+        if runs and runs[-1][0] + runs[-1][2] == u and runs[-1][1] + runs[-1][2] == pos:
+            first, at, n = runs[-1]
+            runs[-1] = (first, at, n + 1)
+        else:
+            runs.append((u, pos, 1))
+    return runs
+
+
+def as_chunks(
+    t: torch.Tensor, name: str, shape: ModelShape, held: Sequence[int], units: Sequence[int]
+) -> torch.Tensor:
+    """An alias of the local tensor `t` (holding `held`) that DCP writes or reads as the
+    chunks of `units` of the dense tensor."""
     spec = spec_of(name)
-    if spec is None:
-        return local.detach().cpu().clone() if rank == 0 else None
-    held = shards[rank].units(spec.kind)
-    mine = counted_units(shards, rank, spec.kind)
-    dense = local.new_zeros(dense_shape(shape, name, local.shape))
-    values = local.detach().index_select(
-        spec.dim, local_index(shape, spec.kind, held, mine, local.device)
-    )
-    dense.index_copy_(spec.dim, element_index(shape, spec.kind, mine).to(local.device), values)
-    if dist.get_world_size(group) > 1:
-        dist.reduce(dense, dst=dist.get_global_rank(group, 0), group=group)
-    return dense.cpu() if rank == 0 else None
+    assert spec is not None
+    size = unit_size(shape, spec.kind)
+    alias = t.detach().view_as(t)
+    offsets, local, sizes = [], [], []
+    for first, at, n in _runs(list(units), local_positions(held, units)):
+        o, lo, sz = [0] * t.dim(), [0] * t.dim(), list(t.shape)
+        o[spec.dim], lo[spec.dim], sz[spec.dim] = first * size, at * size, n * size
+        offsets.append(tuple(o))
+        local.append(tuple(lo))
+        sizes.append(tuple(sz))
+    alias.global_shape = tuple(dense_shape(shape, name, t.shape))
+    alias.global_offsets = tuple(offsets)
+    alias.local_offsets = tuple(local)
+    alias.local_sizes = tuple(sizes)
+    return alias
 
 
-def _named_state(
-    model: nn.Module, optimizer: torch.optim.Optimizer | None
-) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]] | None, float | None]:
-    params = dict(model.named_parameters())
-    if optimizer is None or not optimizer.state:
-        return params, None, None
-    moments = {m: {n: optimizer.state[p][m] for n, p in params.items()} for m in MOMENTS}
-    step = float(next(iter(optimizer.state.values()))["step"])
-    return params, moments, step
+def _tensors(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> Iterator[
+    tuple[str, str, torch.Tensor]
+]:
+    """(part, parameter name, tensor) for weights and, where the optimizer has them, moments."""
+    for name, p in model.named_parameters():
+        yield "model", name, p
+        state = {} if optimizer is None else optimizer.state.get(p, {})
+        for m in MOMENTS:
+            if m in state:
+                yield m, name, state[m]
 
 
-def gather_checkpoint(
+def save_state(
     model: nn.Module,
     optimizer: torch.optim.Optimizer | None,
     shape: ModelShape,
     shards: Sequence[RankShard],
     rank: int,
-    group: ProcessGroup,
-) -> DenseState | None:
-    """Dense weights and AdamW state of a sharded model, at rank 0 of its TP group (None
-    elsewhere; every rank of the group calls it)."""
+) -> dict[str, torch.Tensor]:
+    """What rank `rank` of replica 0 writes: its counted units and, at rank 0, the replicated
+    tensors and the RNG state. Views of the live tensors (stage them before training on)."""
+    state: dict[str, torch.Tensor] = {}
+    held = shards[rank]
+    for part, name, t in _tensors(model, optimizer):
+        spec = spec_of(name)
+        if spec is None:
+            if rank == 0:
+                state[_key(part, name)] = t.detach()
+            continue
+        units = counted_units(shards, rank, spec.kind)
+        if units:
+            state[_key(part, name)] = as_chunks(t, name, shape, held.units(spec.kind), units)
+    if rank == 0:
+        state["rng/cpu"] = torch.get_rng_state()
+    return state
 
-    def gather(named: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor | None]:
-        return {n: gather_tensor(n, t, shape, shards, rank, group) for n, t in named.items()}
 
-    params, moments, step = _named_state(model, optimizer)
-    weights = gather(params)  # collective on every rank, so before deciding what to return
-    optim = None if moments is None else {m: gather(moments[m]) for m in MOMENTS} | {"step": step}
-    return {"model": weights, "optimizer": optim} if rank == 0 else None
+def staged(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A CPU copy of `state` keeping each tensor's chunk fields: what an asynchronous save
+    writes while training goes on."""
+    out = {}
+    for key, t in state.items():
+        copy = t.detach().to("cpu", copy=True)
+        for attr in ("global_shape", "global_offsets", "local_offsets", "local_sizes"):
+            if hasattr(t, attr):
+                setattr(copy, attr, getattr(t, attr))
+        out[key] = copy
+    return out
 
 
-def _check_shape(name: str, what: str, got: torch.Tensor, want: torch.Size) -> None:
-    if got.shape != want:
-        raise ValueError(
-            f"checkpoint {what} {name!r} has shape {tuple(got.shape)}, this model needs "
-            f"{tuple(want)}: the checkpoint is from a model of another shape"
+# -- load into any layout ----------------------------------------------------------------------
+
+
+def _check_fits(
+    checkpoint: Path, stored: Mapping[str, Any], model: nn.Module, shape: ModelShape
+) -> bool:
+    """Refuse a checkpoint of another model; True when it holds the AdamW moments too."""
+    names = [n for n, _ in model.named_parameters()]
+    missing = [n for n in names if _key("model", n) not in stored]
+    if missing:
+        raise CheckpointError(
+            f"checkpoint {checkpoint} lacks {len(missing)} of the model's weights "
+            f"(e.g. {missing[0]}): it is of another model"
         )
+    for name, p in model.named_parameters():
+        want = tuple(dense_shape(shape, name, p.shape))
+        got = tuple(stored[_key("model", name)].size)
+        if got != want:
+            raise CheckpointError(
+                f"checkpoint {checkpoint} has {name} of shape {got}, this model needs {want}: "
+                "the checkpoint is of a model of another shape"
+            )
+    return all(_key(m, n) in stored for m in MOMENTS for n in names)
 
 
-def load_checkpoint(
+def load_state(
+    checkpoint: Path,
     model: nn.Module,
     optimizer: torch.optim.Optimizer | None,
-    state: DenseState,
     shape: ModelShape,
     shard: RankShard,
-) -> None:
-    """Load a dense checkpoint into a model of any layout; its optimizer state too when
-    `optimizer` is given and the checkpoint has it. Every tensor is checked against the model's
-    dense shape before anything is written."""
-    params = dict(model.named_parameters())
-    if set(params) != set(state["model"]):
-        raise ValueError(
-            f"checkpoint parameters differ from the model's: "
-            f"{sorted(set(params) ^ set(state['model']))[:5]}"
-        )
-    optim = None if optimizer is None else state.get("optimizer")
-    for name, p in params.items():
-        want = dense_shape(shape, name, p.shape)
-        _check_shape(name, "weight", state["model"][name], want)
-        for m in MOMENTS if optim is not None else ():
-            _check_shape(name, m, optim[m][name], want)
+) -> dict[str, Any]:
+    """Read this rank's units of a checkpoint into a model of any layout (and its AdamW moments
+    when `optimizer` is given and the checkpoint has them); returns the checkpoint's info.
 
-    def cut(name: str, full: torch.Tensor) -> torch.Tensor:
-        spec = spec_of(name)
-        return full.detach().clone() if spec is None else shard_tensor(full, shape, spec, shard)
-
+    Every rank reads on its own (no collective): only the chunks overlapping its units."""
+    reader = dcp.FileSystemReader(checkpoint)
+    stored = reader.read_metadata().state_dict_metadata
+    with_moments = _check_fits(checkpoint, stored, model, shape) and optimizer is not None
+    info = read_info(checkpoint)
+    if with_moments:
+        assert optimizer is not None
+        for p in model.parameters():
+            optimizer.state[p] = {
+                "step": torch.tensor(float(info["step"])),
+                **{m: torch.zeros_like(p) for m in MOMENTS},
+            }
+    state: dict[str, torch.Tensor] = {}
     with torch.no_grad():
-        for name, p in params.items():
-            p.copy_(cut(name, state["model"][name]))  # copy_ moves devices
-    if optimizer is None or optim is None:
-        return
-    for name, p in params.items():
-        optimizer.state[p] = {
-            "step": torch.tensor(float(optim["step"])),
-            **{m: cut(name, optim[m][name]).to(p.device) for m in MOMENTS},
-        }
+        for part, name, t in _tensors(model, optimizer if with_moments else None):
+            spec = spec_of(name)
+            held = () if spec is None else shard.units(spec.kind)
+            state[_key(part, name)] = (
+                t.detach() if spec is None else as_chunks(t, name, shape, held, held)
+            )
+        if "rng/cpu" in stored:
+            state["rng/cpu"] = torch.get_rng_state()
+        with _one_process():
+            dcp.load(state, storage_reader=reader, no_dist=True)
+    if "rng/cpu" in state:
+        torch.set_rng_state(state["rng/cpu"])
+    return info
+
+
+# -- one process: dense tensors in and out (Hugging Face import and export) -------------------
+
+
+def write_dense(
+    root: Path, tensors: Iterable[tuple[str, torch.Tensor]], args: ModelArgs, step: int = 0
+) -> Path:
+    """A complete checkpoint of dense weights (no optimizer state) at root/step-NNNNNNNN, written
+    by this one process; returns its path."""
+    state = {_key("model", name): t.detach().cpu().contiguous() for name, t in tensors}
+    final = root / checkpoint_name(step)
+    partial = final.with_name(final.name + PARTIAL)
+    shutil.rmtree(partial, ignore_errors=True)
+    with _one_process():
+        dcp.save(state, checkpoint_id=partial, no_dist=True)
+    return _commit(partial, final, {"step": step, "samples": 0, "model": asdict(args)})
+
+
+def iter_dense(checkpoint: Path, part: str = "model") -> Iterator[tuple[str, torch.Tensor]]:
+    """The dense tensors of one part ("model", "exp_avg" or "exp_avg_sq"), one at a time."""
+    reader = dcp.FileSystemReader(checkpoint)
+    stored = reader.read_metadata().state_dict_metadata
+    prefix = f"{part}/"
+    for key in sorted(k for k in stored if k.startswith(prefix)):
+        meta = stored[key]
+        t = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
+        with _one_process():
+            dcp.load({key: t}, storage_reader=dcp.FileSystemReader(checkpoint), no_dist=True)
+        yield key[len(prefix):], t
+
+
+def dense_state(checkpoint: Path) -> dict[str, Any]:
+    """The whole checkpoint dense, {"model": {...}, "optimizer": {moment: {...}, "step"} | None}:
+    for tests and tools on small models (a training rank never builds it)."""
+    moments = {m: dict(iter_dense(checkpoint, m)) for m in MOMENTS}
+    info = read_info(checkpoint)
+    optimizer = None if not all(moments.values()) else {**moments, "step": float(info["step"])}
+    return {"model": dict(iter_dense(checkpoint)), "optimizer": optimizer}
+
+
+# -- the job's checkpoints: written in the background, committed, pruned -----------------------
+
+
+def _commit(partial: Path, final: Path, info: Mapping[str, Any]) -> Path:
+    (partial / INFO).write_text(json.dumps(info))
+    if final.exists():  # the same step again (redone after a restore): the newer replaces it
+        shutil.rmtree(final)
+    os.replace(partial, final)
+    return final
+
+
+def prune(root: Path, keep: int) -> None:
+    """Keep the newest `keep` complete checkpoints; drop older ones and partials older than the
+    newest complete one (left by a generation that failed while saving)."""
+    done = sorted(p for p in root.iterdir() if p.is_dir() and is_complete(p))
+    newest = done[-1].name if done else ""
+    for old in done[:-keep] if keep > 0 else []:
+        shutil.rmtree(old, ignore_errors=True)
+    for p in root.iterdir():
+        if p.name.endswith(PARTIAL) and p.name[: -len(PARTIAL)] < newest:
+            shutil.rmtree(p, ignore_errors=True)
+
+
+class CheckpointSaver:
+    """Writes a job's checkpoints under `root`, one at a time.
+
+    `save` returns once the state is staged (copied to CPU memory); the write, DCP's metadata
+    and the commit follow in a thread of the saver's own, on a process group of their own so
+    that they never interleave with training collectives. `blocking=True` writes before
+    returning (the comparison the benchmark makes).
+    """
+
+    def __init__(self, root: Path, keep: int = 3, blocking: bool = False) -> None:
+        self.root = root
+        self.keep = keep
+        self.blocking = blocking
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")
+        self._pending: Future[None] | None = None
+
+    def save(
+        self,
+        state: Mapping[str, torch.Tensor],
+        info: Mapping[str, Any],
+        group: dist.ProcessGroup,
+        coordinator: bool,
+    ) -> None:
+        """Collective over `group` (every rank of the job, each with its own `state`)."""
+        self.wait()
+        final = self.root / checkpoint_name(int(info["step"]))
+        partial = final.with_name(final.name + PARTIAL)
+        # A partial directory a failed save left at this step is written over: the metadata
+        # written last names only this save's files.
+        copy = staged(state)
+
+        def write() -> None:
+            dcp.save(copy, checkpoint_id=partial, process_group=group)
+            if coordinator:
+                _commit(partial, final, info)
+                prune(self.root, self.keep)
+
+        if self.blocking:
+            write()
+        else:
+            self._pending = self._pool.submit(write)
+
+    def wait(self) -> None:
+        """Until the previous save is committed (its failure raised here)."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+
+    def abandon(self) -> None:
+        """Forget a save whose generation ended: its collectives fail with the generation's
+        and its partial directory is never committed (`prune` removes it later)."""
+        self._pending = None

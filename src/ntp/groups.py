@@ -19,6 +19,7 @@ class JobGroups:
     tp_sync: ProcessGroup  # gradient exchange inside the TP group (its own order of ops)
     dp_owner: ProcessGroup | None  # owners of this rank's sync partition, one per replica
     world: ProcessGroup  # replicated-parameter averaging and metrics
+    checkpoint: ProcessGroup  # a save's coordination, in the background (gloo: CPU-staged data)
 
 
 def build_groups(layout: JobLayout, timeout: timedelta | None = None) -> JobGroups:
@@ -44,6 +45,7 @@ def build_groups(layout: JobLayout, timeout: timedelta | None = None) -> JobGrou
         if p == rank:
             dp_owner = group
     world = dist.new_group(list(range(layout.world_size)), timeout=timeout)
+    checkpoint = dist.new_group(list(range(layout.world_size)), timeout=timeout, backend="gloo")
     assert tp is not None and tp_sync is not None
     return JobGroups(
         replica=replica,
@@ -52,4 +54,5 @@ def build_groups(layout: JobLayout, timeout: timedelta | None = None) -> JobGrou
         tp_sync=tp_sync,
         dp_owner=dp_owner,
         world=world,
+        checkpoint=checkpoint,
     )

@@ -69,8 +69,13 @@ def at_least_fp32(x: torch.Tensor) -> torch.Tensor:
 def precompute_rope(head_dim: int, seq_len: int, theta: float) -> torch.Tensor:
     """Complex rotations, (seq_len, head_dim // 2), in double precision (each use rounds them to
     its own precision, so a float64 model gets float64 angles)."""
-    freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
-    angles = torch.outer(torch.arange(seq_len, dtype=torch.float64), freqs)
+    # On the CPU even while a model is built on the meta device: the rotations are computed,
+    # never initialized or loaded.
+    cpu = torch.device("cpu")
+    freqs = 1.0 / (
+        theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device=cpu) / head_dim)
+    )
+    angles = torch.outer(torch.arange(seq_len, dtype=torch.float64, device=cpu), freqs)
     return torch.polar(torch.ones_like(angles), angles)
 
 
@@ -157,19 +162,6 @@ class Transformer(nn.Module):
             persistent=False,
         )
 
-    def init_weights(self, seed: int) -> None:
-        """Deterministic initialization from a seed (the same dense weights on every rank)."""
-        gen = torch.Generator().manual_seed(seed)
-        depth_std = self.args.init_std / (2 * self.args.n_layers) ** 0.5
-        with torch.no_grad():
-            for name, p in self.named_parameters():
-                if name.endswith("norm.weight"):
-                    p.fill_(1.0)
-                else:
-                    deep = name.endswith(("wo.weight", "w2.weight"))
-                    std = depth_std if deep else self.args.init_std
-                    p.copy_(torch.randn(p.shape, generator=gen) * std)
-
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         # tokens: (bs, seqlen) -> logits (bs, seqlen, vocab)
         h = self.tok_embeddings(tokens)
@@ -181,9 +173,3 @@ class Transformer(nn.Module):
 def cross_entropy_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean next-token loss over all positions."""
     return F.cross_entropy(at_least_fp32(logits.flatten(0, 1)), targets.flatten())
-
-
-def build_model(args: ModelArgs, seed: int = 0) -> Transformer:
-    model = Transformer(args)
-    model.init_weights(seed)
-    return model

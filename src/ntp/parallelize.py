@@ -16,7 +16,7 @@ from ntp.layers import (
     vocab_parallel_cross_entropy,
 )
 from ntp.model import Transformer
-from ntp.sharding import local_positions, shard_tensor, spec_of
+from ntp.sharding import local_positions, spec_of, unit_size
 from tessera_core.plan import RankShard
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -28,19 +28,18 @@ def _set_parameter(model: nn.Module, name: str, value: torch.Tensor) -> None:
 
 
 def apply_ntp(model: Transformer, shard: RankShard, group: ProcessGroup) -> LossFn:
-    """Shard `model` in place to `shard` and return the matching loss function.
-
-    Weights are cut from the model's own dense weights, so every layout of the same dense
-    weights starts from identical values.
+    """Give `model` (built on the meta device) `shard`'s local parameter shapes, and return the
+    matching loss function. `ntp.initialize` allocates and fills them afterwards: no rank
+    holds the dense weights.
     """
     shape = model.args.shape()
-    # 1. Every parameter becomes this rank's slice of the dense tensor (replicated: a copy).
-    with torch.no_grad():
-        for name, p in list(model.named_parameters()):
-            spec = spec_of(name)
-            full = p.detach()
-            value = full.clone() if spec is None else shard_tensor(full, shape, spec, shard)
-            _set_parameter(model, name, value)
+    # 1. Every parameter takes this rank's local shape (replicated ones keep theirs).
+    for name, p in list(model.named_parameters()):
+        spec = spec_of(name)
+        local = list(p.shape)
+        if spec is not None:
+            local[spec.dim] = len(shard.units(spec.kind)) * unit_size(shape, spec.kind)
+        _set_parameter(model, name, torch.empty(local, dtype=p.dtype, device=p.device))
     # 2. Local query heads read their KV head from this rank's copies.
     kv_index = torch.tensor(
         local_positions(shard.kv_heads, [shape.kv_of(h) for h in shard.q_heads]), dtype=torch.long

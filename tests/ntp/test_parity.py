@@ -22,9 +22,11 @@ import pytest
 import torch
 from adam_bound import adamw_state_bounds
 
+from ntp.checkpoint import dense_state, latest
 from ntp.data import split_inputs, synthetic_batch
+from ntp.initialize import dense_model
 from ntp.launch import launch_local
-from ntp.model import FLAVORS, ModelArgs, Transformer, build_model, cross_entropy_loss
+from ntp.model import FLAVORS, ModelArgs, Transformer, cross_entropy_loss
 from tessera_core.plan import JobLayout, RankShard, layout_from_shards, plan_job
 
 pytestmark = pytest.mark.parity
@@ -94,7 +96,7 @@ def dense_steps(
 def dense_run(global_batch: int, steps: int, max_grad_norm: float | None = None) -> dict:
     """The reference from the seeded initial weights."""
     torch.manual_seed(0)
-    model = build_model(ARGS, seed=0)
+    model = dense_model(ARGS, seed=0)
     return dense_steps(model, adamw(model), 0, steps, global_batch, max_grad_norm)
 
 
@@ -115,7 +117,7 @@ def dense_step_from(
     where the difference is bounded from the gradients' rounding alone (`adam_bound`), for any
     shape.
     """
-    model = build_model(args, seed=0)
+    model = dense_model(args, seed=0)
     model.load_state_dict(ckpt["model"])
     opt = adamw(model)
     step = int(ckpt["optimizer"]["step"])
@@ -281,7 +283,7 @@ def run_layout(
         "--out",
         str(tmp),
         "--save",
-        str(tmp / "ckpt.pt"),
+        str(tmp / "ckpt"),
         "--bucket-elements",
         "3000",
         *extra,  # after the defaults, so that it may override them
@@ -296,7 +298,7 @@ def run_layout(
     launch_local(layout, args, timeout_s=150, env=env, **launch)
     return {
         "losses": json.loads((tmp / "rank0.json").read_text())["losses"],
-        "ckpt": torch.load(tmp / "ckpt.pt"),
+        "ckpt": dense_state(latest(tmp / "ckpt")),
         "grads": rank_dumps(tmp, "grads", layout.world_size) if dump and steps else [],
     }
 
@@ -346,7 +348,7 @@ def test_layout_matches_dense(name, tmp_path, capsys):
     clip = float(extra[extra.index("--max-grad-norm") + 1]) if "--max-grad-norm" in extra else None
     # STEPS - 1 steps, then the last one as a run of its own from that run's checkpoint
     got = run_layout(layout, tmp_path / "a", STEPS - 1, extra=extra)
-    last = run_layout(layout, tmp_path / "b", 1, init=tmp_path / "a" / "ckpt.pt", extra=extra)
+    last = run_layout(layout, tmp_path / "b", 1, init=tmp_path / "a" / "ckpt", extra=extra)
     want = dense_run(layout.global_batch, STEPS, clip)
 
     # 1. Loss, and every rank's gradients after one step: every unit, every KV-head copy and
@@ -405,7 +407,7 @@ def test_the_state_bound_holds_for_another_summation_order(args, replicas):
     # summed (whole, or in data-parallel slices): gradients within GRAD_TOL of each unit, weights
     # and AdamW moments within the derived bound, on shapes of their own.
     global_batch = sum(replicas)
-    model = build_model(args, seed=0)
+    model = dense_model(args, seed=0)
     state = dense_steps(model, adamw(model), 0, 10, global_batch, None)["states"][-1]
     ckpt = {
         "model": {n: w for n, (w, _, _) in state.items()},
@@ -426,13 +428,13 @@ def test_the_state_bound_holds_for_another_summation_order(args, replicas):
 
 
 def test_checkpoint_moves_between_layouts(tmp_path):
-    # Train on one layout, gather, load the dense checkpoint into a different layout, continue.
+    # Train on one layout, save sharded, load into a different layout, continue.
     first = plan_job(SHAPE, [3, 2], global_batch=12)
     second = layout_from_shards(SHAPE, [interleaved(2), interleaved(4, offset=3)], 12, "ntp")
     a = run_layout(first, tmp_path / "a", steps=3)
     # Loading then gathering on another layout gives back exactly the same dense state, which
     # every rank holds.
-    same = run_layout(second, tmp_path / "same", steps=0, init=tmp_path / "a" / "ckpt.pt")
+    same = run_layout(second, tmp_path / "same", steps=0, init=tmp_path / "a" / "ckpt")
     assert same["ckpt"]["optimizer"]["step"] == a["ckpt"]["optimizer"]["step"] == 3
     gathered = ckpt_state(a["ckpt"])
     assert dense_excess(ckpt_state(same["ckpt"]), gathered, exactly(gathered)) == 0
@@ -440,8 +442,7 @@ def test_checkpoint_moves_between_layouts(tmp_path):
     assert local_excess(second, states, gathered, exactly(gathered)) == 0
     # Checkpoint-restart style: resume from the job's own checkpoint path, saving every step;
     # the step taken is the dense step from that checkpoint.
-    (tmp_path / "b").mkdir()
-    shutil.copy(tmp_path / "a" / "ckpt.pt", tmp_path / "b" / "ckpt.pt")
+    shutil.copytree(tmp_path / "a" / "ckpt", tmp_path / "b" / "ckpt")
     b = run_layout(
         second, tmp_path / "b", steps=1, extra=("--resume", "--save-every", "1"), dump=False
     )

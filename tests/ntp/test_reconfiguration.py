@@ -65,7 +65,7 @@ def train(
     the launcher saw."""
     tmp.mkdir(parents=True, exist_ok=True)
     args = ["--steps", str(steps), "--out", str(tmp), "--layout-dir", str(tmp)]
-    args += ["--save", str(tmp / "ckpt.pt"), *extra]
+    args += ["--save", str(tmp / "ckpt"), *extra]
     report = launch_local(first, args, timeout_s=150, store=store, **launch)
     return rank_metrics(tmp, 0), report
 
@@ -173,7 +173,7 @@ def test_a_unit_no_survivor_holds_falls_back_to_the_checkpoint(tmp_path):
     [restored] = events(got, "restored")
     assert restoring["time"] <= restored["time"] and restoring["why"] == restored["why"]
     assert (restored["generation"], restored["step"]) == (2, 2)
-    assert restored["checkpoint"] == str(tmp_path / "live" / "ckpt.pt")
+    assert restored["checkpoint"] == str(tmp_path / "live" / "ckpt" / "step-00000002")
     assert "survives on no rank" in restored["why"]
     # The same as a checkpoint-restart by hand: TP3 for two steps, then TP2 from that
     # checkpoint; the same operations in the same order, so equal exactly.
@@ -189,7 +189,7 @@ def test_a_unit_no_survivor_holds_falls_back_to_the_checkpoint(tmp_path):
         store_b,
         tmp_path / "b",
         steps=3,
-        extra=("--init", str(tmp_path / "a" / "ckpt.pt")),
+        extra=("--init", str(tmp_path / "a" / "ckpt")),
     )
     assert got["losses"] == before["losses"] + rest["losses"]
 

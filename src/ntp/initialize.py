@@ -1,0 +1,103 @@
+"""Seeded initial weights computed per unit, so that a rank materializes only its own units.
+
+A sharded tensor's values are drawn in blocks of consecutive units (about 64 Ki elements each,
+from a generator seeded by the seed, the parameter's name and the block), laid out unit-major
+(a unit's slice along the split dimension first), so a unit's values do not depend on who holds
+it: every layout, and the dense model, starts from identical weights. A rank builds its model on
+the meta device, gives it its shard's shapes (`ntp.parallelize.apply_ntp`), allocates them
+(`materialize`) and fills them (`init_parameters`): it never holds more than its shard and one
+block.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from ntp.model import ModelArgs, Transformer
+from ntp.sharding import ParamSpec, spec_of, unit_size
+from tessera_core.plan import RankShard
+
+BLOCK_ELEMENTS = 1 << 16
+
+
+def _std(args: ModelArgs, name: str) -> float:
+    """Llama-style scale: output projections of each block scaled down with depth."""
+    if name.endswith(("wo.weight", "w2.weight")):
+        return args.init_std / (2 * args.n_layers) ** 0.5
+    return args.init_std
+
+
+def unit_values(
+    name: str, args: ModelArgs, spec: ParamSpec, units: Sequence[int], seed: int
+) -> torch.Tensor:
+    """The initial values of `units` of a sharded parameter, in the order given, laid out as
+    the local tensor holding them (split dimension `spec.dim`)."""
+    shape = args.shape()
+    size = unit_size(shape, spec.kind)
+    rest = [n for i, n in enumerate(_dense_shape(args, name)) if i != spec.dim]
+    per_unit = size * math.prod(rest)
+    block = max(1, BLOCK_ELEMENTS // per_unit)
+    out = torch.empty(len(units) * size, *rest)
+    std = _std(args, name)
+    by_block: dict[int, list[tuple[int, int]]] = {}
+    for i, u in enumerate(units):
+        by_block.setdefault(u // block, []).append((i, u % block))
+    for b, members in by_block.items():
+        gen = torch.Generator().manual_seed(zlib.crc32(f"{seed}:{name}:{b}".encode()))
+        values = torch.randn(block * size, *rest, generator=gen) * std
+        for i, j in members:
+            out[i * size : (i + 1) * size] = values[j * size : (j + 1) * size]
+    return out.movedim(0, spec.dim)
+
+
+def _dense_shape(args: ModelArgs, name: str) -> torch.Size:
+    shapes = _DENSE_CACHE.get(args)
+    if shapes is None:
+        with torch.device("meta"):
+            shapes = {n: p.shape for n, p in Transformer(args).named_parameters()}
+        _DENSE_CACHE[args] = shapes
+    return shapes[name]
+
+
+_DENSE_CACHE: dict[ModelArgs, dict[str, torch.Size]] = {}
+
+
+def init_parameters(
+    model: nn.Module, args: ModelArgs, shard: RankShard | None, seed: int
+) -> None:
+    """Fill every parameter with its initial values: norm gains 1, each sharded tensor with the
+    values of the units `shard` holds (all of them when `shard` is None: the dense model)."""
+    shape = args.shape()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            spec = spec_of(name)
+            if spec is None:
+                p.fill_(1.0)
+                continue
+            units = range(shape.unit_count(spec.kind)) if shard is None else shard.units(spec.kind)
+            p.copy_(unit_values(name, args, spec, list(units), seed))
+
+
+def materialize(model: nn.Module, device: torch.device | str) -> None:
+    """Allocate (uninitialized) every parameter still on the meta device on `device`, and move
+    the buffers there."""
+    for module in model.modules():
+        for key, p in module._parameters.items():
+            if p is not None and p.is_meta:
+                module._parameters[key] = nn.Parameter(
+                    torch.empty_like(p, device=device), requires_grad=p.requires_grad
+                )
+    model.to(device)
+
+
+def dense_model(args: ModelArgs, seed: int = 0) -> Transformer:
+    """The whole model with the seeded initial weights (for references and tools; a training
+    rank never builds it)."""
+    model = Transformer(args)
+    init_parameters(model, args, None, seed)
+    return model
