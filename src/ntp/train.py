@@ -11,15 +11,24 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from ntp.checkpoint import MOMENTS, DenseState, gather_checkpoint, load_checkpoint
+from ntp.checkpoint import (
+    MOMENTS,
+    CheckpointError,
+    CheckpointSaver,
+    latest,
+    load_state,
+    read_args,
+    save_state,
+)
 from ntp.clip import clip_grad_norm_
 from ntp.data import split_inputs, synthetic_batch
+from ntp.dataset import TokenDataset
 from ntp.distributed import (
     End,
     EndReason,
@@ -37,10 +46,11 @@ from ntp.distributed import (
 )
 from ntp.grad_sync import DEFAULT_BUCKET_ELEMENTS, GradSync
 from ntp.groups import JobGroups, build_groups
-from ntp.model import FLAVORS, ModelArgs, build_model
+from ntp.initialize import init_parameters, materialize
+from ntp.model import FLAVORS, ModelArgs, Transformer
 from ntp.parallelize import apply_ntp
 from ntp.reshard import LocalState, exchange_state
-from ntp.sharding import shard_tensor, spec_of
+from ntp.sharding import spec_of
 from ntp.sources import (
     Assignment,
     FileGenerationSource,
@@ -66,13 +76,33 @@ class TrainConfig:
     overlap: bool = True
     device: str = "cpu"
     max_grad_norm: float | None = None
+    precision: str = "fp32"  # or "bf16": autocast compute, fp32 weights, moments and reductions
+
+
+# What a checkpoint's model arguments carry beyond the shape the layout gives.
+CARRIED_ARGS = ("rope_theta", "norm_eps", "init_std")
 
 
 @dataclass(frozen=True)
 class Checkpointing:
-    save: Path | None = None  # the job's checkpoint, written at the end and every `every` steps
+    save: Path | None = None  # the job's checkpoint directory: at the end and every `every` steps
     every: int = 0
     init: Path | None = None  # what the job started from (the fallback before any save)
+    keep: int = 3
+    blocking: bool = False  # write before training on (else only the copy to CPU is waited for)
+
+    def newest(self) -> Path | None:
+        """The checkpoint to restart from: the job's newest, else what it started from."""
+        found = None if self.save is None else latest(self.save)
+        return found or self.newest_init()
+
+    def newest_init(self) -> Path | None:
+        if self.init is None:
+            return None
+        found = latest(self.init)
+        if found is None:
+            raise CheckpointError(f"--init {self.init}: no complete checkpoint there")
+        return found
 
 
 @dataclass
@@ -83,11 +113,18 @@ class StepTimes:
     step_s: list[float] = field(default_factory=list)  # whole step incl. optimizer
 
 
-def model_args(flavor: str | None, layout: JobLayout) -> ModelArgs:
-    """The model of the layout's shape; a named flavor must have that shape."""
+def model_args(
+    flavor: str | None, layout: JobLayout, checkpoint: Path | None = None
+) -> ModelArgs:
+    """The model of the layout's shape, with what a checkpoint's model carries beyond it (RoPE
+    base, norm epsilon); a named flavor must have that shape."""
     shape = layout.shape
     if flavor is None:
-        return ModelArgs.of_shape(shape)
+        args = ModelArgs.of_shape(shape)
+        if checkpoint is None:
+            return args
+        saved = read_args(checkpoint)
+        return replace(args, **{k: getattr(saved, k) for k in CARRIED_ARGS})
     if flavor not in FLAVORS:
         raise ValueError(f"unknown flavor {flavor!r}; known: {sorted(FLAVORS)}")
     if FLAVORS[flavor].shape() != shape:
@@ -95,10 +132,6 @@ def model_args(flavor: str | None, layout: JobLayout) -> ModelArgs:
             f"flavor {flavor!r} has shape {FLAVORS[flavor].shape()}, layout has {shape}"
         )
     return FLAVORS[flavor]
-
-
-def load_dense(path: Path | None) -> DenseState | None:
-    return None if path is None else torch.load(path, weights_only=True, map_location="cpu")
 
 
 class GenerationEnded(RuntimeError):
@@ -159,9 +192,16 @@ class Trainer:
         source: GenerationSource,
         rendezvous: Rendezvous,
         reconfigure_timeout_s: float = 300.0,
+        data: TokenDataset | None = None,
     ):
         self.config = config
         self.checkpointing = checkpointing
+        self.data = data  # None: the synthetic sequences (ntp.data), for tests and benchmarks
+        self.saver = None if checkpointing.save is None else CheckpointSaver(
+            checkpointing.save, checkpointing.keep, checkpointing.blocking
+        )
+        # The model's arguments beyond its shape come with the weights it starts from.
+        self.carried_from = checkpointing.newest()
         self.source = source
         self.rendezvous = rendezvous
         self.reconfigure_timeout_s = reconfigure_timeout_s
@@ -169,6 +209,7 @@ class Trainer:
         self.device = torch.device(config.device)
         self.times = StepTimes()
         self.step = -1  # set by materialize, restore or the survivors
+        self.samples = 0  # the global index of the next step's first sample
         self.losses: dict[int, float] = {}  # step -> global loss (a redone step overwrites)
         self.step_ends: dict[int, float] = {}  # steps done -> wall-clock time
         self.events: list[RankEvent] = []
@@ -214,13 +255,14 @@ class Trainer:
     def _build(self, layout: JobLayout) -> None:
         """Groups, this rank's shard of the model, AdamW and the sync hooks for `layout`."""
         # 1. Groups and this rank's place in the layout.
-        args = model_args(self.config.flavor, layout)
+        args = model_args(self.config.flavor, layout, self.carried_from)
         groups = build_groups(layout, timeout=collective_timeout())
         shard = layout.replicas[groups.replica].shards[groups.rank]
-        # 2. Seeded dense weights cut to this rank's shard.
-        model = build_model(args, seed=self.config.seed)
+        # 2. This rank's shard only, allocated uninitialized: the caller fills it.
+        with torch.device("meta"):
+            model = Transformer(args)
         loss_fn = apply_ntp(model, shard, groups.tp)
-        model.to(self.device)
+        materialize(model, self.device)
         # 3. AdamW is elementwise, so local shards with their own state do exactly the dense math.
         optimizer = torch.optim.AdamW(
             model.parameters(),
@@ -234,26 +276,30 @@ class Trainer:
         )
         self.current = GenerationRank(layout, args, groups, model, loss_fn, optimizer, sync)
 
-    def materialize(self, layout: JobLayout, init: DenseState | None) -> None:
-        """This rank's shard from the seeded dense model, or from a dense checkpoint."""
+    def materialize(self, layout: JobLayout, checkpoint: Path | None) -> None:
+        """This rank's shard: its units' seeded initial values, or read from a checkpoint."""
         self._build(layout)
-        self.step = 0
-        if init is not None:
-            cur = self.current
-            load_checkpoint(cur.model, cur.optimizer, init, layout.shape, cur.shard)
-            if init.get("optimizer") is not None:
-                self.step = int(init["optimizer"]["step"])
+        cur = self.current
+        if checkpoint is None:
+            init_parameters(cur.model, cur.args, cur.shard, self.config.seed)
+            self.step, self.samples = 0, 0
+            return
+        info = load_state(checkpoint, cur.model, cur.optimizer, layout.shape, cur.shard)
+        self.step, self.samples = int(info["step"]), int(info["samples"])
 
     def receive(self, layout: JobLayout, previous: JobLayout, origin: Sequence[int | None]) -> None:
         """A process holding nothing (a returning GPU) takes its units of `layout` from the
         survivors, who are switching to the same generation."""
-        dense = build_model(model_args(self.config.flavor, layout), seed=self.config.seed)
+        with torch.device("meta"):
+            shapes = Transformer(model_args(self.config.flavor, layout, self.carried_from))
         empty = RankShard()
         state: LocalState = {}
-        for name, p in dense.named_parameters():
+        for name, p in shapes.named_parameters():
             spec = spec_of(name)
-            t = p.detach() if spec is None else shard_tensor(p.detach(), layout.shape, spec, empty)
-            state[name] = [t.to(self.device)]
+            local = list(p.shape)
+            if spec is not None:
+                local[spec.dim] = 0
+            state[name] = [torch.empty(local, device=self.device)]
         self._adopt(layout, previous, empty, state, origin)
 
     def local_state(self) -> LocalState:
@@ -269,17 +315,24 @@ class Trainer:
 
     def forward_backward(self, cur: GenerationRank) -> torch.Tensor:
         """Local loss on this replica's slice of the global batch; gradients left in .grad."""
-        tokens = synthetic_batch(
-            cur.args.vocab_size,
-            cur.args.max_seq_len,
-            cur.layout.global_batch,
-            self.step,
-            self.config.seed,
-        )
         replica = cur.replica
-        rows = slice(replica.batch_offset, replica.batch_offset + replica.local_batch)
-        inputs, targets = split_inputs(tokens[rows].to(self.device))
-        loss = cur.loss_fn(cur.model(inputs), targets)
+        if self.data is not None:
+            rows = self.data.samples(self.samples + replica.batch_offset, replica.local_batch)
+        else:
+            tokens = synthetic_batch(
+                cur.args.vocab_size,
+                cur.args.max_seq_len,
+                cur.layout.global_batch,
+                self.step,
+                self.config.seed,
+            )
+            rows = tokens[replica.batch_offset : replica.batch_offset + replica.local_batch]
+        inputs, targets = split_inputs(rows.to(self.device))
+        with torch.autocast(
+            self.device.type, dtype=torch.bfloat16, enabled=self.config.precision == "bf16"
+        ):
+            logits = cur.model(inputs)
+        loss = cur.loss_fn(logits, targets)
         loss.backward()
         return loss.detach()
 
@@ -325,6 +378,7 @@ class Trainer:
             self.times.step_s.append(t3 - t0)
             self.losses[self.step] = global_loss
             self.step += 1
+            self.samples += cur.layout.global_batch
             self.step_ends[self.step] = time.time()
         return global_loss
 
@@ -413,7 +467,7 @@ class Trainer:
         # 1. Survivors must agree on the step (a failure inside an optimizer step breaks that);
         #    joiners learn it here. Every rank sees the same sums, so all take the same branch.
         survivor = origin[new_rank] is not None
-        mine = [self.step, -self.step] if survivor else [-1, -(2**62)]
+        mine = [self.step, -self.step, self.samples] if survivor else [-1, -(2**62), -1]
         steps = torch.tensor(mine, dtype=torch.long, device=self.device)
         dist.all_reduce(steps, op=dist.ReduceOp.MAX)
         if int(steps[0]) != -int(steps[1]):
@@ -424,7 +478,7 @@ class Trainer:
         except PlanError as exc:  # a unit no survivor holds
             self.restore(layout, str(exc))
             return
-        self.step = int(steps[0])
+        self.step, self.samples = int(steps[0]), int(steps[2])
         if not survivor and self.step > 0:
             # Weight plus both AdamW moments travel once the optimizer has state.
             state = {n: [ts[0].clone() for _ in range(1 + len(MOMENTS))] for n, ts in state.items()}
@@ -447,11 +501,10 @@ class Trainer:
     def restore(self, layout: JobLayout, why: str) -> None:
         """Checkpoint-restart onto `layout` inside the running processes: the job's last
         checkpoint, else what it started from; the steps since are redone."""
-        save, init = self.checkpointing.save, self.checkpointing.init
-        path = save if save is not None and save.exists() else init
+        path = self.checkpointing.newest()
         checkpoint = None if path is None else str(path)
         self.event(EventKind.RESTORING, layout, checkpoint=checkpoint, why=why)
-        self.materialize(layout, load_dense(path))
+        self.materialize(layout, path)
         self.event(EventKind.RESTORED, checkpoint=checkpoint, why=why)
 
     def event(
@@ -479,32 +532,23 @@ class Trainer:
 
     # -- checkpoint and finish -----------------------------------------------------------------
 
-    def state_dict(self, cur: GenerationRank) -> DenseState | None:
-        """The dense checkpoint at global rank 0, gathered by replica 0 alone (every replica
-        holds the same state); None on every other rank."""
-        if cur.groups.replica != 0:
-            return None
-        return gather_checkpoint(
-            cur.model,
-            cur.optimizer,
-            cur.layout.shape,
-            cur.replica.shards,
-            cur.groups.rank,
-            cur.groups.tp,
-        )
-
     def save_checkpoint(self, cur: GenerationRank) -> None:
-        """Gather the dense checkpoint (collective) and write it atomically from global rank 0."""
-        path = self.checkpointing.save
-        assert path is not None
-        state = self.state_dict(cur)
-        if cur.groups.replica == 0 and cur.groups.rank == 0:
-            path.parent.mkdir(parents=True, exist_ok=True)  # the job's directory on its volume
-            partial = path.with_name(path.name + ".partial")
-            torch.save(state, partial)
-            with self._lock:
-                if not cur.abandoned:
-                    os.replace(partial, path)
+        """Every rank stages its part (replica 0's units; the other replicas hold the same) and
+        the saver writes it in the background; global rank 0 commits it."""
+        assert self.saver is not None
+        state = (
+            save_state(cur.model, cur.optimizer, cur.layout.shape, cur.replica.shards,
+                       cur.groups.rank)
+            if cur.groups.replica == 0
+            else {}
+        )
+        info = {
+            "step": self.step,
+            "samples": self.samples,
+            "model": asdict(cur.args),
+            "tp_degrees": list(cur.layout.tp_degrees),
+        }
+        self.saver.save(state, info, cur.groups.checkpoint, coordinator=dist.get_rank() == 0)
 
     def metrics(self) -> dict:
         cur = self.current
@@ -522,6 +566,8 @@ class Trainer:
         }
 
     def finish(self) -> None:
+        if self.saver is not None:
+            self.saver.wait()  # the last checkpoint is committed before the job says it is done
         dist.barrier()
         end_generation(self.store, self.generation, EndReason(End.FINISHED))
         self.watch.join()
@@ -563,6 +609,12 @@ class Trainer:
             # 3. Go on where the generation leaves the job.
             if kind == "error":
                 raise detail
+            # A planned switch leaves the groups a save in flight uses: it completes first. A
+            # failure has broken them already.
+            if self.saver is not None and kind == "switch":
+                self.saver.wait()
+            if self.saver is not None and kind == "failed":
+                self.saver.abandon()
             if kind == "switch" and not self.reconfigure(detail):
                 return False
             if kind == "failed" and not self.recover(detail):
@@ -628,6 +680,17 @@ def log_step(trainer: Trainer) -> None:
     print(record.to_line(), flush=True)
 
 
+def open_data(
+    opts: argparse.Namespace, layout: JobLayout, checkpoint: Path | None
+) -> TokenDataset | None:
+    if opts.data is None:
+        return None
+    args = model_args(opts.flavor, layout, checkpoint)
+    return TokenDataset.open(
+        opts.data, args.max_seq_len, opts.seed, args.vocab_size, tokenizer=opts.tokenizer
+    )
+
+
 def parse_args(argv: list[str]) -> tuple[RankInvocation, argparse.Namespace]:
     """The rank's invocation (what its node agent sets: tessera_contracts.invocation) and the
     trainer's own options."""
@@ -647,12 +710,30 @@ def parse_args(argv: list[str]) -> tuple[RankInvocation, argparse.Namespace]:
     parser.add_argument("--max-grad-norm", type=float, help="clip by the global gradient norm")
     parser.add_argument("--no-overlap", action="store_true", help="sync only after backward")
     parser.add_argument("--reconfigure-timeout", type=float, default=300.0)
-    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"])
-    parser.add_argument("--init", type=Path, help="dense checkpoint to start from")
-    parser.add_argument("--save", type=Path, help="write the dense checkpoint here at the end")
-    parser.add_argument("--save-every", type=int, default=0, help="also every N steps (0: never)")
     parser.add_argument(
-        "--resume", action="store_true", help="start from the --save checkpoint when it exists"
+        "--device",
+        default="auto",
+        choices=["cpu", "cuda", "auto"],
+        help="auto: this rank's GPU (NCCL) when every rank of the host has one, else CPU (gloo)",
+    )
+    parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16"],
+                        help="bf16: autocast compute; weights, AdamW state and reductions fp32")
+    parser.add_argument("--data", type=Path, help="a prepared dataset (python -m ntp.prepare); "
+                        "default: synthetic sequences")
+    parser.add_argument("--tokenizer", type=Path,
+                        help="refuse a dataset not tokenized with this tokenizer.json")
+    parser.add_argument("--init", type=Path,
+                        help="checkpoint (or checkpoint directory) to start from")
+    parser.add_argument("--save", type=Path,
+                        help="the job's checkpoint directory, written at the end")
+    parser.add_argument("--save-every", type=int, default=0, help="also every N steps (0: never)")
+    parser.add_argument("--keep", type=int, default=3, help="checkpoints kept (the newest)")
+    parser.add_argument("--blocking-save", action="store_true",
+                        help="write each checkpoint before training on (default: in the "
+                        "background once copied to CPU memory)")
+    parser.add_argument(
+        "--resume", action="store_true",
+        help="start from the newest checkpoint under --save when there is one",
     )
     parser.add_argument("--out", type=Path, help="directory for per-rank metrics and grad dumps")
     parser.add_argument(
@@ -686,10 +767,13 @@ def main(
     # 1. The generation this process starts in, and where later ones appear.
     first = assignment(json.loads(invocation.layout.read_text()))
     source = FileGenerationSource(invocation.layout_dir or invocation.layout.parent)
-    if opts.resume and opts.save is not None and opts.save.exists():
-        opts.init = opts.save
+    checkpointing = Checkpointing(
+        opts.save, opts.save_every, opts.init, keep=opts.keep, blocking=opts.blocking_save
+    )
+    start_from = checkpointing.newest() if opts.resume else checkpointing.newest_init()
     config = TrainConfig(
         device=pick_device(opts.device),
+        precision=opts.precision,
         flavor=opts.flavor,
         lr=opts.lr,
         seed=opts.seed,
@@ -699,10 +783,11 @@ def main(
     )
     trainer = Trainer(
         config,
-        Checkpointing(opts.save, opts.save_every, opts.init),
+        checkpointing,
         source,
         first.rendezvous or rendezvous_from_env(),
         opts.reconfigure_timeout,
+        data=open_data(opts, first.layout, start_from),
     )
     # 2. Join it: build this rank's shard, or receive it from the survivors.
     trainer.join(first, int(os.environ["RANK"]))
@@ -716,7 +801,7 @@ def main(
             raise FileNotFoundError(f"--join: generation {first.generation - 1} is not published")
         trainer.receive(first.layout, assignment(previous).layout, first.origin)
     else:
-        trainer.materialize(first.layout, load_dense(opts.init))
+        trainer.materialize(first.layout, start_from)
     if opts.out is not None:
         opts.out.mkdir(parents=True, exist_ok=True)
 

@@ -23,6 +23,12 @@ COMMANDS: Commands = {
                      "publish this node's GPU health from DCGM"),
     "cordon-gpu": ("tessera_cli.cordon", "cordon one GPU of a node: Tessera plans around it"),
     "uncordon-gpu": ("tessera_cli.uncordon", "give a cordoned GPU back to the planner"),
+    # The trainer's tools (the trainer extra: torch, tokenizers, safetensors).
+    "prepare-data": ("ntp.prepare", "tokenize text, JSONL or Parquet files into a dataset"),
+    "import-hf": ("ntp.hf:import_main",
+                  "write a Hugging Face Llama directory as a job's initial checkpoint"),
+    "export-hf": ("ntp.hf:export_main",
+                  "write a checkpoint's weights as a Hugging Face Llama directory"),
 }
 
 

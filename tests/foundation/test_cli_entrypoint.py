@@ -34,7 +34,8 @@ def tessera(*args: str, env: dict[str, str] | None = None) -> subprocess.Complet
 
 
 @pytest.mark.parametrize(("command", "listed", "absent"), [
-    (TESSERA, ("operator", "power-agent", "health-agent", "cordon-gpu", "uncordon-gpu"),
+    (TESSERA, ("operator", "power-agent", "health-agent", "cordon-gpu", "uncordon-gpu",
+               "prepare-data", "import-hf", "export-hf"),
      ("up", "demo", "simulate", "bench")),
     (TESSERA_DEV, ("build-controlplane", "up", "down", "sim-node", "fail-gpu", "restore-gpu",
                    "fail-node", "demo", "simulate", "bench"), ("operator", "cordon-gpu")),
