@@ -1,0 +1,97 @@
+"""A Hugging Face Llama imported, trained under NTP through a GPU loss, exported, and checked by
+transformers: it computes the loss Tessera computes on the next batch.
+
+The layout runs as real trainer processes (gloo, CPU); the launcher plays the node agent and the
+test publishes the next generation ahead, as the operator would (see test_reconfiguration.py).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from test_hf import random_llama, save
+from test_model import FLOAT64_ROUNDING, rounding_bound
+from transformers import LlamaForCausalLM
+
+from ntp import hf
+from ntp.checkpoint import latest, read_args
+from ntp.data import split_inputs, synthetic_batch
+from ntp.launch import launch_local
+from tessera_contracts.generation import Generation, Gpu, Rendezvous, next_generation
+from tessera_core.plan import plan_job
+
+pytestmark = pytest.mark.hf
+
+FLOAT32_ROUNDING = 2.0**-24
+GLOBAL_BATCH = 8
+STEPS = 20
+# Used by no other test: 6 query heads on 3 KV heads, FFN 60, vocabulary 67.
+SHAPE = dict(
+    hidden_size=48, num_attention_heads=6, num_key_value_heads=3, intermediate_size=60,
+    vocab_size=67, num_hidden_layers=2, max_position_embeddings=32, rms_norm_eps=1e-5,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+)
+NODE0 = tuple(Gpu("gpu-node-0", i) for i in range(2))
+NODE1 = tuple(Gpu("gpu-node-1", i) for i in range(2))
+
+
+def test_trained_under_ntp_through_a_gpu_loss_then_exported(tmp_path):
+    # 1. A random Llama as transformers saves it, imported as the job's initial weights.
+    source = save(random_llama(SHAPE, seed=5), tmp_path / "source")
+    assert hf.import_main([str(source), str(tmp_path / "init"), "--seq-len", "16"]) == 0
+    args = read_args(latest(tmp_path / "init"))
+    # 2. TP2 + TP2; the process on gpu-node-1/1 (rank 3) dies at step 8 and its replica goes on
+    #    at TP1 (generation 2, published ahead).
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    first = Generation(1, args.shape(), GLOBAL_BATCH, "NTP", (NODE0, NODE1),
+                       Rendezvous("127.0.0.1", store.port))
+    run = tmp_path / "run"
+    run.mkdir()
+    nxt = next_generation(first, (NODE0, NODE1[:1]))
+    (run / "gen2.json").write_text(json.dumps(nxt.to_dict()))
+    ckpt = tmp_path / "ckpt"
+    report = launch_local(
+        first,
+        ["--steps", str(STEPS), "--out", str(run), "--layout-dir", str(run),
+         "--init", str(tmp_path / "init"), "--save", str(ckpt), "--save-every", "10"],
+        timeout_s=200, store=store, faults={3: 8}, may_fail={3},
+        env={"TESSERA_RENDEZVOUS_TIMEOUT_S": "60"},
+    )
+    assert [d[0] for d in report.deaths] == [3]
+    metrics = json.loads((run / "rank0.json").read_text())
+    assert len(metrics["losses"]) == STEPS
+    assert [e["tp_degrees"] for e in metrics["events"] if e["event"] == "reconfigured"] == [[2, 1]]
+    # 3. Exported, and loaded by transformers.
+    assert hf.export_main([str(ckpt), str(tmp_path / "export")]) == 0
+    model = LlamaForCausalLM.from_pretrained(tmp_path / "export", attn_implementation="eager")
+    inputs, targets = split_inputs(
+        synthetic_batch(args.vocab_size, args.max_seq_len, GLOBAL_BATCH, STEPS, seed=0)
+    )
+    with torch.no_grad():
+        theirs = float(F.cross_entropy(model(inputs).logits.flatten(0, 1), targets.flatten()))
+    # 4. Tessera's loss on that batch: the job's next step, from its checkpoint, on one GPU.
+    nxt_dir = tmp_path / "next"
+    launch_local(plan_job(args.shape(), [1], GLOBAL_BATCH),
+                 ["--until-step", str(STEPS + 1), "--save", str(ckpt), "--resume",
+                  "--out", str(nxt_dir)], timeout_s=120)
+    [ours] = json.loads((nxt_dir / "rank0.json").read_text())["losses"]
+    # Two float32 evaluations of the same loss: each within (u32 + u64) x the operations on
+    # the longest dependency path (`rounding_bound`'s count, test_model.py) of the exact value.
+    operations = rounding_bound(args, GLOBAL_BATCH) / (2 * FLOAT64_ROUNDING)
+    bound = 2 * (FLOAT32_ROUNDING + FLOAT64_ROUNDING) * operations
+    assert abs(ours - theirs) <= bound * abs(theirs), (ours, theirs, bound)
+    # It trained: the loss on the training batches fell.
+    assert metrics["losses"][-1] < metrics["losses"][0]
+
+
+def test_an_import_of_another_shape_is_refused_by_the_trainer(tmp_path):
+    source = save(random_llama(SHAPE, seed=5), tmp_path / "source")
+    assert hf.import_main([str(source), str(tmp_path / "init"), "--seq-len", "16"]) == 0
+    other = plan_job(read_args(latest(tmp_path / "init")).shape().__class__(
+        hidden=48, n_heads=6, n_kv_heads=3, ffn=64, vocab=67, n_layers=2, seq_len=16), [1], 8)
+    with pytest.raises(Exception, match="shape"):
+        launch_local(other, ["--steps", "1", "--init", str(tmp_path / "init")], timeout_s=120)
