@@ -23,13 +23,14 @@ COMMANDS: Commands = {
                   "stop a simulated node: heartbeat and pods"),
     "demo": ("tessera_dev.demo", "run the local demo end to end"),
     "simulate": ("tessera_sim.cli", "simulate a large job under GPU failures"),
-    "bench": ("", "benchmarks: `tessera-dev bench ntp|sim|operator`"),
+    "bench": ("", "benchmarks: `tessera-dev bench ntp|sim|operator|training`"),
 }
 
 BENCHES: dict[str, str] = {
     "ntp": "ntp.bench",
     "sim": "tessera_sim.bench",
     "operator": "tessera_dev.opbench",
+    "training": "tessera_dev.trainbench",
 }
 
 

@@ -186,7 +186,7 @@ def _failure_free(tmp: Path) -> tuple[dict[int, float], float]:
         launch_local(first, [*args, *spec["args"]], timeout_s=600, store=store)
 
     full = tuple(tuple(Gpu(f"gpu-node-{r}", i) for i in range(GPUS)) for r in range(NODES))
-    save = tmp / "dense.pt"
+    save = tmp / "checkpoints"
     run(full, ["--until-step", str(STEPS), "--out", str(tmp), "--save", str(save)])
     losses = json.loads((tmp / "rank0.json").read_text())
     by_step = dict(zip(sorted(map(int, losses["step_ends"])), losses["losses"], strict=True))

@@ -414,7 +414,7 @@ def test_an_agents_metrics_and_report_agree_with_what_its_ranks_did(tmp_path, re
         [sys.executable, "-m", "ntp.nodeagent", "--node", NODES[0], "--until-step", str(steps),
          "--generations", str(generations), "--work-dir", str(tmp_path / "work"),
          "--metrics-port", str(port), "--", "--out", str(tmp_path / "out"),
-         "--save", str(tmp_path / "checkpoint.pt"), "--save-every", "2"],
+         "--save", str(tmp_path / "checkpoints"), "--save-every", "2"],
         log, {"TESSERA_SIM_DEVICES": str(devices), "NVIDIA_VISIBLE_DEVICES": "0,1",
               "OMP_NUM_THREADS": "1", "POD_IP": "127.0.0.1"},
     )
