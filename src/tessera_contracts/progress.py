@@ -6,7 +6,8 @@ job's status from `summarize`. Pure: no I/O, no Kubernetes; a report that does n
 `ReportError` (a ValueError), never anything else.
 
 A report describes its node since its agent started: the generation its ranks run, the job's
-last step they completed, the node's goodput ledger (docs/goodput.md) and a state:
+last step they completed, the node's goodput ledger (docs/goodput.md), what its ranks train on
+(`Device`; absent in reports of agents that do not say) and a state:
 
 | state | the node's agent |
 | --- | --- |
@@ -70,6 +71,18 @@ class ReportError(ValueError):
     """A progress report that is not a valid `NodeReport`; the message names the field."""
 
 
+DEVICE_KINDS = ("cpu", "cuda")
+
+
+@dataclass(frozen=True)
+class Device:
+    """What a node's ranks train on, as its agent finds it before starting them: `kind` cpu
+    or cuda, and the CUDA devices the agent sees on the node (None: not said)."""
+
+    kind: str
+    cuda_devices: int | None = None
+
+
 def progress_configmap(job: str) -> str:
     """The ConfigMap that holds the progress reports of `job`'s nodes."""
     return f"{job}-progress"
@@ -105,6 +118,7 @@ class NodeReport:
     # When the report was made (Unix seconds, the node's clock); None: not said. How far its
     # step may lag the ranks when it is read (`progress_age`).
     reported_at: float | None = None
+    device: Device | None = None  # what its ranks train on; None: not said
 
     def __post_init__(self) -> None:
         _check(self.to_dict())  # one validation, whoever builds the report
@@ -139,6 +153,10 @@ class NodeReport:
         }
         if self.reported_at is not None:
             out["reportedAt"] = self.reported_at
+        if self.device is not None:
+            out["device"] = self.device.kind
+            if self.device.cuda_devices is not None:
+                out["cudaDevices"] = self.device.cuda_devices
         return out
 
     @classmethod
@@ -161,6 +179,8 @@ class NodeReport:
             wall_seconds=d.get("wallSeconds", 0.0),
             badput_seconds=dict(d.get("badputSeconds", {})),
             reported_at=d.get("reportedAt"),
+            device=None if d.get("device") is None
+            else Device(d["device"], d.get("cudaDevices")),
         )
 
     def to_json(self) -> str:
@@ -190,6 +210,10 @@ def _check(document: object) -> Mapping[str, Any]:
         raise ReportError(f"node: a non-empty string, got {d['node']!r}")
     for key in ("generation", "step", "samples", "tokens"):
         _count(d, key)
+    if d.get("device") is not None and d["device"] not in DEVICE_KINDS:
+        raise ReportError(f"device: one of {', '.join(DEVICE_KINDS)}, got {d['device']!r}")
+    if d.get("cudaDevices") is not None:
+        _count(d, "cudaDevices")
     if _count(d, "steps") < 1:
         raise ReportError(f"steps: at least 1, got {d['steps']}")
     if d["step"] > d["steps"]:
@@ -320,13 +344,16 @@ class JobProgress:
     steps: int | None  # the job's steps in all, as the reports say; None without reports
     goodput: float | None  # None before any wall time is reported
     message: str
+    # What the ranks of the published generation's nodes train on, for the nodes that say.
+    devices: Mapping[str, Device] = field(default_factory=dict)
 
 
 # How many node names a message lists before it says "and N more".
 _NAMED = 3
 
 
-def _names(nodes: Sequence[str], why: Mapping[str, str]) -> str:
+def name_nodes(nodes: Sequence[str], why: Mapping[str, str]) -> str:
+    """A few of `nodes`, each with why it is named, and how many more there are."""
     named = [f"{n} ({why[n]})" for n in nodes[:_NAMED]]
     more = len(nodes) - _NAMED
     return ", ".join(named) + (f" and {more} more" if more > 0 else "")
@@ -348,6 +375,7 @@ def summarize(reports: Mapping[str, NodeReport | None], published_generation: in
     """
     mine = {n: reports.get(n) for n in nodes}
     present = [r for r in mine.values() if r is not None]
+    devices = {n: r.device for n, r in mine.items() if r is not None and r.device is not None}
     everyone = [r for r in reports.values() if r is not None]
     wall = earlier.wall_seconds + sum(r.wall_seconds for r in everyone)
     productive = earlier.productive_seconds + sum(r.productive_seconds for r in everyone)
@@ -362,13 +390,15 @@ def summarize(reports: Mapping[str, NodeReport | None], published_generation: in
         first = failed[0]
         more = f" ({len(failed) - 1} more node(s) failed)" if len(failed) > 1 else ""
         return JobProgress(Phase.FAILED, step, steps, goodput,
-                           f"{first.node} failed: {first.message or 'no reason given'}{more}")
+                           f"{first.node} failed: {first.message or 'no reason given'}{more}",
+                           devices)
     if nodes and len(present) == len(nodes) and all(r.state is State.FINISHED for r in present):
         return JobProgress(Phase.SUCCEEDED, step, steps, goodput,
-                           f"all {len(nodes)} nodes finished at {of_steps}")
+                           f"all {len(nodes)} nodes finished at {of_steps}", devices)
     if all(r.state is State.STARTING for r in present):
         return JobProgress(Phase.PENDING, step, steps, goodput,
-                           f"{len(present)}/{len(nodes)} nodes started, none has trained yet")
+                           f"{len(present)}/{len(nodes)} nodes started, none has trained yet",
+                           devices)
     why: dict[str, str] = {}
     for node, r in mine.items():
         if r is None:
@@ -381,6 +411,7 @@ def summarize(reports: Mapping[str, NodeReport | None], published_generation: in
         waiting = [n for n in nodes if n in why]
         return JobProgress(Phase.RECONFIGURING, step, steps, goodput,
                            f"{of_steps}, generation {published_generation}: waiting for "
-                           f"{_names(waiting, why)}")
+                           f"{name_nodes(waiting, why)}", devices)
     return JobProgress(Phase.RUNNING, step, steps, goodput,
-                       f"{of_steps}, generation {published_generation}, {len(nodes)} nodes")
+                       f"{of_steps}, generation {published_generation}, {len(nodes)} nodes",
+                       devices)

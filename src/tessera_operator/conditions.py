@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from tessera_contracts.progress import JobProgress, Phase
+from tessera_contracts.progress import JobProgress, Phase, name_nodes
 from tessera_contracts.vocabulary import FailurePolicy
 from tessera_operator.lifecycle import Lifecycle, Stage
 from tessera_operator.planner import (
@@ -105,8 +105,49 @@ def _training(trained: JobProgress) -> Condition:
     return Condition("Training", active, trained.phase.value, trained.message)
 
 
+# Why a node's ranks train on CPU when CUDA sees all of the pod's GPUs.
+_ASKED = "--device cpu"
+
+
+def _cpu_cause(seen: int | None, gpus: int | None) -> str:
+    """Why a node whose agent sees `seen` CUDA devices (None: not said) trains on CPU, its
+    trainer pod holding `gpus` GPUs (None: not known here)."""
+    if seen is None:
+        return "CUDA devices not said"
+    if seen < (gpus or 1):
+        return f"CUDA sees {seen} of {gpus} GPUs" if gpus else f"CUDA sees {seen} devices"
+    return _ASKED
+
+
+def _on_cpu(plan: JobPlan | None, trained: JobProgress) -> Condition:
+    """Whether ranks train on CPU although their trainer pods hold GPUs (every trainer pod
+    asks for gpusPerNode nvidia.com/gpu), as the nodes' reports say: True naming those nodes,
+    with what CUDA sees on each."""
+    on_cpu = sorted(n for n, d in trained.devices.items() if d.kind == "cpu")
+    if not on_cpu:
+        if not trained.devices:
+            return Condition("TrainingOnCPU", False, "NotReported",
+                             "no trainer pod has said what its ranks train on yet")
+        return Condition("TrainingOnCPU", False, "TrainingOnGPU",
+                         "the ranks of every trainer pod that said train on its GPUs")
+    gpus = plan.spec.gpus_per_node if plan is not None else None
+    why = {n: _cpu_cause(trained.devices[n].cuda_devices, gpus) for n in on_cpu}
+    held = f"each of their trainer pods holds {gpus} nvidia.com/gpu" if gpus \
+        else "their trainer pods hold GPUs"
+    if all(cause == _ASKED for cause in why.values()):
+        reason, cause = "CPURequested", "the trainers' options (spec.args) ask for --device cpu"
+    else:
+        reason, cause = "NoCUDADevice", (
+            "CUDA gives them no device (a trainer image whose PyTorch lacks CUDA, or a node "
+            "without the NVIDIA driver or container runtime)")
+    return Condition("TrainingOnCPU", True, reason,
+                     f"the ranks on {name_nodes(on_cpu, why)} train on CPU though {held}: "
+                     f"{cause}")
+
+
 def _stopped(life: Lifecycle) -> tuple[Condition, ...]:
-    """Ready, Degraded, PowerBoosted and Training of a job that runs no attempt."""
+    """Ready, Degraded, PowerBoosted, Training and TrainingOnCPU of a job that runs no
+    attempt."""
     if life.finish is not None:
         why = Problem("Finished", life.finish.message)
     elif life.stage is Stage.SUSPENDED:
@@ -122,7 +163,8 @@ def _stopped(life: Lifecycle) -> tuple[Condition, ...]:
     return (Condition("Ready", False, why.reason, why.message),
             Condition("Degraded", False, "NotRunning", "no replica is running"),
             Condition("PowerBoosted", False, "NotRunning", "no GPU of the job is in use"),
-            Condition("Training", False, why.reason, why.message))
+            Condition("Training", False, why.reason, why.message),
+            Condition("TrainingOnCPU", False, "NotRunning", "no rank is running"))
 
 
 def _lifecycle(life: Lifecycle, outdated: Sequence[str]) -> tuple[Condition, ...]:
@@ -153,7 +195,8 @@ def conditions(
 ) -> tuple[Condition, ...]:
     """Ready, Degraded and PowerBoosted; `notes` (ignored health input) go into Ready's message,
     `held` (nodes whose power raise waits for a cut elsewhere in the rack) into PowerBoosted's.
-    With the trainers' progress, also Training (what the trainers did, not only the plan).
+    With the trainers' progress, also Training (what the trainers did, not only the plan) and
+    TrainingOnCPU (what their ranks train on).
     With the job's lifecycle, Suspended and UpToDate (`outdated`: spec fields the pods lack),
     and Complete or Failed once it finished; a job that runs no attempt has no plan. `why`:
     what a health source says of a failed GPU, shown beside it in Degraded."""
@@ -161,7 +204,7 @@ def conditions(
         return (*_stopped(life), *_lifecycle(life, outdated))
     found = (_ready(plan, problems, notes), _degraded(plan, why or {}), _power(plan, held))
     if trained is not None:
-        found = (*found, _training(trained))
+        found = (*found, _training(trained), _on_cpu(plan, trained))
     return found if life is None else (*found, *_lifecycle(life, outdated))
 
 

@@ -289,7 +289,8 @@ def _condition_events(previous: Mapping[str, Any], status: Mapping[str, Any]
     events = []
     for c in conditions.changed(previous, status):
         bad = (c["type"], c["status"]) in {("Ready", "False"), ("Degraded", "True"),
-                                           ("Failed", "True"), ("UpToDate", "False")}
+                                           ("Failed", "True"), ("UpToDate", "False"),
+                                           ("TrainingOnCPU", "True")}
         events.append(Event("Warning" if bad else "Normal", c["reason"],
                             f"{c['type']}={c['status']}: {c['message']}"))
     return tuple(events)

@@ -36,6 +36,7 @@ from tessera_contracts.generation import (
     next_generation,
 )
 from tessera_contracts.invocation import AgentInvocation, InvocationError
+from tessera_contracts.jobspec import schema_default
 from tessera_contracts.progress import progress_configmap as progress_name
 from tessera_operator.planner import JobPlan, JobSpec, Problem
 
@@ -49,7 +50,8 @@ _TRAINER_POD = re.compile(r"-node-(\d+)$")
 # The trainers' shared memory, unless the template mounts its own at SHM_PATH.
 SHM_VOLUME, SHM_PATH = "tessera-shm", "/dev/shm"
 # The spec fields a pod is made from (`pod_inputs`).
-POD_INPUTS = ("image", "command", "args", "steps", "checkpointPolicy", "template")
+POD_INPUTS = ("image", "command", "args", "steps", "checkpointPolicy", "data", "initialWeights",
+              "precision", "template")
 # What the rendezvous pod takes of the template's pod spec.
 RENDEZVOUS_FIELDS = ("nodeSelector", "tolerations", "priorityClassName", "schedulerName",
                      "imagePullSecrets", "securityContext")
@@ -338,7 +340,7 @@ def trainer_pod(job: Mapping[str, Any], index: int, node: str, attempt: int = 0
     current generation gives it; the template merged around it (docs/jobapi.md).
 
     Container args: the agent's invocation (the job, its steps in all), then `--`, then the
-    trainer options for every rank: checkpoints, the spec's `args`. A memory-backed /dev/shm
+    trainer options for every rank: `rank_args`, the spec's `args`. A memory-backed /dev/shm
     unless the template mounts one (the data loaders' and NCCL's shared memory)."""
     spec, name = job["spec"], job["metadata"]["name"]
     tmeta, pod_spec = template(spec)
@@ -379,12 +381,24 @@ def trainer_pod(job: Mapping[str, Any], index: int, node: str, attempt: int = 0
 
 
 def rank_args(spec: Mapping[str, Any]) -> list[str]:
-    """Trainer options every rank gets from the spec: checkpoints where the job keeps them."""
+    """Trainer options every rank gets from the spec: checkpoints where the job keeps them, the
+    weights it starts from, the dataset it reads, its precision (`spec.args` come after them,
+    and so win over them)."""
+    args: list[str] = []
     checkpoint = spec.get("checkpointPolicy") or {}
-    if not checkpoint.get("path"):
-        return []
-    return ["--save", f"{checkpoint['path'].rstrip('/')}/dense.pt", "--resume",
-            "--save-every", str(checkpoint.get("intervalSteps", 1000))]
+    if checkpoint.get("path"):
+        args += ["--save", checkpoint["path"], "--resume",
+                 "--save-every", str(checkpoint.get(
+                     "intervalSteps", schema_default("checkpointPolicy.intervalSteps"))),
+                 "--keep", str(checkpoint.get("keep", schema_default("checkpointPolicy.keep")))]
+    if spec.get("initialWeights"):
+        args += ["--init", spec["initialWeights"]["path"]]
+    data = spec.get("data") or {}
+    if data:
+        args += ["--data", data["path"]]
+        if data.get("tokenizer"):
+            args += ["--tokenizer", data["tokenizer"]]
+    return [*args, "--precision", str(spec.get("precision", schema_default("precision")))]
 
 
 def rendezvous_pod(job: Mapping[str, Any], attempt: int = 0) -> dict[str, Any]:

@@ -181,7 +181,8 @@ STEP = StepRecord(step=7, rank=3, generation=2, loss=2.5, step_s=0.25, samples=6
 EVENTS = [
     RankEvent(EventKind.RECONFIGURED, 3, 2, 7, (4, 3), 1_700_000_000.5),
     RankEvent(EventKind.RESTORING, 0, 3, 6, (4, 4), 1_700_000_001.0, None, "no survivor"),
-    RankEvent(EventKind.RESTORED, 0, 3, 5, (4, 4), 1_700_000_002.0, "/ckpt/dense.pt", "why"),
+    RankEvent(EventKind.RESTORED, 0, 3, 5, (4, 4), 1_700_000_002.0, "/ckpt/run/step-00000005",
+              "why"),
     RankEvent(EventKind.SAVING_CHECKPOINT, 1, 1, 10, (2,), 1.0),
     RankEvent(EventKind.CHECKPOINTED, 1, 1, 10, (2,), 2.0),
 ]
@@ -284,9 +285,9 @@ def test_any_line_is_a_record_no_record_or_refused_with_a_reason(record: dict) -
 
 def test_the_agent_reads_the_command_line_the_operator_writes() -> None:
     written = AgentInvocation(until_step=100_000, job="tiny-llama",
-                              trainer_args=("--save", "/ckpt/dense.pt", "--lr=0.01"))
+                              trainer_args=("--save", "/ckpt/run", "--lr=0.01"))
     assert written.to_args() == ["--job", "tiny-llama", "--until-step", "100000", "--",
-                                 "--save", "/ckpt/dense.pt", "--lr=0.01"]
+                                 "--save", "/ckpt/run", "--lr=0.01"]
     assert AgentInvocation.from_args(written.to_args()) == written
     every = AgentInvocation(until_step=12, generations=Path("/jobs/llm/generations"),
                             node="gpu-node-1", namespace="team-a", work_dir=Path("/tmp/w"),

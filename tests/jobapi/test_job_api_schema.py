@@ -1,6 +1,7 @@
 """The job API's guard rails on a real API server: what the operator owns in the pod template is
-refused with the field named, a checkpoint needs a mounted volume, and a running job's shape is
-immutable while its other fields stay editable."""
+refused with the field named, the checkpoints, the dataset and the initial weights need a mounted
+volume, and a running job's shape and starting weights are immutable while its other fields stay
+editable."""
 
 from __future__ import annotations
 
@@ -80,16 +81,72 @@ OPERATOR_OWNED: dict[str, tuple[Callable[[dict], None], str, str]] = {
 }
 
 
-@pytest.mark.parametrize("mutate,field,words", OPERATOR_OWNED.values(),
-                         ids=OPERATOR_OWNED.keys())
-def test_what_the_operator_owns_is_refused_naming_the_field(jobs, namespace, mutate, field,
-                                                            words):
+def refused_naming(jobs: client.CustomObjectsApi, namespace: str, mutate: Callable[[dict], None],
+                   field: str, words: str) -> None:
+    """The example, mutated, is refused with `field` and `words` in the message; nothing made."""
     body = example()
     mutate(body["spec"])
     message = refusal(lambda: create(jobs, namespace, body))
     assert field in message and words in message, message
     assert jobs.list_namespaced_custom_object(GROUP, VERSION, namespace, JOB_PLURAL)[
         "items"] == []
+
+
+@pytest.mark.parametrize("mutate,field,words", OPERATOR_OWNED.values(),
+                         ids=OPERATOR_OWNED.keys())
+def test_what_the_operator_owns_is_refused_naming_the_field(jobs, namespace, mutate, field,
+                                                            words):
+    refused_naming(jobs, namespace, mutate, field, words)
+
+
+# What the ranks read and how they train: (mutation, the field named, words of the message).
+TRAINER_INPUTS: dict[str, tuple[Callable[[dict], None], str, str]] = {
+    "a dataset on no volume": (lambda s: s["data"].update(path="/elsewhere/fineweb"),
+                               "spec.data.path", "volume the trainer container mounts"),
+    "a dataset on a path's prefix only": (lambda s: s["data"].update(path="/data-other/d"),
+                                          "spec.data.path", "volume the trainer container"),
+    "a dataset without a path": (lambda s: s.update(data={"tokenizer": "/data/t.json"}),
+                                 "spec.data.path", "Required value"),
+    "a tokenizer on no volume": (lambda s: s["data"].update(tokenizer="/tmp/tokenizer.json"),
+                                 "spec.data.tokenizer", "volume the trainer container mounts"),
+    "initial weights on no volume": (
+        lambda s: s["initialWeights"].update(path="/weights/llama-3-8b"),
+        "spec.initialWeights.path", "volume the trainer container mounts"),
+    "a precision the trainer lacks": (lambda s: s.update(precision="fp16"),
+                                      "spec.precision", '"fp32", "bf16"'),
+    "no checkpoint kept": (lambda s: s["checkpointPolicy"].update(keep=0),
+                           "spec.checkpointPolicy.keep", "greater than or equal to 1"),
+    "too many checkpoints kept": (lambda s: s["checkpointPolicy"].update(keep=1001),
+                                  "spec.checkpointPolicy.keep", "less than or equal to 1000"),
+}
+
+
+@pytest.mark.parametrize("mutate,field,words", TRAINER_INPUTS.values(),
+                         ids=TRAINER_INPUTS.keys())
+def test_what_the_trainers_cannot_read_or_run_is_refused_naming_the_field(jobs, namespace,
+                                                                          mutate, field, words):
+    refused_naming(jobs, namespace, mutate, field, words)
+
+
+def test_a_job_on_a_dataset_from_imported_weights_in_bf16_is_accepted(jobs, namespace):
+    """The example reads its dataset, tokenizer and weights from a read-only mount (only the
+    checkpoints need a writable one); without those fields the trainers train synthetic
+    sequences from random weights in fp32, keeping 3 checkpoints."""
+    body = example()
+    spec = body["spec"]
+    assert next(m for m in trainer(spec)["volumeMounts"] if m["mountPath"] == "/data")[
+        "readOnly"] is True
+    stored = create(jobs, namespace, body)["spec"]
+    for field in ("data", "initialWeights", "precision", "checkpointPolicy"):
+        assert stored[field] == spec[field], field
+    bare = example()
+    bare["metadata"]["name"] = "bare"
+    for field in ("data", "initialWeights", "precision"):
+        del bare["spec"][field]
+    del bare["spec"]["checkpointPolicy"]["keep"]
+    stored = create(jobs, namespace, bare)["spec"]
+    assert "data" not in stored and "initialWeights" not in stored
+    assert stored["precision"] == "fp32" and stored["checkpointPolicy"]["keep"] == 3
 
 
 def test_the_template_carries_what_training_pods_need(jobs, namespace):
@@ -123,6 +180,7 @@ IMMUTABLE: dict[str, Callable[[dict], None]] = {
     "managedBy": lambda s: s.update(managedBy="kueue.x-k8s.io/multikueue"),
     "template.spec.serviceAccountName": lambda s: s["template"]["spec"].update(
         serviceAccountName="trainers"),
+    "initialWeights": lambda s: s["initialWeights"].update(path="/data/weights/other"),
 }
 
 
@@ -139,9 +197,29 @@ def test_each_immutable_field_is_refused_with_its_name(jobs, namespace, field):
         "spec"] == created["spec"]
 
 
+@pytest.mark.parametrize("had", [True, False], ids=["removed", "added"])
+def test_initial_weights_can_be_neither_added_nor_removed(jobs, namespace, had):
+    """Every attempt without a checkpoint starts from them: a job's weights descend from one
+    start."""
+    body = example()
+    weights = body["spec"].pop("initialWeights")
+    if had:
+        body["spec"]["initialWeights"] = weights
+    created = create(jobs, namespace, body)
+    edited = copy.deepcopy(created)
+    if had:
+        del edited["spec"]["initialWeights"]
+    else:
+        edited["spec"]["initialWeights"] = weights
+    message = refusal(lambda: jobs.replace_namespaced_custom_object(
+        GROUP, VERSION, namespace, JOB_PLURAL, created["metadata"]["name"], edited))
+    assert "spec.initialWeights" in message and "immutable" in message, message
+
+
 def test_the_other_fields_stay_editable(jobs, namespace):
     """What the operator applies live (power, health, the failure policy), at the next attempt
-    (image, args, steps, the template, checkpoints) or at once (suspend, TTL) may change."""
+    (image, args, steps, the template, checkpoints, the dataset, the precision) or at once
+    (suspend, TTL) may change."""
     created = create(jobs, namespace, example())
     edited = copy.deepcopy(created)
     spec = edited["spec"]
@@ -149,7 +227,9 @@ def test_the_other_fields_stay_editable(jobs, namespace):
              "globalBatch": 128, "suspend": True, "ttlSecondsAfterFinished": 600}
     spec["powerPolicy"]["boostCapWatts"] = 650
     spec["failurePolicy"] |= {"mode": "NTP", "maxRestarts": 5, "fatalXIDs": [79]}
-    spec["checkpointPolicy"]["intervalSteps"] = 100
+    spec["checkpointPolicy"] |= {"intervalSteps": 100, "keep": 10}
+    spec["data"] = {"path": "/data/datasets/the-stack"}
+    spec["precision"] = "fp32"
     spec["template"]["spec"]["tolerations"].append({"key": "x", "operator": "Exists"})
     replaced = jobs.replace_namespaced_custom_object(
         GROUP, VERSION, namespace, JOB_PLURAL, created["metadata"]["name"], edited)

@@ -123,8 +123,12 @@ def test_a_job_with_a_claim_a_secret_and_shm_trains_checkpoints_and_completes(fl
     waited = flow.kubectl("wait", "--for=condition=Complete", "ntpjob/rich", "--timeout=600s",
                           check=False)
     assert waited.returncode == 0, (waited.stderr, flow.status("rich"))
-    # Every 10 steps and at the end, on the claim every node shares.
-    assert (files / "run" / "dense.pt").is_file()
+    # Every 10 steps and at the end, on the claim every node shares: the newest complete
+    # checkpoint (its tessera.json written last, before the rename) is the last step's.
+    complete = sorted(d.name for d in (files / "run").glob("step-*")
+                      if d.suffix != ".partial" and (d / "tessera.json").is_file())
+    assert complete and complete[-1] == "step-00000024", sorted(
+        str(p.relative_to(files)) for p in files.glob("*/*"))
     # The TTL: the job goes, and its pods with it.
     flow.wait("the finished job deleted", lambda: flow.job("rich"), lambda j: j is None)
     flow.wait("its pods gone", lambda: flow.pods("rich"), lambda p: p == [])

@@ -1,6 +1,7 @@
 """The progress report contract between the trainer pods' agents and the operator: a report
-survives its JSON round trip, garbage is a ReportError naming the field, and `summarize` gives
-the job's phase, step, goodput and message from its nodes' reports."""
+survives its JSON round trip, garbage is a ReportError naming the field, an agent's report says
+the device its ranks train on as the trainer picks it, and `summarize` gives the job's phase,
+step, goodput, message and its nodes' devices from their reports."""
 
 from __future__ import annotations
 
@@ -8,11 +9,15 @@ import dataclasses
 import json
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ntp.distributed import pick_device
+from ntp.nodeagent.agent import Devices, rank_device, requested_device
 from ntp.nodeagent.progress import RECENT_STEPS, NodeProgress
 from tessera_contracts.progress import (
+    Device,
     JobProgress,
     NodeReport,
     Phase,
@@ -79,6 +84,10 @@ def test_the_json_form_leaves_out_what_is_empty():
     (report().to_dict() | {"badputSeconds": [1]}, "badputSeconds"),
     (report().to_dict() | {"badputSeconds": {"coffee": 1.0}}, "'coffee' is not one of"),
     (report().to_dict() | {"badputSeconds": {"startup": -1.0}}, "badputSeconds.startup"),
+    (report().to_dict() | {"device": "tpu"}, "device: one of cpu, cuda"),
+    (report().to_dict() | {"device": ["cpu"]}, "device"),
+    (report().to_dict() | {"device": "cuda", "cudaDevices": -1}, "cudaDevices"),
+    (report().to_dict() | {"device": "cuda", "cudaDevices": 1.5}, "cudaDevices"),
 ])
 def test_a_malformed_report_is_a_report_error_naming_the_field(document, names):
     with pytest.raises(ReportError, match=names.replace("(", r"\(")):
@@ -92,7 +101,8 @@ json_values = st.recursive(
     max_leaves=8)
 fields = st.sampled_from(["node", "generation", "step", "steps", "state", "message",
                           "stepSeconds", "computeSeconds", "samples", "tokens", "goodput",
-                          "productiveSeconds", "wallSeconds", "badputSeconds"])
+                          "productiveSeconds", "wallSeconds", "badputSeconds", "device",
+                          "cudaDevices"])
 
 
 @settings(max_examples=100, deadline=None)
@@ -103,6 +113,17 @@ def test_any_json_in_place_of_fields_is_a_valid_report_or_a_report_error(changes
     except ReportError:
         return
     assert NodeReport.from_json(parsed.to_json()) == parsed
+
+
+def test_a_report_says_what_its_ranks_train_on_and_an_older_agents_report_still_reads():
+    on_cpu = report(device=Device("cpu", 0))
+    assert on_cpu.to_dict()["device"] == "cpu" and on_cpu.to_dict()["cudaDevices"] == 0
+    assert NodeReport.from_json(on_cpu.to_json()) == on_cpu
+    # An agent that says nothing of it (an older one) writes neither field and reads back so.
+    older = report().to_dict()
+    assert "device" not in older and "cudaDevices" not in older
+    assert NodeReport.from_dict(older).device is None
+    assert NodeReport.from_dict(older | {"device": "cuda"}).device == Device("cuda", None)
 
 
 def test_text_that_is_not_json_is_a_report_error():
@@ -228,3 +249,70 @@ def test_a_nodes_report_carries_its_ranks_mean_compute_time_in_the_generation_th
     older = NodeProgress("gpu-node-1", steps=1000, clock=lambda: 0.0)
     older.read(step_line(1, 0, None))  # a trainer that does not measure it
     assert older.report().compute_seconds is None and older.report().step == 1
+
+
+def test_the_job_carries_what_the_ranks_of_its_nodes_train_on():
+    reports: dict[str, NodeReport | None] = every()
+    reports[NODES[0]] = report(NODES[0], device=Device("cpu", 0))
+    reports[NODES[1]] = report(NODES[1], device=Device("cuda", 8))
+    reports["gone-node"] = report("gone-node", device=Device("cpu", 0))
+    # the published generation's nodes that say; not a node that left the job
+    assert summarize(reports, 2, NODES).devices == {NODES[0]: Device("cpu", 0),
+                                                    NODES[1]: Device("cuda", 8)}
+    reports[NODES[2]] = report(NODES[2], State.FAILED, device=Device("cuda", 8))
+    assert summarize(reports, 2, NODES).devices[NODES[2]] == Device("cuda", 8)
+
+
+# (the ranks' --device, the CUDA devices the agent sees, the node's GPU of the rank): the pod
+# holds the node's GPUs 4-7, so CUDA numbers them 0-3.
+DEVICE_CASES = [("auto", 4, 7), ("auto", 0, 4), ("auto", 2, 6), ("auto", 2, 5), ("cpu", 4, 5),
+                ("cuda", 4, 4)]
+
+
+@pytest.mark.parametrize(("requested", "visible", "gpu"), DEVICE_CASES)
+def test_the_agent_reports_the_device_the_trainer_picks(monkeypatch, requested, visible, gpu):
+    """The agent's `rank_device`, before it starts a rank, against `ntp.distributed.pick_device`
+    as the rank runs it: in the environment `Devices.bind` gives it, where CUDA, restricted to
+    CUDA_VISIBLE_DEVICES, has the one device or none."""
+    devices = Devices(visible=(4, 5, 6, 7))
+    env, _ = devices.bind(gpu)
+    seen = 1 if int(env["CUDA_VISIBLE_DEVICES"]) < visible else 0
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: seen)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: seen > 0)
+    for name, value in (env | {"RANK": "5", "WORLD_SIZE": "8"}).items():
+        monkeypatch.setenv(name, value)
+    picked = pick_device(requested)
+    assert rank_device(requested, devices.cuda_index(gpu), visible) == picked.split(":")[0]
+
+
+def test_under_device_cuda_a_rank_without_one_fails_and_is_reported_as_cuda(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for name, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"}.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match="--device cuda needs 1 GPUs"):
+        pick_device("cuda")
+    assert rank_device("cuda", 0, 0) == "cuda"  # it never trains on CPU
+
+
+@pytest.mark.parametrize(("args", "device"), [
+    ((), "auto"),
+    (("--lr=0.01",), "auto"),
+    (("--device", "cpu", "--lr", "0.01"), "cpu"),
+    (("--device=cpu",), "cpu"),
+    (("--device", "cpu", "--device=cuda"), "cuda"),  # the last one, as argparse reads them
+    (("--lr", "0.01", "--device"), "auto"),  # no value: the rank refuses its command line
+])
+def test_the_agent_reads_the_device_the_ranks_are_asked_for(args, device):
+    assert requested_device(args) == device
+
+
+def test_a_node_trains_on_cpu_once_any_of_its_ranks_does():
+    node = NodeProgress("gpu-node-0", steps=1000, clock=lambda: 0.0)
+    assert node.report().device is None  # no rank started yet
+    node.ranks_on(Device("cuda", 3))
+    assert node.report().device == Device("cuda", 3)
+    node.ranks_on(Device("cpu", 3))
+    node.ranks_on(Device("cuda", 3))
+    assert node.report().device == Device("cpu", 3)
+    assert NodeReport.from_json(node.report().to_json()).device == Device("cpu", 3)

@@ -4,15 +4,18 @@ placement by free GPUs and NVLink domain."""
 
 from __future__ import annotations
 
+import argparse
 import copy
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
+from ntp.train import parse_args
 from tessera_contracts.api import ATTEMPT_LABEL, INPUTS_ANNOTATION, JOB_LABEL, ROLE_LABEL
-from tessera_contracts.invocation import AgentInvocation
+from tessera_contracts.invocation import AgentInvocation, RankInvocation
 from tessera_dev import paths
 from tessera_operator import workload
 from tessera_operator.planner import JobSpec, Problem
@@ -65,14 +68,14 @@ def test_the_trainer_pod_carries_the_specs_fields_and_its_template() -> None:
     (container,) = spec["containers"]
     assert container["image"] == "registry.example/trainer:7"
     assert container["command"] == ["python", "-m", "ntp.nodeagent"]
-    # The agent's own options, then every rank's: the checkpoint the spec names, its args.
-    assert container["args"] == [
-        "--job", "tiny-llama", "--until-step", "100000", "--",
-        "--save", "/ckpt/run/dense.pt", "--resume", "--save-every", "50", "--lr=0.01"]
+    # The agent's own options, then every rank's: the checkpoint directory the spec names (the
+    # CRD's default of 3 kept), the precision (the CRD's default), its args.
+    rank = ["--save", "/ckpt/run/", "--resume", "--save-every", "50", "--keep", "3",
+            "--precision", "fp32", "--lr=0.01"]
+    assert container["args"] == ["--job", "tiny-llama", "--until-step", "100000", "--", *rank]
     # what the node agent reads from them: the job, its steps in all, every rank's options
     assert AgentInvocation.from_args(container["args"]) == AgentInvocation(
-        until_step=100_000, job="tiny-llama", trainer_args=(
-            "--save", "/ckpt/run/dense.pt", "--resume", "--save-every", "50", "--lr=0.01"))
+        until_step=100_000, job="tiny-llama", trainer_args=tuple(rank))
     # All the node's GPUs, as a limit and (requests being given) a request.
     assert container["resources"] == {
         "requests": {"cpu": "4", "memory": "8Gi", "nvidia.com/gpu": "4"},
@@ -94,6 +97,44 @@ def test_the_trainer_pod_carries_the_specs_fields_and_its_template() -> None:
     assert workload.node_selector(job["spec"]) == {"pool": "a"}
     # The job is not changed by building pods from it.
     assert job == before
+
+
+def _trainer_options(job: Mapping[str, Any]) -> argparse.Namespace:
+    """Every rank's options as the trainer reads them (`ntp.train.parse_args`) from the pod's
+    command line, the node agent's invocation in between."""
+    args = _trainer(workload.trainer_pod(job, 0, "node-x"))["args"]
+    options = AgentInvocation.from_args(args).trainer_args
+    _, opts = parse_args(RankInvocation(Path("gen1.json"), options=options).to_args())
+    return opts
+
+
+def test_the_ranks_train_on_the_dataset_from_the_weights_and_at_the_precision_of_the_spec() -> None:
+    job = _job(checkpointPolicy={"path": "/checkpoints/run", "intervalSteps": 200, "keep": 5},
+               data={"path": "/data/fineweb", "tokenizer": "/data/tokenizer.json"},
+               initialWeights={"path": "/weights/llama-3.1-8b"}, precision="bf16",
+               args=["--lr=0.0003"])
+    opts = _trainer_options(job)
+    assert (opts.save, opts.resume, opts.save_every, opts.keep) == (
+        Path("/checkpoints/run"), True, 200, 5)
+    assert (opts.init, opts.data, opts.tokenizer) == (
+        Path("/weights/llama-3.1-8b"), Path("/data/fineweb"), Path("/data/tokenizer.json"))
+    assert (opts.precision, opts.lr) == ("bf16", 0.0003)
+
+
+def test_without_data_weights_or_checkpoints_the_ranks_train_on_synthetic_sequences() -> None:
+    opts = _trainer_options(_job())
+    assert (opts.save, opts.resume, opts.init, opts.data, opts.tokenizer) == (
+        None, False, None, None, None)
+    assert opts.precision == "fp32"
+    # A dataset without its tokenizer; the initial weights without checkpoints.
+    opts = _trainer_options(_job(data={"path": "/data/d"}, initialWeights={"path": "/w"}))
+    assert (opts.data, opts.tokenizer, opts.init, opts.save) == (
+        Path("/data/d"), None, Path("/w"), None)
+
+
+def test_the_specs_args_come_last_and_win_over_the_operators() -> None:
+    opts = _trainer_options(_job(precision="bf16", args=["--precision", "fp32"]))
+    assert opts.precision == "fp32"
 
 
 def test_the_templates_labels_and_annotations_reach_the_trainer_pod_under_the_operators() -> None:
@@ -308,6 +349,9 @@ OUTDATING = {
     "steps": ({"steps": 5}, ["steps"]),
     "checkpointPolicy": ({"checkpointPolicy": {"path": "/ckpt", "intervalSteps": 10}},
                          ["checkpointPolicy"]),
+    "data": ({"data": {"path": "/data/d"}}, ["data"]),
+    "initialWeights": ({"initialWeights": {"path": "/w"}}, ["initialWeights"]),
+    "precision": ({"precision": "bf16"}, ["precision"]),
     "the template's container": ({"template": TEMPLATE_EDIT}, ["template"]),
     "the template's labels": ({"template": {"metadata": {"labels": {"team": "nlp"}},
                                             "spec": TEMPLATE_EDIT["spec"]}}, ["template"]),

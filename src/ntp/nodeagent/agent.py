@@ -17,7 +17,9 @@ the current generation lists:
   failure notice every survivor watches); the other ranks keep running;
 - each rank holds its GPU: `CUDA_VISIBLE_DEVICES` on a real node; on the local cluster's
   simulated nodes the device file `$TESSERA_SIM_DEVICES/nvidia<INDEX>`, open for the rank's
-  lifetime as a CUDA process holds /dev/nvidia<INDEX>, so `tessera-dev fail-gpu` kills exactly it;
+  lifetime as a CUDA process holds /dev/nvidia<INDEX>, so `tessera-dev fail-gpu` kills exactly it.
+  What the rank trains on follows from it before it starts (`rank_device`: CUDA when CUDA has its
+  device, else CPU), and the node's progress report says so;
 - ranks die with the agent (PR_SET_PDEATHSIG). The agent exits 0 once the job has finished
   (a generation ended `End.FINISHED` on the store) and its ranks have exited, non-zero with one
   line saying why when it cannot go on;
@@ -50,6 +52,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+import torch
 import torch.distributed as dist
 
 from ntp.distributed import (
@@ -67,7 +70,7 @@ from tessera_contracts.generation import Generation, GenerationError, Gpu, Rende
 from tessera_contracts.invocation import (
     RankInvocation,
 )
-from tessera_contracts.progress import NodeReport
+from tessera_contracts.progress import Device, NodeReport
 
 log = logging.getLogger("ntp.nodeagent.agent")
 
@@ -132,15 +135,20 @@ class Devices:
                 if Path(os.readlink(entry)).parent == sim_dir:
                     os.close(int(entry.name))
 
-    def bind(self, index: int) -> tuple[dict[str, str], int | None]:
-        """The environment that gives a rank GPU `index`, and the device file descriptor it
-        must inherit (None on a real node)."""
+    def cuda_index(self, index: int) -> int:
+        """The CUDA device of the node's GPU `index` in this pod (CUDA numbers the pod's GPUs
+        in NVIDIA_VISIBLE_DEVICES' order)."""
         if self.visible is not None and index not in self.visible:
             raise AgentError(
                 f"the generation puts a rank on GPU {index}, but this pod was given GPUs "
                 f"{','.join(map(str, self.visible))} (NVIDIA_VISIBLE_DEVICES)"
             )
-        cuda = self.visible.index(index) if self.visible is not None else index
+        return self.visible.index(index) if self.visible is not None else index
+
+    def bind(self, index: int) -> tuple[dict[str, str], int | None]:
+        """The environment that gives a rank GPU `index`, and the device file descriptor it
+        must inherit (None on a real node)."""
+        cuda = self.cuda_index(index)
         env = {"CUDA_VISIBLE_DEVICES": str(cuda), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}
         if self.sim_dir is None:
             return env, None
@@ -149,6 +157,33 @@ class Devices:
             return env, os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         except OSError as exc:
             raise AgentError(f"cannot open the simulated GPU {index} ({path}): {exc}") from None
+
+
+def cuda_devices() -> int:
+    """The CUDA devices this process sees, counted as `ntp.distributed.pick_device` counts
+    them (0 where CUDA is not available: a CPU-only PyTorch, no driver)."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def requested_device(trainer_args: Sequence[str]) -> str:
+    """The `--device` the ranks are given, as `ntp.train` reads it: the last one; auto."""
+    found = "auto"
+    for i, arg in enumerate(trainer_args):
+        if arg == "--device" and i + 1 < len(trainer_args):
+            found = trainer_args[i + 1]
+        elif arg.startswith("--device="):
+            found = arg.removeprefix("--device=")
+    return found
+
+
+def rank_device(requested: str, cuda_index: int, visible: int) -> str:
+    """What a rank trains on when `Devices.bind` gives it CUDA device `cuda_index` alone, of
+    the `visible` ones: `ntp.distributed.pick_device`'s rule for one rank per host, which sees
+    one CUDA device or none. CPU when asked for, or under auto when CUDA lacks that device;
+    else CUDA (under `--device cuda` a rank without one fails rather than train)."""
+    if requested == "cpu" or (requested == "auto" and cuda_index >= visible):
+        return "cpu"
+    return "cuda"
 
 
 def die_with_parent() -> Callable[[], None]:
@@ -187,14 +222,19 @@ class NodeAgent:
         trainer_args: Sequence[str] = (),
         devices: Devices = Devices(),
         publish: Callable[[NodeReport], None] | None = None,
+        cuda_count: int | None = None,
     ) -> None:
-        """`publish` writes the node's progress report (None: nowhere)."""
+        """`publish` writes the node's progress report (None: nowhere); `cuda_count`: the
+        CUDA devices on this node (`cuda_devices`), from which the report says what the ranks
+        train on (None: it does not say)."""
         self.node = node
         self.source = source
         self.work_dir = work_dir
         self.until_step = until_step
         self.trainer_args = tuple(trainer_args)
         self.devices = devices
+        self.cuda_count = cuda_count
+        self.requested_device = requested_device(self.trainer_args)
         self.current: Generation | None = None
         self.ranks: dict[int, RankProcess] = {}  # running, by pid
         self.events: queue.Queue[tuple[str, Any]] = queue.Queue()
@@ -400,6 +440,10 @@ class NodeAgent:
                                     options=self.trainer_args)
         argv = [sys.executable, "-m", "ntp.train", *invocation.to_args()]
         env, device = self.devices.bind(gpu.index)
+        if self.cuda_count is not None:
+            kind = rank_device(self.requested_device, self.devices.cuda_index(gpu.index),
+                               self.cuda_count)
+            self.progress.ranks_on(Device(kind, self.cuda_count))
         env |= {"RANK": str(rank), "WORLD_SIZE": str(len(generation.gpus))}
         try:
             proc = subprocess.Popen(

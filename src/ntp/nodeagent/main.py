@@ -18,6 +18,7 @@ from ntp.nodeagent.agent import (
     DirectorySource,
     Generations,
     NodeAgent,
+    cuda_devices,
     write_atomic,
 )
 from tessera_contracts.invocation import (
@@ -98,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         work_dir = opts.work_dir or Path(tempfile.mkdtemp(prefix="ntp-agent-"))
         work_dir.mkdir(parents=True, exist_ok=True)
         agent = NodeAgent(node, source, work_dir, opts.until_step, opts.trainer_args,
-                          devices, publish)
+                          devices, publish, cuda_count=cuda_devices())
         if opts.metrics_port:
             serve_metrics(agent.progress.ledger, os.environ.get("POD_IP") or "0.0.0.0",
                           opts.metrics_port, {"ntpjob": job, "node": node})

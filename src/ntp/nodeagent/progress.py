@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from tessera_contracts.generation import Generation
-from tessera_contracts.progress import NodeReport, State, report_period
+from tessera_contracts.progress import Device, NodeReport, State, report_period
 from tessera_contracts.rank_events import (
     EventKind,
     RankEvent,
@@ -53,6 +53,7 @@ class NodeProgress:
         self.generation = 0  # that the node's ranks run
         self.state = State.STARTING
         self.message = ""
+        self.device: Device | None = None  # what the node's ranks train on, once one started
         self._switch: tuple[int, int] | None = None  # (after step, to generation): planned
         self._recent: deque[float] = deque(maxlen=RECENT_STEPS)
         # (generation, step, seconds) from every rank's step line: one generation's only, since
@@ -167,6 +168,13 @@ class NodeProgress:
                 self.ledger.enter(Phase.OTHER)
             self._set(State.FINISHED, message)
 
+    def ranks_on(self, device: Device) -> None:
+        """A rank of this node starts on `device`: the node says cpu once any of its ranks
+        trains on CPU."""
+        with self._lock:
+            if self.device is None or self.device.kind != "cpu":
+                self.device = device
+
     def failed(self, why: str) -> None:
         with self._lock:
             self._set(State.FAILED, why)
@@ -199,6 +207,7 @@ class NodeProgress:
                 productive_seconds=round(float(a.productive), 3),
                 wall_seconds=round(float(a.wall), 3),
                 badput_seconds={c: round(float(s), 3) for c, s in a.badput.items()},
+                device=self.device,
             )
 
 
