@@ -20,9 +20,10 @@ import json
 import os
 import re
 import shutil
+import threading
 import warnings
-from collections.abc import Iterable, Iterator, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
@@ -303,11 +304,28 @@ def prune(root: Path, keep: int) -> None:
             shutil.rmtree(p, ignore_errors=True)
 
 
+def _in_background(work: Callable[[], None]) -> Future[None]:
+    """`work` in a daemon thread: one abandoned in a collective that never returns must not
+    hold up the process's exit (as the trainer's own threads, `ntp.train`)."""
+    done: Future[None] = Future()
+
+    def run() -> None:
+        try:
+            work()
+        except BaseException as exc:
+            done.set_exception(exc)
+        else:
+            done.set_result(None)
+
+    threading.Thread(target=run, name="checkpoint", daemon=True).start()
+    return done
+
+
 class CheckpointSaver:
     """Writes a job's checkpoints under `root`, one at a time.
 
     `save` returns once the state is staged (copied to CPU memory); the write, DCP's metadata
-    and the commit follow in a thread of the saver's own, on a process group of their own so
+    and the commit follow in a thread of their own, on a process group of their own so
     that they never interleave with training collectives. `blocking=True` writes before
     returning (the comparison the benchmark makes).
     """
@@ -316,7 +334,6 @@ class CheckpointSaver:
         self.root = root
         self.keep = keep
         self.blocking = blocking
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")
         self._pending: Future[None] | None = None
 
     def save(
@@ -343,7 +360,7 @@ class CheckpointSaver:
         if self.blocking:
             write()
         else:
-            self._pending = self._pool.submit(write)
+            self._pending = _in_background(write)
 
     def wait(self) -> None:
         """Until the previous save is committed (its failure raised here)."""

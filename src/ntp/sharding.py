@@ -103,14 +103,6 @@ def counted_units(shards: Sequence[RankShard], rank: int, kind: str) -> list[int
     return [g for g in held if g not in lower]
 
 
-def shard_tensor(
-    full: torch.Tensor, shape: ModelShape, spec: ParamSpec, shard: RankShard
-) -> torch.Tensor:
-    """This shard's slice of a dense tensor, in the shard's sorted unit order."""
-    index = element_index(shape, spec.kind, shard.units(spec.kind))
-    return full.index_select(spec.dim, index).clone()
-
-
 def pack_into(
     out: torch.Tensor, t: torch.Tensor, spec: ParamSpec, index: torch.Tensor, scale: float = 1.0
 ) -> None:

@@ -7,7 +7,7 @@ import torch
 
 from ntp.grad_sync import DEFAULT_BUCKET_ELEMENTS, bucket_parameters
 from ntp.model import FLAVORS, Transformer
-from ntp.sharding import shard_tensor, spec_of
+from ntp.parallelize import apply_ntp
 from tessera_core.plan import plan_job
 
 
@@ -17,18 +17,16 @@ def bucket_names_per_rank(
     """The model's parameter names and, per rank of the job, its buckets' parameter names."""
     args = FLAVORS[flavor]
     shape = args.shape()
-    with torch.device("meta"):  # shapes only: the 8B flavor is never materialized
-        dense = list(Transformer(args).named_parameters())
     job = plan_job(shape, degrees, global_batch=2 * sum(degrees))
     out = []
     for replica in job.replicas:
         for shard in replica.shards:
-            local = [
-                (n, p if spec_of(n) is None else shard_tensor(p, shape, spec_of(n), shard))
-                for n, p in dense
-            ]
+            with torch.device("meta"):  # shapes only: the 8B flavor is never materialized
+                model = Transformer(args)
+            apply_ntp(model, shard, group=None)
+            local = list(model.named_parameters())
             out.append([[n for n, _ in b] for b in bucket_parameters(local, shape, cap)])
-    return [n for n, _ in dense], out
+    return [n for n, _ in local], out
 
 
 @pytest.mark.parametrize(
