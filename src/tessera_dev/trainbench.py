@@ -93,7 +93,9 @@ def main(argv: list[str]) -> int:
           f"{shape.n_kv_heads} KV, ffn {shape.ffn}, vocab {shape.vocab}, {shape.n_layers} "
           f"layers, seq {shape.seq_len}) on {opts.max_bytes:,} bytes of the standard library; "
           f"gloo on CPU, {os.cpu_count()} cores shared by 7 ranks")
-    print(f"tokens/s per replica, TP4 + TP3 (plain NTP, batch 8 + 6): TP4 {tps[0]:,.0f}, "
+    batches = plan_job(shape, [4, 3], global_batch=14, mode="ntp").replicas
+    split = " + ".join(str(r.local_batch) for r in batches)
+    print(f"tokens/s per replica, TP4 + TP3 (plain NTP, batch {split}): TP4 {tps[0]:,.0f}, "
           f"TP3 {tps[1]:,.0f} (TP3 / TP4 {tps[1] / tps[0]:.3f}; 3/4 when every rank keeps the "
           "same pace: each has 2 samples)")
     ratio = waits["async"] / waits["blocking"]
