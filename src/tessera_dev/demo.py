@@ -4,15 +4,17 @@ boosted.
 
 `tessera-dev up --nodes 2 --gpus-per-node 4` gives a real control plane, two simulated 4-GPU nodes
 that run pods as local processes, and Prometheus; a running cluster of that size is reused.
-Tessera is installed as on a GPU cluster (`kubectl apply --server-side -k manifests/local`) and
-the example job (`manifests/examples/ntpjob-local.yaml`: TP4 x DP2, NTP-PW) is applied with
-kubectl. Its trainer pods train on CPU; the view below refreshes every second from the job's
-status and Prometheus. Then `tessera cordon-gpu gpu-node-0 3` (planned: the replica drains to
-TP 3 at a step boundary) and `tessera-dev fail-gpu gpu-node-1 2 --xid 79` (the GPU falls off the
-bus and its rank dies; the survivors continue at TP 3). Every cluster action is a command a user
-types, so each can be repeated by hand. At the end a PNG of goodput, TP degree per replica and
-power per GPU over the demo, and the queries and commands to look further. Cluster, operator,
-job and Prometheus keep running until `tessera-dev down`.
+Tessera is installed as on a GPU cluster (`kubectl apply --server-side -k manifests/local`), the
+interpreter's standard library is prepared with `tessera prepare-data` into a claim on the
+cluster's shared storage, and the example job (`manifests/examples/ntpjob-local.yaml`: TP4 x DP2,
+NTP-PW), which mounts that claim and trains on it, is applied with kubectl. Its trainer pods
+train on CPU; the view below refreshes every second from the job's status and Prometheus. Then
+`tessera cordon-gpu gpu-node-0 3` (planned: the replica drains to TP 3 at a step boundary) and
+`tessera-dev fail-gpu gpu-node-1 2 --xid 79` (the GPU falls off the bus and its rank dies; the
+survivors continue at TP 3). Every cluster action is a command a user types, so each can be
+repeated by hand. At the end a PNG of goodput, TP degree per replica, power per GPU and the loss
+over the demo, and the queries and commands to look further. Cluster, operator, job and
+Prometheus keep running until `tessera-dev down`.
 """
 
 from __future__ import annotations
@@ -23,9 +25,10 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import yaml
 from kubernetes import client
@@ -37,7 +40,7 @@ from tessera_cli import main as tessera_cli
 from tessera_contracts import gpuhealth
 from tessera_contracts.api import GPU_HEALTH_PLURAL, GROUP, JOB_LABEL, JOB_PLURAL, VERSION
 from tessera_contracts.gpuhealth import State
-from tessera_dev import demo_plot, paths, probes, processes
+from tessera_dev import demo_data, demo_plot, paths, probes, processes
 from tessera_dev.controlplane import cluster, launcher, up
 from tessera_dev.controlplane.prometheus import Prometheus
 from tessera_dev.demo_view import DRAW, Snapshot, observe, render
@@ -245,6 +248,17 @@ def _start_over(demo: Demo) -> None:
           lambda: _healthy(demo.api), RECOVERY_S)
 
 
+def _dataset(demo: Demo, example: Mapping[str, Any]) -> None:
+    """The claim the job reads its dataset from, on the cluster's shared storage, with the
+    standard library prepared into it; on a reused cluster the one there already (the command
+    finds its own dataset and changes nothing)."""
+    where = demo_data.data_claim(example)
+    demo.console.rule(f"the dataset: the interpreter's standard library on claim {where.name}")
+    demo.running.shared_volume(demo.api, where.name, demo.namespace, size="1Gi")
+    out = demo.running.shared_path(where.name, demo.namespace) / where.path
+    demo.tessera(*demo_data.prepare_args(out, example["spec"]["model"]["vocab"]))
+
+
 def _healthy(api: client.ApiClient) -> bool:
     """Every node's GPUHealth names no GPU failed, unknown or with a recent XID."""
     items = client.CustomObjectsApi(api).list_cluster_custom_object(
@@ -266,6 +280,7 @@ def _queries(job: str, alerts: bool) -> list[tuple[str, str]]:
          f'max by (replica) (tessera_replica_tp_degree{{ntpjob="{job}"}})'),
         ("power limit per GPU, set by the power agents", "tessera_gpu_power_limit_watts"),
         ("power draw per GPU (dcgm-exporter 4.8 or 4.9)", DRAW),
+        ("loss of the last step, per node", f'tessera_loss{{ntpjob="{job}"}}'),
     ]
     if alerts:
         found.append(("the lost GPU, as an alert", f'ALERTS{{alertname="{GPU_LOST_ALERT}"}}'))
@@ -318,6 +333,7 @@ def _demo(args: argparse.Namespace, console: Console) -> int:
               lambda: _operator_and_agents_running(api), INSTALL_S)
         if reused:
             _start_over(demo)
+        _dataset(demo, example)
         console.rule(f"the job: {EXAMPLE.relative_to(REPO)} with steps: {STEPS}")
         demo.kubectl("apply", "-f", "-", stdin=yaml.safe_dump(example),
                      shown=f"kubectl apply -f {EXAMPLE.relative_to(REPO)}")

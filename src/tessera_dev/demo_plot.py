@@ -1,6 +1,6 @@
-"""The demo's figure: goodput, TP degree per replica and power per GPU over the demo's time,
-from Prometheus range queries, with the faults marked. The series go beside the PNG as JSON, so
-the figure's numbers can be read without it."""
+"""The demo's figure: goodput, TP degree per replica, power per GPU and the loss over the demo's
+time, from Prometheus range queries, with the faults marked. The series go beside the PNG as
+JSON, so the figure's numbers can be read without it."""
 
 from __future__ import annotations
 
@@ -38,6 +38,8 @@ def panels(job: str) -> tuple[Panel, ...]:
               "replica {replica}"),
         Panel("GPU power limit (power agents)", "W", "tessera_gpu_power_limit_watts",
               "{node} GPU {gpu}"),
+        Panel("loss of the last step (trainer, per node)", "cross-entropy",
+              f'tessera_loss{{ntpjob="{job}"}}', "{node}"),
     )
 
 
@@ -75,7 +77,7 @@ def draw(data: dict[str, Series], job: str, events: Sequence[tuple[float, str]],
     """Write the PNG to `out` and the series to `out` with suffix .json. `events` are
     (unix time, label) marks drawn on every panel; time runs in seconds from `start`."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    figure, axes = plt.subplots(len(panels(job)), 1, figsize=(13, 10), sharex=True)
+    figure, axes = plt.subplots(len(panels(job)), 1, figsize=(13, 13), sharex=True)
     for ax, panel in zip(axes, panels(job), strict=True):
         for name, points in data[panel.title].items():
             ax.step([t - start for t, _ in points], [v for _, v in points], where="post",

@@ -26,7 +26,7 @@ import yaml
 from kubernetes import client
 
 from tessera_contracts.api import JOB_LABEL, ROLE_LABEL
-from tessera_dev import paths, probes
+from tessera_dev import demo_data, paths, probes
 from tessera_dev.controlplane import cluster, launcher
 from tessera_operator.workload import RENDEZVOUS, RENDEZVOUS_PORT, TRAINER, rendezvous_name
 
@@ -81,8 +81,9 @@ class Side:
 
 
 def _job(seed: int) -> dict[str, Any]:
-    """The example job shrunk to this cluster: TP2 x DP2, a node each, a few steps."""
-    job = yaml.safe_load(EXAMPLE.read_text())
+    """The example job shrunk to this cluster: TP2 x DP2, a node each, a few steps, on
+    synthetic sequences."""
+    job = demo_data.without_dataset(yaml.safe_load(EXAMPLE.read_text()))
     job["metadata"] = {"name": JOB}
     spec = job["spec"]
     spec |= {"tensorParallelSize": GPUS, "gpusPerNode": GPUS, "totalGPUs": NODES * GPUS,

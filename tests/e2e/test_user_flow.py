@@ -35,7 +35,7 @@ from ntp.launch import launch_local
 from tessera_agents.power.sim_backend import SimGpuSpec
 from tessera_contracts.generation import Generation, Gpu, Rendezvous
 from tessera_contracts.powertarget import parse_object
-from tessera_dev import paths, probes
+from tessera_dev import demo_data, paths, probes
 from tessera_dev.controlplane import cluster, launcher
 from tessera_operator import planner
 
@@ -202,7 +202,8 @@ def test_kubectl_apply_cordon_fail_and_uncordon(flow: Flow, tmp_path: Path) -> N
     assert sorted(failure_free) == list(range(1, STEPS + 1))
 
     # 1. kubectl apply: the operator places the job, its pods train.
-    job = yaml.safe_load(EXAMPLE.read_text())
+    # Synthetic sequences, as the failure-free run trains.
+    job = demo_data.without_dataset(yaml.safe_load(EXAMPLE.read_text()))
     job["spec"]["steps"] = STEPS
     manifest = tmp_path / "job.yaml"
     manifest.write_text(yaml.safe_dump(job))

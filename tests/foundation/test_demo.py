@@ -1,6 +1,6 @@
 """The README's first command: `tessera-dev demo --yes` runs end to end on a cluster of its own, and
-what it shows the user holds: the figure and its data, the job reconfigured, queries that
-answer, a cluster that outlives it."""
+what it shows the user holds: the figure and its data, the job reconfigured, a loss that falls
+on the prepared corpus, queries that answer, a cluster that outlives it."""
 
 from __future__ import annotations
 
@@ -13,13 +13,19 @@ import urllib.request
 from pathlib import Path
 
 import matplotlib.image
+import numpy as np
 import pytest
+import yaml
+
+from tessera_dev import demo_data, paths
+from tessera_dev.controlplane import cluster
 
 pytestmark = pytest.mark.foundation
 
 TESSERA = Path(sys.executable).with_name("tessera-dev")
 JOB = "tiny-llama"
 BASE_WATTS, BUDGET_WATTS = 500, 2200  # manifests/examples/ntpjob-local.yaml
+EXAMPLE = yaml.safe_load((paths.repo_root() / "manifests/examples/ntpjob-local.yaml").read_text())
 
 
 def _query(url: str, promql: str) -> list[dict]:
@@ -37,6 +43,18 @@ def _printed_queries(out: str) -> tuple[str, list[str]]:
     return url, [line for line in section.splitlines() if line and not line.startswith("#")]
 
 
+def _unigram_entropy(dataset: Path) -> float:
+    """The entropy (nats) of the dataset's token frequencies: the loss of a model that learned
+    how often each token occurs and nothing of its context."""
+    index = json.loads((dataset / "index.json").read_text())
+    dtype = np.dtype(index["dtype"]).newbyteorder("<")  # docs/data.md: little-endian shards
+    tokens = np.concatenate([np.fromfile(dataset / shard["file"], dtype=dtype)
+                             for shard in index["shards"]])
+    counts = np.bincount(tokens)
+    p = counts[counts > 0] / len(tokens)
+    return float(-(p * np.log(p)).sum())
+
+
 def test_demo_trains_reconfigures_and_leaves_a_figure(tmp_path: Path) -> None:
     env = {**os.environ, "TESSERA_STATE_DIR": str(tmp_path), "COLUMNS": "200"}
     figure = tmp_path / "demo" / "tessera-demo.png"
@@ -48,10 +66,10 @@ def test_demo_trains_reconfigures_and_leaves_a_figure(tmp_path: Path) -> None:
         assert "Traceback" not in out
         assert f"figure: {figure}" in out
 
-        # the figure: three panels' data over the demo, the faults marked
+        # the figure: four panels' data over the demo, the faults marked
         assert matplotlib.image.imread(figure).ndim == 3
         data = json.loads(figure.with_suffix(".json").read_text())
-        goodput, tp, power = data["panels"].values()
+        goodput, tp, power, loss = data["panels"].values()
         assert [e["label"] for e in data["events"]] == ["cordon-gpu gpu-node-0 3",
                                                        "fail-gpu gpu-node-1 2"]
         assert max(v for series in goodput.values() for _, v in series) > 0
@@ -64,6 +82,17 @@ def test_demo_trains_reconfigures_and_leaves_a_figure(tmp_path: Path) -> None:
         # three survivors the rest of the node's budget
         lost_node = [v for _, v in power["gpu-node-1 GPU 0"]]
         assert BASE_WATTS < lost_node[-1] <= (BUDGET_WATTS - BASE_WATTS) // 3, power
+        # the loss, per node, on the corpus the demo prepared onto the job's claim: it starts
+        # above what token frequencies alone give and falls below it (the last 5 scrapes' mean
+        # of 256-token batches), so the model learned from context in the text it was given
+        where = demo_data.data_claim(EXAMPLE)
+        running = cluster.Cluster.load(tmp_path / "controlplane")
+        assert running is not None
+        frequencies = _unigram_entropy(running.shared_path(where.name, "default") / where.path)
+        assert set(loss) == {"gpu-node-0", "gpu-node-1"}, loss.keys()
+        for node, series in loss.items():
+            values = [v for _, v in series]
+            assert max(values) > frequencies > sum(values[-5:]) / 5, (node, frequencies, values)
 
         # the job reconfigured twice and trains on after the demo
         kubectl = ["kubectl", f"--kubeconfig={tmp_path / 'controlplane' / 'kubeconfig'}"]
@@ -79,6 +108,7 @@ def test_demo_trains_reconfigures_and_leaves_a_figure(tmp_path: Path) -> None:
         empty = [q for q in queries if not _query(url, q)]
         assert not empty, empty
         assert any("TesseraGPULost" in q for q in queries)
+        assert any("tessera_loss" in q for q in queries)
     finally:
         subprocess.run([str(TESSERA), "down"], env=env, capture_output=True, timeout=120)
     assert not (tmp_path / "controlplane").exists()

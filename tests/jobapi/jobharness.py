@@ -15,7 +15,7 @@ import yaml
 from kubernetes import client
 
 from tessera_contracts.api import GROUP, JOB_LABEL, JOB_PLURAL, POWER_TARGET_PLURAL, VERSION
-from tessera_dev import paths, probes
+from tessera_dev import demo_data, paths, probes
 from tessera_dev.controlplane import cluster, launcher
 
 NODES, GPUS = 2, 2
@@ -93,10 +93,19 @@ def records(lines: list[str]) -> list[dict[str, Any]]:
     return out
 
 
-def small_job(name: str, claim: str, steps: int, interval: int) -> dict[str, Any]:
+def small_job(name: str, claim: str, steps: int, interval: int, data: str | None = None
+              ) -> dict[str, Any]:
     """The example job shrunk to this cluster (TP2 x DP2, a node each), checkpointing every
-    `interval` steps onto the shared claim."""
+    `interval` steps onto the shared claim.
+
+    Without `data` it trains on synthetic sequences (no spec.data, and the example's dataset
+    claim not mounted): the job API's tests are about the API, and the references they compare
+    losses with train without a dataset. With `data`, a claim holding a dataset prepared where
+    the example reads it (`tessera_dev.demo_data.data_claim`), it trains on that, mounted as the
+    example mounts its own."""
     job = yaml.safe_load(EXAMPLE.read_text())
+    if data is None:
+        job = demo_data.without_dataset(job)
     job["metadata"] = {"name": name}
     spec = job["spec"]
     spec |= {"tensorParallelSize": GPUS, "gpusPerNode": GPUS, "totalGPUs": NODES * GPUS,
@@ -104,11 +113,16 @@ def small_job(name: str, claim: str, steps: int, interval: int) -> dict[str, Any
                                                   "intervalSteps": interval}}
     spec["failurePolicy"]["minTensorParallelSize"] = 1
     spec["powerPolicy"]["rackBudgetWatts"] = GPUS * spec["powerPolicy"]["baseCapWatts"] + 200
-    spec["template"]["spec"] |= {
-        "terminationGracePeriodSeconds": 5,
-        "volumes": [{"name": "checkpoints", "persistentVolumeClaim": {"claimName": claim}}]}
-    trainer = spec["template"]["spec"]["containers"][0]
-    trainer["volumeMounts"] = [{"name": "checkpoints", "mountPath": "/checkpoints"}]
+    pod = spec["template"]["spec"]
+    trainer = pod["containers"][0]
+    if data is not None:
+        (volume,) = pod["volumes"]
+        volume["persistentVolumeClaim"]["claimName"] = data
+    pod["terminationGracePeriodSeconds"] = 5
+    pod.setdefault("volumes", []).append(
+        {"name": "checkpoints", "persistentVolumeClaim": {"claimName": claim}})
+    trainer.setdefault("volumeMounts", []).append(
+        {"name": "checkpoints", "mountPath": "/checkpoints"})
     return job
 
 

@@ -1,5 +1,5 @@
-"""The trainer's goodput exporter scraped by a real Prometheus: the ledger's figures arrive, and
-productive + badput equals wall time in PromQL."""
+"""The trainer's goodput exporter scraped by a real Prometheus: the ledger's figures and the last
+step's loss arrive, and productive + badput equals wall time in PromQL."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ LABELS = {"ntpjob": "llama-small", "replica": "0"}
 # Prometheus adds the terms in float64: each of the nine is rounded once on the page (repr
 # round-trips) and each addition once, so the sum is off by at most 2 x 9 x 2^-53 of the wall.
 REL = 18 * 2.0**-53
+LOSS = 5.546875  # the last step's loss as the node agent read it (exact in binary and decimal)
 
 
 class Clock:
@@ -59,7 +60,7 @@ def trained() -> Iterator[tuple[Ledger, int]]:
     for step in (4, 5):
         clock.now += 0.75
         ledger.step_done(step, samples=16, tokens=16 * 128)
-    server = serve(ledger, "127.0.0.1", 0, LABELS)
+    server = serve(ledger, "127.0.0.1", 0, LABELS, lambda: LOSS)
     yield ledger, server.server_port
     server.shutdown()
     server.server_close()
@@ -99,6 +100,8 @@ def test_prometheus_scrapes_goodput_and_badput_that_add_up(prometheus, trained) 
     assert one(prom, "tessera_tokens_total") == 5 * 16 * 128
     assert one(prom, "tessera_samples_total") == 5 * 16
     assert one(prom, "tessera_step_seconds") == 0.75
+    (loss,) = prom.wait_for("tessera_loss")
+    assert loss.value == LOSS and {k: loss.labels[k] for k in LABELS} == LABELS
     assert one(prom, "tessera_reconfigurations_total") == 1
     assert one(prom, 'tessera_trainer_phase{phase="training"}') == 1
     assert one(prom, "sum(tessera_trainer_phase)") == 1

@@ -16,13 +16,15 @@ import yaml
 from ntp.train import parse_args
 from tessera_contracts.api import ATTEMPT_LABEL, INPUTS_ANNOTATION, JOB_LABEL, ROLE_LABEL
 from tessera_contracts.invocation import AgentInvocation, RankInvocation
-from tessera_dev import paths
+from tessera_dev import demo_data, paths
 from tessera_operator import workload
 from tessera_operator.planner import JobSpec, Problem
 
 pytestmark = pytest.mark.operator
 
-EXAMPLE = yaml.safe_load((paths.repo_root() / "manifests/examples/ntpjob-local.yaml").read_text())
+# Without the example's dataset: each test adds the data, volumes and mounts it checks.
+EXAMPLE = demo_data.without_dataset(
+    yaml.safe_load((paths.repo_root() / "manifests/examples/ntpjob-local.yaml").read_text()))
 DOMAIN = "nvidia.com/gpu.clique"
 SHM_VOLUME = {"name": "tessera-shm", "emptyDir": {"medium": "Memory"}}
 SHM_MOUNT = {"name": "tessera-shm", "mountPath": "/dev/shm"}

@@ -21,13 +21,13 @@ from ntp.nodeagent.agent import (
     cuda_devices,
     write_atomic,
 )
+from ntp.nodeagent.progress import NodeProgress
 from tessera_contracts.invocation import (
     AgentInvocation,
     InvocationError,
     agent_parser,
 )
 from tessera_contracts.progress import NodeReport, report_key
-from tessera_core.goodput import Ledger
 
 log = logging.getLogger("ntp.nodeagent.agent")
 
@@ -61,11 +61,12 @@ def report_file(directory: Path) -> Callable[[NodeReport], None]:
     return write
 
 
-def serve_metrics(ledger: Ledger, addr: str, port: int, labels: Mapping[str, str]) -> None:
-    """The node's goodput metrics at http://addr:port/metrics; a port that cannot be had is
-    logged, not fatal (training matters more than its metrics)."""
+def serve_metrics(progress: NodeProgress, addr: str, port: int, labels: Mapping[str, str]
+                  ) -> None:
+    """The node's goodput metrics and loss at http://addr:port/metrics; a port that cannot be
+    had is logged, not fatal (training matters more than its metrics)."""
     try:
-        server = metrics.serve(ledger, addr, port, labels)
+        server = metrics.serve(progress.ledger, addr, port, labels, lambda: progress.loss)
     except OSError as exc:
         log.error("no metrics: cannot serve on %s:%d: %s", addr, port, exc)
         return
@@ -101,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         agent = NodeAgent(node, source, work_dir, opts.until_step, opts.trainer_args,
                           devices, publish, cuda_count=cuda_devices())
         if opts.metrics_port:
-            serve_metrics(agent.progress.ledger, os.environ.get("POD_IP") or "0.0.0.0",
+            serve_metrics(agent.progress, os.environ.get("POD_IP") or "0.0.0.0",
                           opts.metrics_port, {"ntpjob": job, "node": node})
         return agent.run()
     except AgentError as exc:

@@ -1,5 +1,5 @@
 """The trainer's Prometheus metrics: goodput, badput by category, throughput and layout, read
-from its goodput ledger on every scrape.
+from its goodput ledger on every scrape, and the loss of the last step that counts.
 
 One `Ledger.account()` per scrape, so every value on a page is of the same instant and
 `tessera_productive_seconds_total + sum(tessera_badput_seconds_total) ==
@@ -11,7 +11,7 @@ caller adds (e.g. `replica`); the scrape adds `namespace` and `pod` (manifests/m
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from http.server import HTTPServer
 
 from prometheus_client import start_http_server
@@ -21,13 +21,17 @@ from prometheus_client.registry import Collector, CollectorRegistry
 from tessera_contracts.vocabulary import BADPUT_CATEGORIES, Phase
 from tessera_core.goodput import Ledger
 
+Loss = Callable[[], float | None]  # the last step's loss; None before the first step
+
 
 class GoodputCollector(Collector):
     """Yields fresh metric families from the ledger on each scrape; keeps nothing itself."""
 
-    def __init__(self, ledger: Ledger, labels: Mapping[str, str]) -> None:
+    def __init__(self, ledger: Ledger, labels: Mapping[str, str], loss: Loss | None = None
+                 ) -> None:
         self._ledger = ledger
         self._labels = dict(labels)
+        self._loss = loss or (lambda: None)
 
     def _family(self, kind: type[GaugeMetricFamily] | type[CounterMetricFamily], name: str,
                 help_: str, value: float | None, **extra: str) -> Metric:
@@ -62,6 +66,9 @@ class GoodputCollector(Collector):
                            "goodput: this x the ideal step time / wall time)", a.steps_counted)
         yield self._family(counter, "tessera_steps_lost", "Steps undone by rollbacks",
                            a.steps_lost)
+        yield self._family(gauge, "tessera_loss",
+                           "The job's loss at the last step that counts (NaN once it diverges)",
+                           self._loss())
         yield self._family(gauge, "tessera_step_seconds", "Duration of the last completed step",
                            None if a.last_step_seconds is None else float(a.last_step_seconds))
         yield self._family(counter, "tessera_reconfigurations",
@@ -79,15 +86,18 @@ class GoodputCollector(Collector):
         yield phase
 
 
-def registry(ledger: Ledger, labels: Mapping[str, str]) -> CollectorRegistry:
+def registry(ledger: Ledger, labels: Mapping[str, str], loss: Loss | None = None
+             ) -> CollectorRegistry:
     """A registry holding only the ledger's collector (no process or platform metrics)."""
     reg = CollectorRegistry(auto_describe=False)
-    reg.register(GoodputCollector(ledger, labels))
+    reg.register(GoodputCollector(ledger, labels, loss))
     return reg
 
 
-def serve(ledger: Ledger, addr: str, port: int, labels: Mapping[str, str]) -> HTTPServer:
-    """Serve the ledger's metrics at http://addr:port/metrics from a daemon thread; port 0
-    picks a free port (the server's `server_port`). `shutdown()` stops it."""
-    server, _thread = start_http_server(port, addr, registry(ledger, labels))
+def serve(ledger: Ledger, addr: str, port: int, labels: Mapping[str, str],
+          loss: Loss | None = None) -> HTTPServer:
+    """Serve the ledger's metrics, and `loss` read on each scrape, at http://addr:port/metrics
+    from a daemon thread; port 0 picks a free port (the server's `server_port`). `shutdown()`
+    stops it."""
+    server, _thread = start_http_server(port, addr, registry(ledger, labels, loss))
     return server

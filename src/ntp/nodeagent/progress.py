@@ -54,6 +54,7 @@ class NodeProgress:
         self.state = State.STARTING
         self.message = ""
         self.device: Device | None = None  # what the node's ranks train on, once one started
+        self.loss: float | None = None  # of the last step that counts (the metrics' gauge)
         self._switch: tuple[int, int] | None = None  # (after step, to generation): planned
         self._recent: deque[float] = deque(maxlen=RECENT_STEPS)
         # (generation, step, seconds) from every rank's step line: one generation's only, since
@@ -96,6 +97,7 @@ class NodeProgress:
         if ledger.phase is not Phase.TRAINING:
             ledger.enter(Phase.TRAINING, at=at - record.step_s)
         ledger.step_done(step, samples=record.samples, tokens=record.tokens, at=at)
+        self.loss = record.loss
         ledger.set_layout(dict(enumerate(record.tp_degrees)))
         self._recent.append(record.step_s)
         self._set(State.TRAINING, "")
