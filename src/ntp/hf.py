@@ -34,7 +34,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from ntp import checkpoint
-from ntp.model import ModelArgs, Transformer
+from ntp.model import ModelArgs, parameter_shapes
 
 CONFIG = "config.json"
 SINGLE = "model.safetensors"
@@ -102,13 +102,6 @@ def from_hf(name: str, t: torch.Tensor, args: ModelArgs) -> torch.Tensor:
     """The tensor transformers holds for project parameter `name`, in the project's order."""
     heads = _rotated_heads(name, args)
     return t if heads is None else halves_to_pairs(t, heads)
-
-
-def parameter_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
-    """Every parameter of the project's model and its shape, in the model's order."""
-    with torch.device("meta"):
-        model = Transformer(args)
-    return {name: tuple(p.shape) for name, p in model.named_parameters()}
 
 
 # -- config.json ------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from ntp.model import ModelArgs, Transformer
+from ntp.model import ModelArgs, Transformer, parameter_shapes
 from ntp.sharding import ParamSpec, spec_of, unit_size
 from tessera_core.plan import RankShard
 
@@ -39,7 +39,7 @@ def unit_values(
     the local tensor holding them (split dimension `spec.dim`)."""
     shape = args.shape()
     size = unit_size(shape, spec.kind)
-    rest = [n for i, n in enumerate(_dense_shape(args, name)) if i != spec.dim]
+    rest = [n for i, n in enumerate(parameter_shapes(args)[name]) if i != spec.dim]
     per_unit = size * math.prod(rest)
     block = max(1, BLOCK_ELEMENTS // per_unit)
     out = torch.empty(len(units) * size, *rest)
@@ -53,18 +53,6 @@ def unit_values(
         for i, j in members:
             out[i * size : (i + 1) * size] = values[j * size : (j + 1) * size]
     return out.movedim(0, spec.dim)
-
-
-def _dense_shape(args: ModelArgs, name: str) -> torch.Size:
-    shapes = _DENSE_CACHE.get(args)
-    if shapes is None:
-        with torch.device("meta"):
-            shapes = {n: p.shape for n, p in Transformer(args).named_parameters()}
-        _DENSE_CACHE[args] = shapes
-    return shapes[name]
-
-
-_DENSE_CACHE: dict[ModelArgs, dict[str, torch.Size]] = {}
 
 
 def init_parameters(

@@ -7,7 +7,9 @@ module runs the dense model and any subset of heads.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import cache
 
 import torch
 import torch.nn.functional as F
@@ -173,3 +175,12 @@ class Transformer(nn.Module):
 def cross_entropy_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean next-token loss over all positions."""
     return F.cross_entropy(at_least_fp32(logits.flatten(0, 1)), targets.flatten())
+
+
+@cache
+def parameter_shapes(args: ModelArgs) -> Mapping[str, tuple[int, ...]]:
+    """Every parameter of the dense model and its shape, in the model's order (nothing
+    allocated: built on the meta device)."""
+    with torch.device("meta"):
+        model = Transformer(args)
+    return {name: tuple(p.shape) for name, p in model.named_parameters()}
