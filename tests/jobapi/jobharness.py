@@ -35,9 +35,10 @@ class JobFlow:
     api: client.ApiClient
     namespace: str
 
-    def kubectl(self, *argv: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    def kubectl(self, *argv: str, check: bool = True, timeout: float = HANG_S
+                ) -> subprocess.CompletedProcess[str]:
         done = subprocess.run(["kubectl", "-n", self.namespace, *argv], capture_output=True,
-                              text=True, timeout=HANG_S,
+                              text=True, timeout=timeout,
                               env=os.environ | {"KUBECONFIG": str(self.plane.kubeconfig)})
         assert not check or done.returncode == 0, (argv, done.stdout, done.stderr)
         return done
