@@ -16,7 +16,7 @@ from ntp.layers import (
     vocab_parallel_cross_entropy,
 )
 from ntp.model import Transformer
-from ntp.sharding import local_positions, spec_of, unit_size
+from ntp.sharding import local_positions, local_shape
 from tessera_core.plan import RankShard
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -35,10 +35,7 @@ def apply_ntp(model: Transformer, shard: RankShard, group: ProcessGroup) -> Loss
     shape = model.args.shape()
     # 1. Every parameter takes this rank's local shape (replicated ones keep theirs).
     for name, p in list(model.named_parameters()):
-        spec = spec_of(name)
-        local = list(p.shape)
-        if spec is not None:
-            local[spec.dim] = len(shard.units(spec.kind)) * unit_size(shape, spec.kind)
+        local = local_shape(shape, name, p.shape, shard)
         _set_parameter(model, name, torch.empty(local, dtype=p.dtype, device=p.device))
     # 2. Local query heads read their KV head from this rank's copies.
     kv_index = torch.tensor(

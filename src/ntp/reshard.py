@@ -7,7 +7,15 @@ from collections.abc import Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from ntp.sharding import local_index, pack, slice_elements, spec_of, unit_size, unpack
+from ntp.sharding import (
+    local_index,
+    local_shape,
+    pack,
+    slice_elements,
+    spec_of,
+    unit_size,
+    unpack,
+)
 from tessera_contracts.model_shape import ModelShape
 from tessera_core.plan import RankShard
 
@@ -57,8 +65,7 @@ def exchange_state(
         if spec is None:
             out[name] = [t.clone() for t in state[name]]
             continue
-        new_shape = list(state[name][0].shape)
-        new_shape[spec.dim] = len(new_shard.units(spec.kind)) * unit_size(shape, spec.kind)
+        new_shape = local_shape(shape, name, state[name][0].shape, new_shard)
         out[name] = [t.new_empty(new_shape) for t in state[name]]
         one = slice_elements(out[name][0], spec.dim) * unit_size(shape, spec.kind)
         per_unit = one * len(out[name])

@@ -91,6 +91,18 @@ def dense_shape(shape: ModelShape, name: str, local: torch.Size) -> torch.Size:
     return torch.Size(full)
 
 
+def local_shape(
+    shape: ModelShape, name: str, other: Sequence[int], shard: RankShard
+) -> torch.Size:
+    """The shape of `shard`'s slice of a parameter, from the dense shape or any rank's slice
+    (they differ only along the split dimension)."""
+    spec = spec_of(name)
+    local = list(other)
+    if spec is not None:
+        local[spec.dim] = len(shard.units(spec.kind)) * unit_size(shape, spec.kind)
+    return torch.Size(local)
+
+
 def counted_units(shards: Sequence[RankShard], rank: int, kind: str) -> list[int]:
     """The units `rank` answers for when a replica's units are each counted once.
 

@@ -47,10 +47,10 @@ from ntp.distributed import (
 from ntp.grad_sync import DEFAULT_BUCKET_ELEMENTS, GradSync
 from ntp.groups import JobGroups, build_groups
 from ntp.initialize import init_parameters, materialize
-from ntp.model import FLAVORS, ModelArgs, Transformer
+from ntp.model import FLAVORS, ModelArgs, Transformer, parameter_shapes
 from ntp.parallelize import apply_ntp
 from ntp.reshard import LocalState, exchange_state
-from ntp.sharding import spec_of
+from ntp.sharding import local_shape
 from ntp.sources import (
     Assignment,
     FileGenerationSource,
@@ -193,6 +193,7 @@ class Trainer:
         rendezvous: Rendezvous,
         reconfigure_timeout_s: float = 300.0,
         data: TokenDataset | None = None,
+        start_from: Path | None = None,
     ):
         self.config = config
         self.checkpointing = checkpointing
@@ -200,8 +201,9 @@ class Trainer:
         self.saver = None if checkpointing.save is None else CheckpointSaver(
             checkpointing.save, checkpointing.keep, checkpointing.blocking
         )
-        # The model's arguments beyond its shape come with the weights it starts from.
-        self.carried_from = checkpointing.newest()
+        # The model's arguments beyond its shape come with the weights this process starts
+        # from (`materialize`'s checkpoint; a joiner's survivors started from the same).
+        self.carried_from = start_from
         self.source = source
         self.rendezvous = rendezvous
         self.reconfigure_timeout_s = reconfigure_timeout_s
@@ -290,16 +292,12 @@ class Trainer:
     def receive(self, layout: JobLayout, previous: JobLayout, origin: Sequence[int | None]) -> None:
         """A process holding nothing (a returning GPU) takes its units of `layout` from the
         survivors, who are switching to the same generation."""
-        with torch.device("meta"):
-            shapes = Transformer(model_args(self.config.flavor, layout, self.carried_from))
+        args = model_args(self.config.flavor, layout, self.carried_from)
         empty = RankShard()
-        state: LocalState = {}
-        for name, p in shapes.named_parameters():
-            spec = spec_of(name)
-            local = list(p.shape)
-            if spec is not None:
-                local[spec.dim] = 0
-            state[name] = [torch.empty(local, device=self.device)]
+        state: LocalState = {
+            name: [torch.empty(local_shape(layout.shape, name, dense, empty), device=self.device)]
+            for name, dense in parameter_shapes(args).items()
+        }
         self._adopt(layout, previous, empty, state, origin)
 
     def local_state(self) -> LocalState:
@@ -788,6 +786,7 @@ def main(
         first.rendezvous or rendezvous_from_env(),
         opts.reconfigure_timeout,
         data=open_data(opts, first.layout, start_from),
+        start_from=start_from,
     )
     # 2. Join it: build this rank's shard, or receive it from the survivors.
     trainer.join(first, int(os.environ["RANK"]))
