@@ -33,7 +33,7 @@ class RunFigures:
     local_batch: dict[int, int]
 
 
-def _median_over_steps(per_rank: list[list[float]], warmup: int) -> float:
+def median_over_steps(per_rank: list[list[float]], warmup: int) -> float:
     slowest = [max(values) for values in zip(*per_rank, strict=True)][warmup:]
     return statistics.median(slowest)
 
@@ -50,9 +50,9 @@ def run_layout(layout: JobLayout, flavor: str, steps: int, warmup: int, device: 
     for m in metrics:
         by_replica.setdefault(m["replica"], []).append(m)
     return RunFigures(
-        step_s=_median_over_steps([m["step_s"] for m in metrics], warmup),
+        step_s=median_over_steps([m["step_s"] for m in metrics], warmup),
         compute_s={
-            r: _median_over_steps([m["compute_s"] for m in ms], warmup)
+            r: median_over_steps([m["compute_s"] for m in ms], warmup)
             for r, ms in by_replica.items()
         },
         local_batch={r: ms[0]["local_batch"] for r, ms in by_replica.items()},

@@ -19,6 +19,7 @@ from pathlib import Path
 import yaml
 
 from ntp import prepare
+from ntp.bench import median_over_steps
 from ntp.launch import launch_local
 from tessera_contracts.model_shape import ModelShape
 from tessera_core.plan import plan_job
@@ -47,8 +48,8 @@ def tokens_per_s(metrics: list[dict], seq_len: int, warmup: int) -> dict[int, fl
         by_replica.setdefault(m["replica"], []).append(m)
     out = {}
     for r, ms in by_replica.items():
-        slowest = [max(v) for v in zip(*(m["compute_s"] for m in ms), strict=True)][warmup:]
-        out[r] = ms[0]["local_batch"] * seq_len / statistics.median(slowest)
+        compute_s = median_over_steps([m["compute_s"] for m in ms], warmup)
+        out[r] = ms[0]["local_batch"] * seq_len / compute_s
     return out
 
 
