@@ -39,7 +39,6 @@ class Account:
     steps_lost: int  # steps undone by rollbacks
     samples: int  # processed by every completed step, redone ones included (throughput)
     tokens: int
-    last_step_seconds: Fraction | None
     reconfigurations: int
     tp_degrees: Mapping[int, int] = field(default_factory=dict)  # replica -> TP degree
 
@@ -87,7 +86,6 @@ class Ledger:
         self._steps_skipped = 0  # steps done without this ledger (joined)
         self._samples = 0
         self._tokens = 0
-        self._last_step: Fraction | None = None
         self._reconfigurations = 0
         self._tp: dict[int, int] = {}
 
@@ -140,7 +138,6 @@ class Ledger:
             self._advance(at)
             self._step = step
             self._productive_at_step = self._productive
-            self._last_step = self._in_flight
             self._in_flight = Fraction(0)
             self._samples += samples
             self._tokens += tokens
@@ -208,7 +205,6 @@ class Ledger:
                 steps_lost=self._steps_lost,
                 samples=self._samples,
                 tokens=self._tokens,
-                last_step_seconds=self._last_step,
                 reconfigurations=self._reconfigurations,
                 tp_degrees=dict(self._tp),
             )

@@ -156,7 +156,6 @@ def test_a_run_with_a_failure_and_a_restart_by_hand() -> None:
     assert account.step_goodput(1.5) == pytest.approx(9 / 37, rel=1e-15)
     assert (account.step, account.steps_counted, account.steps_lost) == (6, 6, 2)
     assert (account.samples, account.tokens) == (32, 32 * 1024)
-    assert account.last_step_seconds == 2
 
 
 def test_a_live_reconfiguration_at_a_step_boundary_loses_nothing() -> None:
@@ -185,7 +184,6 @@ def test_a_live_reconfiguration_at_a_step_boundary_loses_nothing() -> None:
     assert account.step_goodput(1.0) == pytest.approx(10 / 16.25, rel=1e-15)
     assert account.reconfigurations == 1
     assert account.tp_degrees == {0: 7, 1: 8}
-    assert account.last_step_seconds == Fraction("1.25")
 
 
 def test_bad_events_are_refused_with_the_reason() -> None:

@@ -1,5 +1,6 @@
-"""The trainer's goodput exporter scraped by a real Prometheus: the ledger's figures and the last
-step's loss arrive, and productive + badput equals wall time in PromQL."""
+"""The trainer's goodput exporter scraped by a real Prometheus: the ledger's figures, the last
+step's loss and the step-time histogram arrive, and productive + badput equals wall time in
+PromQL; the node agent times each of the job's steps once, whichever of its ranks reports it."""
 
 from __future__ import annotations
 
@@ -7,7 +8,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from ntp.nodeagent.metrics import serve
+from ntp.nodeagent.metrics import StepTimes, registry, serve
+from ntp.nodeagent.progress import NodeProgress
+from tessera_contracts.rank_events import StepRecord
 from tessera_contracts.vocabulary import Phase
 from tessera_core.goodput import Ledger
 from tessera_dev.controlplane.prometheus import Prometheus
@@ -31,18 +34,21 @@ class Clock:
 
 @pytest.fixture
 def trained() -> Iterator[tuple[Ledger, int]]:
-    """A trainer's ledger frozen after a run with every kind of event, served on a free port.
-    Startup 7 s; steps 1-3 of 0.5 s at TP 8,8; a 2.5 s save; 0.25 s into step 4 a GPU fails; a
-    4 s relayout to 7,8; 1.5 s waiting for health; rollback to step 3; 3 s restore; steps 4-5 of
-    0.75 s. Wall 7 + 1.5 + 2.5 + 0.25 + 4 + 1.5 + 3 + 1.5 = 21.25 s; productive 3 s."""
+    """A trainer's ledger frozen after a run with every kind of event, and its steps' times,
+    served on a free port. Startup 7 s; steps 1-3 of 0.5 s at TP 8,8; a 2.5 s save; 0.25 s into
+    step 4 a GPU fails; a 4 s relayout to 7,8; 1.5 s waiting for health; rollback to step 3; 3 s
+    restore; steps 4-5 of 0.75 s. Wall 7 + 1.5 + 2.5 + 0.25 + 4 + 1.5 + 3 + 1.5 = 21.25 s;
+    productive 3 s."""
     clock = Clock()
     ledger = Ledger(clock)
+    steps = StepTimes()
     ledger.set_layout({0: 8, 1: 8})
     clock.now += 7
     ledger.enter(Phase.TRAINING)
     for step in (1, 2, 3):
         clock.now += 0.5
         ledger.step_done(step, samples=16, tokens=16 * 128)
+        steps.observe(0.5)
     ledger.enter(Phase.CHECKPOINT_SAVE)
     clock.now += 2.5
     ledger.checkpointed(3)
@@ -60,7 +66,8 @@ def trained() -> Iterator[tuple[Ledger, int]]:
     for step in (4, 5):
         clock.now += 0.75
         ledger.step_done(step, samples=16, tokens=16 * 128)
-    server = serve(ledger, "127.0.0.1", 0, LABELS, lambda: LOSS)
+        steps.observe(0.75)
+    server = serve(ledger, "127.0.0.1", 0, LABELS, lambda: LOSS, steps)
     yield ledger, server.server_port
     server.shutdown()
     server.server_close()
@@ -76,14 +83,14 @@ def test_prometheus_scrapes_goodput_and_badput_that_add_up(prometheus, trained) 
     prom = prometheus({"trainer": [f"127.0.0.1:{port}"]})
     wall = one(prom, 'tessera_wall_seconds_total{ntpjob="llama-small"}')
     assert wall == 21.25
-    assert one(prom, "tessera_productive_seconds_total") == 3.0
+    assert one(prom, "tessera_productive_seconds") == 3.0
     assert one(prom, "tessera_goodput_ratio") == pytest.approx(3 / 21.25, rel=2.0**-52)
     badput = {s.labels["category"]: s.value
               for s in prom.wait_for("tessera_badput_seconds_total")}
     assert badput == {"startup": 7.0, "reconfiguration": 4.0, "restart": 0.0,
                       "checkpoint_save": 2.5, "checkpoint_restore": 3.0,
                       "waiting_for_health": 1.5, "other": 0.0, "lost_progress": 0.25}
-    gap = one(prom, "abs(tessera_productive_seconds_total + "
+    gap = one(prom, "abs(tessera_productive_seconds + "
                     "sum without (category) (tessera_badput_seconds_total) "
                     "- tessera_wall_seconds_total) / tessera_wall_seconds_total")
     assert gap <= REL
@@ -99,10 +106,33 @@ def test_prometheus_scrapes_goodput_and_badput_that_add_up(prometheus, trained) 
     assert step_form == pytest.approx(2.5 / 21.25, rel=2.0**-51)
     assert one(prom, "tessera_tokens_total") == 5 * 16 * 128
     assert one(prom, "tessera_samples_total") == 5 * 16
-    assert one(prom, "tessera_step_seconds") == 0.75
+    buckets = {s.labels["le"]: s.value for s in prom.wait_for("tessera_step_seconds_bucket")}
+    assert (buckets["0.4"], buckets["0.6"], buckets["1.0"], buckets["+Inf"]) == (0, 3, 5, 5)
+    assert one(prom, "tessera_step_seconds_count") == 5
+    assert one(prom, "tessera_step_seconds_sum") == 3 * 0.5 + 2 * 0.75
     (loss,) = prom.wait_for("tessera_loss")
     assert loss.value == LOSS and {k: loss.labels[k] for k in LABELS} == LABELS
     assert one(prom, "tessera_reconfigurations_total") == 1
     assert one(prom, 'tessera_trainer_phase{phase="training"}') == 1
     assert one(prom, "sum(tessera_trainer_phase)") == 1
     assert ledger.account().wall == 21.25
+
+
+def test_the_node_agent_times_each_step_once_as_its_ranks_measured_it() -> None:
+    """Every rank of a node prints every step: the histogram counts the step at the first line,
+    with the step time the rank measured (not the time between the lines' arrival)."""
+    progress = NodeProgress("gpu-node-0", steps=10, clock=Clock())
+    for step, seconds in ((1, 0.3), (2, 0.5), (3, 2.0)):
+        for rank in (0, 1):
+            progress.read(StepRecord(step=step, rank=rank, generation=1, loss=2.0,
+                                     step_s=seconds + rank, samples=8).to_line().encode())
+    reg = registry(progress.ledger, {"ntpjob": "llama-small", "node": "gpu-node-0"},
+                   step_times=progress.step_times)
+    (family,) = (f for f in reg.collect() if f.name == "tessera_step_seconds")
+    samples = {(s.name, s.labels.get("le")): s.value for s in family.samples}
+    assert samples[("tessera_step_seconds_count", None)] == 3
+    assert samples[("tessera_step_seconds_sum", None)] == 0.3 + 0.5 + 2.0
+    assert (samples[("tessera_step_seconds_bucket", "0.25")],
+            samples[("tessera_step_seconds_bucket", "0.4")],
+            samples[("tessera_step_seconds_bucket", "0.6")],
+            samples[("tessera_step_seconds_bucket", "2.5")]) == (0, 1, 2, 3)

@@ -420,11 +420,13 @@ def test_an_agents_metrics_and_report_agree_with_what_its_ranks_did(tmp_path, re
     )
     first = Generation(1, SHAPE, 8, "NTP", (GPUS[NODES[0]],), Rendezvous("127.0.0.1", rendezvous))
     publish(generations, first)
+    # a step timed too: the step-time histogram reaches the page
     page = probes.poll_until(lambda: scrape(port) if last_step(log) >= 1 else {},
-                             lambda page: page.get("tessera_step", 0) >= 1, timeout=PHASE_S,
+                             lambda page: page.get("tessera_step", 0) >= 1
+                             and page.get("tessera_step_seconds_count", 0) >= 1, timeout=PHASE_S,
                              interval=0.05, error=lambda _: AssertionError(log.read_text()[-3000:]))
     badput = sum(v for k, v in page.items() if k.startswith("tessera_badput_seconds_total/"))
-    assert page["tessera_productive_seconds_total"] + badput == pytest.approx(
+    assert page["tessera_productive_seconds"] + badput == pytest.approx(
         page["tessera_wall_seconds_total"], rel=1e-9)
     assert page["tessera_samples_total"] == page["tessera_step"] * first.global_batch
     assert page["tessera_badput_seconds_total/startup"] > 0

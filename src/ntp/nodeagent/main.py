@@ -66,7 +66,8 @@ def serve_metrics(progress: NodeProgress, addr: str, port: int, labels: Mapping[
     """The node's goodput metrics and loss at http://addr:port/metrics; a port that cannot be
     had is logged, not fatal (training matters more than its metrics)."""
     try:
-        server = metrics.serve(progress.ledger, addr, port, labels, lambda: progress.loss)
+        server = metrics.serve(progress.ledger, addr, port, labels, lambda: progress.loss,
+                               progress.step_times)
     except OSError as exc:
         log.error("no metrics: cannot serve on %s:%d: %s", addr, port, exc)
         return

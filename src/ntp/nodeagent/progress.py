@@ -10,6 +10,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import replace
 
+from ntp.nodeagent.metrics import StepTimes
 from tessera_contracts.generation import Generation
 from tessera_contracts.progress import Device, NodeReport, State, report_period
 from tessera_contracts.rank_events import (
@@ -55,6 +56,7 @@ class NodeProgress:
         self.message = ""
         self.device: Device | None = None  # what the node's ranks train on, once one started
         self.loss: float | None = None  # of the last step that counts (the metrics' gauge)
+        self.step_times = StepTimes()  # of every step this node completed (the metrics')
         self._switch: tuple[int, int] | None = None  # (after step, to generation): planned
         self._recent: deque[float] = deque(maxlen=RECENT_STEPS)
         # (generation, step, seconds) from every rank's step line: one generation's only, since
@@ -100,6 +102,7 @@ class NodeProgress:
         self.loss = record.loss
         ledger.set_layout(dict(enumerate(record.tp_degrees)))
         self._recent.append(record.step_s)
+        self.step_times.observe(record.step_s)
         self._set(State.TRAINING, "")
         if step >= self.steps:
             ledger.enter(Phase.OTHER, at=at)  # the ranks write their results and leave
