@@ -9,7 +9,6 @@ from __future__ import annotations
 import importlib
 import sys
 from collections.abc import Mapping
-from importlib import metadata
 
 # name -> ("module" or "module:function", whose `main(argv) -> int` or function runs the command;
 # one-line help)
@@ -23,6 +22,9 @@ COMMANDS: Commands = {
                      "publish this node's GPU health from DCGM"),
     "cordon-gpu": ("tessera_cli.cordon", "cordon one GPU of a node: Tessera plans around it"),
     "uncordon-gpu": ("tessera_cli.uncordon", "give a cordoned GPU back to the planner"),
+    "uninstall": ("tessera_cli.uninstall",
+                  "delete every NTPTrainingJob and wait until they are gone (before removing "
+                  "Tessera)"),
     # The trainer's tools (the trainer extra: torch, tokenizers, safetensors).
     "prepare-data": ("ntp.prepare", "tokenize text, JSONL or Parquet files into a dataset"),
     "import-hf": ("ntp.hf:import_main",
@@ -33,6 +35,8 @@ COMMANDS: Commands = {
 
 
 def version() -> str:
+    from importlib import metadata  # only here: 40 ms of imports that --help does not need
+
     return metadata.version("tessera")
 
 

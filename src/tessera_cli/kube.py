@@ -1,0 +1,104 @@
+"""The CLI's way to the Kubernetes API: a client for a kubeconfig and context, plain JSON requests,
+and one line for each way a request fails.
+
+The kubernetes package is imported inside these functions, never when the module is: `--help`
+and usage errors answer without it. Requests go through `ApiClient.call_api` with plain dicts,
+not the typed APIs (`CoreV1Api`), whose ~250 pydantic models take over a second to import, more
+than the requests themselves, and several seconds on a loaded machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kubernetes.client import ApiClient
+
+TIMEOUT_S = 10.0
+
+
+class KubeError(Exception):
+    """A request that cannot be made or was refused; the message is one line for the user."""
+
+
+class ApiError(KubeError):
+    """The API server answered with an error status."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(f"API server answered {status}: {message}")
+        self.status = status
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """`--kubeconfig` and `--context`, as kubectl has them."""
+    parser.add_argument("--kubeconfig", type=Path,
+                        help="kubeconfig file (default: $KUBECONFIG, else ~/.kube/config)")
+    parser.add_argument("--context", help="kubeconfig context (default: its current context)")
+
+
+def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if args.kubeconfig is not None and not args.kubeconfig.is_file():
+        parser.error(f"no kubeconfig at {args.kubeconfig}")
+
+
+@contextmanager
+def connect(kubeconfig: Path | None, context: str | None) -> Iterator[ApiClient]:
+    """A client for `context` of `kubeconfig` (None: kubectl's defaults), closed on exit."""
+    from kubernetes import config
+
+    try:
+        api = config.new_client_from_config(
+            config_file=None if kubeconfig is None else str(kubeconfig), context=context)
+    except config.ConfigException as exc:
+        where = "" if context is None else f" (context {context!r})"
+        raise KubeError(f"{exc}{where}; pass --kubeconfig or --context, or set $KUBECONFIG"
+                        ) from exc
+    with api:
+        yield api
+
+
+def default_namespace(kubeconfig: Path | None, context: str | None) -> str:
+    """The namespace `context` (None: the current one) names, as kubectl defaults `-n`."""
+    from kubernetes import config
+
+    contexts, current = config.list_kube_config_contexts(
+        None if kubeconfig is None else str(kubeconfig))
+    chosen = current if context is None else next(
+        (c for c in contexts if c.get("name") == context), None)
+    return ((chosen or {}).get("context") or {}).get("namespace") or "default"
+
+
+def request(api: ApiClient, method: str, path: str, body: Any = None,
+            content_type: str | None = None) -> dict[str, Any]:
+    """The JSON object the API server answers `method path` with; ApiError for an error status,
+    KubeError when it cannot be reached."""
+    from kubernetes.client.exceptions import ApiException
+    from urllib3.exceptions import HTTPError
+
+    headers = {"Accept": "application/json"} | (
+        {} if content_type is None else {"Content-Type": content_type})
+    serialized = api.param_serialize(method=method, resource_path=path, header_params=headers,
+                                     body=body, auth_settings=["BearerToken"])
+    try:
+        response = api.call_api(*serialized, _request_timeout=TIMEOUT_S)
+        response.read()
+    except ApiException as exc:  # what the client makes of TLS and protocol errors
+        raise KubeError(f"API server {api.configuration.host} unreachable: {exc.reason}") from exc
+    except HTTPError as exc:
+        reason = getattr(exc, "reason", None) or exc
+        raise KubeError(f"API server {api.configuration.host} unreachable: {reason}") from exc
+    try:
+        document = json.loads(response.data)
+    except ValueError:
+        document = None
+    if not 200 <= response.status <= 299:
+        message = document.get("message") if isinstance(document, dict) else None
+        raise ApiError(response.status, message or str(response.reason))
+    if not isinstance(document, dict):
+        raise KubeError(f"API server answered {method} {path} with no JSON object")
+    return document
