@@ -10,7 +10,7 @@ from tessera_cli.main import Commands, dispatch, run
 COMMANDS: Commands = {
     "build-controlplane": (
         "tessera_dev.controlplane.build",
-        "build the Kubernetes control plane from the Go module registry (cached by version)",
+        "build the Kubernetes control plane and helm from the Go module registry (cached by version)",
     ),
     "up": ("tessera_dev.controlplane.up",
            "start the local cluster: control plane, simulated GPU nodes, Prometheus"),
@@ -24,6 +24,12 @@ COMMANDS: Commands = {
     "demo": ("tessera_dev.demo", "run the local demo end to end"),
     "simulate": ("tessera_sim.cli", "simulate a large job under GPU failures"),
     "bench": ("", "benchmarks: `tessera-dev bench ntp|sim|operator|training`"),
+    "lock": ("tessera_dev.lock",
+             "pin each image's whole environment (constraints/) from pyproject.toml's pins"),
+    "image-sizes": ("tessera_dev.imagesize",
+                    "install each image's environment afresh and report its size"),
+    "crd-reference": ("tessera_dev.crdref",
+                      "write docs/crd-reference.md from the CRDs' schemas"),
 }
 
 BENCHES: dict[str, str] = {

@@ -1,6 +1,7 @@
-"""Each process installs from the project's wheel with its own extra alone: the operator and the
-node agents without torch, their commands, modules and CRDs working from site-packages; and the
-Dockerfile's images install the same wheel with the same extras."""
+"""Each process installs from the project's wheel with its own extra alone, as its image does
+(constraints/ pinning the rest): the operator and the node agents without torch, their commands,
+modules and CRDs working from site-packages; and the Dockerfile's images install the same wheel
+with the same extras and constraints."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tessera_dev import imagesize, lock
 from tessera_dev.simnode import images
 
 # pip resolves and downloads on a loaded 2-core machine: the first install takes minutes
@@ -26,11 +28,8 @@ pytestmark = [pytest.mark.packaging, pytest.mark.timeout(1800)]
 
 REPO = Path(__file__).resolve().parents[2]
 PROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
-INSTALL_TIMEOUT_S = 1500
 RUN_TIMEOUT_S = 300
 
-# what only the trainer and the simulator may pull in
-HEAVY_MODULES = ("torch", "triton", "matplotlib", "numpy")
 CRD_KINDS = {"NTPTrainingJob", "GPUPowerTarget", "GPUHealth"}
 # per extra: the `tessera` commands its image runs, and the modules those commands load
 COMMANDS = {
@@ -55,10 +54,6 @@ print(json.dumps({"kinds": kinds, "site": sysconfig.get_paths()["purelib"],
 """
 
 
-def tree_size(root: Path) -> int:
-    return sum(path.lstat().st_size for path in root.rglob("*") if not path.is_dir())
-
-
 @dataclass(frozen=True)
 class Venv:
     extra: str
@@ -68,44 +63,20 @@ class Venv:
     def bin(self) -> Path:
         return self.root / "bin"
 
-    @property
-    def site_packages(self) -> Path:
-        # made by this interpreter's venv module, so of this interpreter's version
-        major, minor = sys.version_info[:2]
-        return self.root / f"lib/python{major}.{minor}/site-packages"
-
     def run(self, *argv: str | Path) -> subprocess.CompletedProcess[str]:
         """`argv` with this environment's binaries, outside the repository and with nothing of
         the test's own environment on the import path."""
-        env = {name: value for name, value in os.environ.items()
-               if name not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
-        env["PATH"] = f"{self.bin}{os.pathsep}{env.get('PATH', '')}"
-        return subprocess.run([str(arg) for arg in argv], cwd=self.root, env=env,
+        return subprocess.run([str(arg) for arg in argv], cwd=self.root,
+                              env=imagesize.isolated_env(self.bin),
                               capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
 
     def python(self, code: str) -> subprocess.CompletedProcess[str]:
         return self.run(self.bin / "python", "-c", code)
 
 
-def check(done: subprocess.CompletedProcess[str]) -> str:
-    assert done.returncode == 0, (
-        f"{shlex.join(done.args)} exited {done.returncode}\n{done.stdout}\n{done.stderr}")
-    return done.stdout
-
-
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The project's wheel, built once, from a copy of the project's metadata and source (an
-    in-tree build would leave build/ in the shared working tree, and its stale files would ship)."""
-    source = tmp_path_factory.mktemp("source")
-    shutil.copy2(REPO / "pyproject.toml", source)
-    shutil.copytree(REPO / "src", source / "src",
-                    ignore=shutil.ignore_patterns("__pycache__", "*.py[cod]", "*.egg-info"))
-    out = tmp_path_factory.mktemp("wheel")
-    check(subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--quiet",
-                          "-w", str(out), str(source)],
-                         capture_output=True, text=True, timeout=INSTALL_TIMEOUT_S))
-    [built] = out.glob("*.whl")
+    built = imagesize.build_wheel(tmp_path_factory.mktemp("wheel"))
     print(f"\nwheel {built.name}: {built.stat().st_size / 1e3:.0f} kB")
     return built
 
@@ -113,25 +84,21 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module", params=sorted(COMMANDS))
 def venv(request: pytest.FixtureRequest, wheel: Path,
          tmp_path_factory: pytest.TempPathFactory) -> Iterator[Venv]:
-    """A fresh virtual environment with the wheel and one extra installed from PyPI (pip's cache
-    makes reruns fast)."""
+    """A fresh virtual environment with what the extra's image installs: the wheel, the extra,
+    its constraints (from PyPI; pip's cache makes reruns fast)."""
     extra: str = request.param
-    root = tmp_path_factory.mktemp(f"venv-{extra}")
-    check(subprocess.run([sys.executable, "-m", "venv", str(root)],
-                         capture_output=True, text=True, timeout=INSTALL_TIMEOUT_S))
-    made = Venv(extra, root)
-    check(made.run(made.bin / "python", "-m", "pip", "install", "--quiet", "--progress-bar", "off",
-                   f"{wheel}[{extra}]"))
-    installed = sorted(check(made.run(made.bin / "python", "-m", "pip", "list",
-                                      "--format=freeze")).split())
-    print(f"\n[{extra}] site-packages: {tree_size(made.site_packages) / 1e6:.1f} MB, "
+    made = Venv(extra, tmp_path_factory.mktemp(f"venv-{extra}"))
+    added, _ = imagesize.install(made.root, wheel, extra)
+    installed = sorted(imagesize.check(made.run(made.bin / "python", "-m", "pip", "list",
+                                                "--format=freeze")).split())
+    print(f"\n[{extra}] installed: {added / 1e6:.1f} MB, "
           f"{len(installed)} distributions: {' '.join(installed)}")
     yield made
-    shutil.rmtree(root)
+    shutil.rmtree(made.root)
 
 
 def test_torch_and_the_simulators_libraries_are_absent(venv: Venv) -> None:
-    for module in HEAVY_MODULES:
+    for module in lock.HEAVY:
         done = venv.python(f"import {module}")
         assert done.returncode != 0 and f"No module named '{module}'" in done.stderr, (
             f"`import {module}` in the {venv.extra} environment: exit {done.returncode}\n"
@@ -139,23 +106,23 @@ def test_torch_and_the_simulators_libraries_are_absent(venv: Venv) -> None:
 
 
 def test_version(venv: Venv) -> None:
-    assert check(venv.run(venv.bin / "tessera", "--version")).strip() == (
+    assert imagesize.check(venv.run(venv.bin / "tessera", "--version")).strip() == (
         f"tessera {PROJECT['version']}")
 
 
 def test_the_extras_commands_answer_help(venv: Venv) -> None:
     for command in COMMANDS[venv.extra]:
-        assert "usage:" in check(venv.run(venv.bin / "tessera", *command, "--help"))
+        assert "usage:" in imagesize.check(venv.run(venv.bin / "tessera", *command, "--help"))
 
 
 def test_the_process_modules_import(venv: Venv) -> None:
-    check(venv.python("import " + ", ".join(MODULES[venv.extra])))
+    imagesize.check(venv.python("import " + ", ".join(MODULES[venv.extra])))
 
 
 def test_crds_load_from_the_installed_package_data(venv: Venv) -> None:
-    probe = json.loads(check(venv.python(CRD_PROBE)))
+    probe = json.loads(imagesize.check(venv.python(CRD_PROBE)))
     site = Path(probe["site"]).resolve()
-    assert site == venv.site_packages.resolve()
+    assert site == imagesize.site_packages(venv.root).resolve()
     assert set(probe["kinds"]) == CRD_KINDS and len(probe["kinds"]) == len(CRD_KINDS)
     read = [Path(path).resolve() for path in probe["read"]]
     assert len(read) == len(CRD_KINDS), probe["read"]
@@ -167,8 +134,7 @@ def test_crds_load_from_the_installed_package_data(venv: Venv) -> None:
 # --- the Dockerfile: no engine here, so its text is checked, and its one script is run ---
 
 # image target -> (the extra it installs, whether it runs as root)
-TARGETS = {"operator": ("operator", False), "power-agent": ("agent", True),
-           "trainer": ("trainer", False)}
+TARGETS = {target: (extra, target == "power-agent") for target, extra in lock.IMAGES.items()}
 
 
 @dataclass(frozen=True)
@@ -221,12 +187,13 @@ def test_each_image_installs_its_own_extra_dependencies_first() -> None:
     for target, (extra, root) in TARGETS.items():
         build = lineage(stages, target)
         installs = pip_installs(build)
-        assert installs == [["pip", "install", "-r", f"requirements-{extra}.txt"],
+        pinned = f"constraints/{extra}.txt"
+        assert installs == [["pip", "install", "-r", f"requirements-{extra}.txt", "-c", pinned],
                             ["pip", "install", "--no-deps", "/wheels/*.whl"]], (target, installs)
-        deps_at = build.index(Instruction("RUN", f"pip install -r requirements-{extra}.txt"))
-        # only the metadata is in the image when the dependencies install
+        deps_at = build.index(Instruction("RUN", shlex.join(installs[0])))
+        # only the metadata and the extra's pins are in the image when the dependencies install
         copied = [step.args for step in build[:deps_at] if step.keyword in ("COPY", "ADD")]
-        assert copied == ["pyproject.toml ./"], (target, copied)
+        assert copied == ["pyproject.toml ./", f"{pinned} constraints/"], (target, copied)
         assert [step.args for step in build[deps_at:] if step.keyword in ("COPY", "ADD")] == [
             "--from=wheel /wheels/ /wheels/"], target
         [entry] = [step.args for step in build if step.keyword == "ENTRYPOINT"]
@@ -255,11 +222,24 @@ def test_the_requirements_files_are_the_extras_of_pyproject(tmp_path: Path) -> N
     [script] = [step.args for step in base if "requirements-" in step.args]
     shutil.copy2(REPO / "pyproject.toml", tmp_path)
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
-    check(subprocess.run(["sh", "-c", script], cwd=tmp_path, env=env,
+    imagesize.check(subprocess.run(["sh", "-c", script], cwd=tmp_path, env=env,
                          capture_output=True, text=True, timeout=RUN_TIMEOUT_S))
     for extra, _ in TARGETS.values():
         written = (tmp_path / f"requirements-{extra}.txt").read_text().splitlines()
-        assert written == PROJECT["dependencies"] + PROJECT["optional-dependencies"][extra]
+        assert written == lock.requirements(extra, REPO)
+
+
+def test_the_build_context_holds_what_the_images_copy_and_nothing_else() -> None:
+    """.dockerignore lets in pyproject.toml, constraints/ and src/ (less caches and build
+    metadata): the virtual environment, tests, docs and git stay out."""
+    rules = [line for line in (REPO / ".dockerignore").read_text().splitlines()
+             if line.strip() and not line.startswith("#")]
+    assert rules[0] == "*", rules
+    assert {rule for rule in rules if rule.startswith("!")} == {
+        "!pyproject.toml", "!constraints/", "!src/"}
+    copied = {step.args.split()[0].split("/")[0] for _, stage in dockerfile_stages().values()
+              for step in stage if step.keyword == "COPY" and "--from" not in step.args}
+    assert copied == {"pyproject.toml", "constraints", "src"}
 
 
 def test_the_health_agent_runs_in_the_power_agent_image() -> None:
