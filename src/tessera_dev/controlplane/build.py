@@ -1,5 +1,5 @@
-"""Build the control plane (kube-apiserver, kube-scheduler, kube-controller-manager, etcd) from
-the Go module registry into a cache keyed by version.
+"""Build the control plane (kube-apiserver, kube-scheduler, kube-controller-manager, etcd) and
+helm from the Go module registry into a cache keyed by version.
 
 The Kubernetes module's own go.mod points its staging modules (k8s.io/api, ...) at ./staging
 paths that do not exist outside its repository; we rewrite each of those replaces to the
@@ -29,6 +29,11 @@ ETCD_VERSION = "v3.7.0"
 KUBERNETES_COMMANDS = ("kube-apiserver", "kube-scheduler", "kube-controller-manager")
 BINARIES = (*KUBERNETES_COMMANDS, "etcd")
 
+# helm, for the chart's tests (charts/tessera); its module's go.mod replaces nothing, so
+# `go install module/cmd@version` builds it as released.
+HELM_MODULE = "helm.sh/helm/v4"
+HELM_VERSION = "v4.3.2"
+
 _STAGING_REPLACE = re.compile(r"^\s*(k8s\.io/[\w.-]+)\s*=>\s*\./staging/src/\S+\s*$", re.M)
 
 
@@ -47,6 +52,16 @@ def find_cached() -> Path | None:
         if all((d / name).is_file() for name in BINARIES):
             return d
     return None
+
+
+def helm_bin_dir() -> Path:
+    return cache_root() / f"helm-{HELM_VERSION}" / "bin"
+
+
+def find_helm() -> Path | None:
+    """The cached helm binary, if built."""
+    binary = helm_bin_dir() / "helm"
+    return binary if binary.is_file() else None
 
 
 class GoMissing(RuntimeError):
@@ -163,6 +178,35 @@ def build(k8s_version: str, log=print) -> Path:
     return out
 
 
+def build_helm(log=print) -> Path:
+    out = helm_bin_dir()
+    with tempfile.TemporaryDirectory(prefix="tessera-helm-") as tmp:
+        stage = Path(tmp) / "bin"
+        # helm reports the version stamped here; unstamped it says only the minor
+        ldflags = f"-ldflags=-s -w -X {HELM_MODULE}/internal/version.version={HELM_VERSION}"
+        run_go(["install", "-trimpath", ldflags, f"{HELM_MODULE}/cmd/helm@{HELM_VERSION}"],
+               Path(tmp), dict(os.environ, GOBIN=str(stage), CGO_ENABLED="0",
+                               GOTOOLCHAIN="local"), log)
+        # as for the control plane: the cache dir appears whole or not at all
+        partial = out.parent.with_name(out.parent.name + ".partial")
+        shutil.rmtree(partial, ignore_errors=True)
+        shutil.copytree(stage, partial / "bin")
+        shutil.rmtree(out.parent, ignore_errors=True)
+        partial.rename(out.parent)
+    return out / "helm"
+
+
+def ensure_helm(log=print) -> Path:
+    """The helm binary, built on first use; concurrent callers serialize as in ensure()."""
+    cached = find_helm()
+    if cached:
+        return cached
+    cache_root().mkdir(parents=True, exist_ok=True)
+    with open(cache_root() / "build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return find_helm() or build_helm(log)
+
+
 def ensure(log=print) -> Path:
     """Return the directory holding the control-plane binaries, building them on first use.
 
@@ -195,6 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.parse_args(argv)
     try:
         print(ensure())
+        print(ensure_helm())
     except RuntimeError as exc:  # GoMissing, or every release failed: the message says why
         print(f"tessera-dev build-controlplane: {exc}", file=sys.stderr)
         return 1

@@ -70,6 +70,15 @@ def prebuilt() -> Path | None:
     return Path(given) if given else build.find_cached()
 
 
+def helm() -> Path | None:
+    """helm from $TESSERA_BIN_DIR if it holds one (built elsewhere with the control plane), else
+    the cached build, else None."""
+    given = os.environ.get("TESSERA_BIN_DIR")
+    if given and (Path(given) / "helm").is_file():
+        return Path(given) / "helm"
+    return build.find_helm()
+
+
 def binaries(log: Callable[[str], object] = print) -> Path:
     """The prebuilt binaries, or a registry build made now (many minutes the first time)."""
     return prebuilt() or build.ensure(log=log)
