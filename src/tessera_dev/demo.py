@@ -40,7 +40,7 @@ from tessera_cli import main as tessera_cli
 from tessera_contracts import gpuhealth
 from tessera_contracts.api import GPU_HEALTH_PLURAL, GROUP, JOB_LABEL, JOB_PLURAL, VERSION
 from tessera_contracts.gpuhealth import State
-from tessera_dev import demo_data, demo_plot, paths, probes, processes
+from tessera_dev import demo_data, demo_plot, install, paths, probes, processes
 from tessera_dev.controlplane import cluster, launcher, up
 from tessera_dev.controlplane.prometheus import Prometheus
 from tessera_dev.demo_view import DRAW, Snapshot, observe, render
@@ -194,17 +194,6 @@ def _cluster(console: Console) -> tuple[cluster.Cluster, bool]:
     return running, reused
 
 
-def _operator_and_agents_running(api: client.ApiClient) -> bool:
-    pods = client.CoreV1Api(api).list_namespaced_pod(SYSTEM_NS, _request_timeout=10).items
-    running: dict[str, set[str]] = {}
-    for pod in pods:
-        if pod.status.phase == "Running":
-            app = (pod.metadata.labels or {}).get("app.kubernetes.io/name", "")
-            running.setdefault(app, set()).add(pod.spec.node_name)
-    return (len(running.get("tessera-operator", ())) == 1
-            and running.get("tessera-power-agent") == set(NODES))
-
-
 def _wait(console: Console, what: str, probe: Callable[[], bool], timeout: float) -> None:
     started = time.monotonic()
     with console.status(what):
@@ -329,8 +318,8 @@ def _demo(args: argparse.Namespace, console: Console) -> int:
         demo = Demo(console, running, api, job, namespace, base, args.yes)
         console.rule("Tessera, installed as on a GPU cluster")
         demo.kubectl("apply", "--server-side", "--force-conflicts", "-k", str(LOCAL_INSTALL))
-        _wait(console, "the operator and a power agent per node Running",
-              lambda: _operator_and_agents_running(api), INSTALL_S)
+        _wait(console, "the operator's replicas and a power agent per node Ready",
+              lambda: install.missing(api, NODE_COUNT) is None, INSTALL_S)
         if reused:
             _start_over(demo)
         _dataset(demo, example)

@@ -12,8 +12,9 @@ for it, or a target someone else deleted. Watch-triggered reconciles go through 
 (`jobqueue`): one at a time per job, a storm of events covered by one.
 
 Indices (kept by kopf from its watches, complete before any handler runs): jobs by UID, the
-jobs their status says are Unschedulable, the jobs placed on each node (from their trainer
-pods), each node's GPUHealth, and each job's children as `observed.child_view` sees them.
+jobs their status says are Unschedulable, the jobs by phase (the metrics' gauge), the jobs
+placed on each node (from their trainer pods), each node's GPUHealth, and each job's children
+as `observed.child_view` sees them.
 Every handler is a coroutine: kopf runs a plain function in a thread, a hand-off per watch
 event that a storm of them (a thousand pods marked not ready) would pay each; only a reconcile
 and the writes it does not make go to a thread.
@@ -32,7 +33,7 @@ from urllib3.exceptions import HTTPError
 
 from tessera_contracts import api
 from tessera_contracts.api import JOB_LABEL, ROLE_LABEL
-from tessera_operator import apply, desired, observe, power_targets, reconcile, workload
+from tessera_operator import apply, desired, metrics, observe, power_targets, reconcile, workload
 from tessera_operator.jobqueue import JobKey
 from tessera_operator.observed import child_view
 from tessera_operator.workload import TRAINER
@@ -54,6 +55,13 @@ TRAINERS = {JOB_LABEL: kopf.PRESENT, ROLE_LABEL: TRAINER}
 async def job_keys(namespace: str, name: str, uid: str, **_: Any) -> dict[str, JobKey]:
     """Job UID -> job, for the power targets, which name their job by UID."""
     return {uid: (namespace, name)}
+
+
+@kopf.index(GROUP, VERSION, PLURAL)
+async def job_phases(namespace: str, name: str, status: kopf.Status, body: kopf.Body, **_: Any
+                     ) -> dict[str, JobKey]:
+    """Phase -> the operator's jobs in it (none written yet: Pending), for its metrics."""
+    return {status.get("phase") or "Pending": (namespace, name)} if desired.ours(body) else {}
 
 
 @kopf.index(GROUP, VERSION, PLURAL)
@@ -97,12 +105,13 @@ async def children(namespace: str, labels: kopf.Labels, body: kopf.Body, **_: An
 @kopf.on.event(GROUP, VERSION, PLURAL)
 async def on_job(type: str | None, namespace: str, name: str, body: kopf.Body, memo: kopf.Memo,
                  logger: logging.Logger, gpu_health: kopf.Index, children: kopf.Index,
-                 **_: Any) -> None:
+                 job_phases: kopf.Index, **_: Any) -> None:
     """Reconcile a job when it appears (also at the operator's start) or its spec changes
     (`metadata.generation`; our own status writes do not count); release its power targets when
     it is gone. The job carries nothing of kopf's, no diff base, progress annotation nor
     finalizer: an object of any size the API server stores is reconciled and deleted alike, and
     a deletion never waits for the operator."""
+    metrics.count_jobs(job_phases)
     key = (namespace, name)
     if type == "DELETED":
         memo.seen.changed(("NTPTrainingJob", namespace, name), None)
@@ -146,6 +155,7 @@ def _attempt(action: Callable[[], None], what: str, logger: logging.Logger) -> b
     try:
         action()
     except (ApiException, HTTPError) as exc:
+        metrics.api_error(exc)
         logger.warning(f"{what} failed: {_reason(exc)}")
         return False
     return True
@@ -260,7 +270,8 @@ async def _reconcile_soon(memo: kopf.Memo, key: JobKey, logger: logging.Logger,
 def _reconcile_watched(memo: kopf.Memo, key: JobKey, logger: logging.Logger,
                        indices: observe.Indices) -> None:
     try:
-        _reconcile(memo, key, logger, indices)
+        with metrics.reconciling(api.JOB_KIND):
+            _reconcile(memo, key, logger, indices)
     except (ApiException, HTTPError) as exc:
         logger.warning(f"reconcile of job {key[0]}/{key[1]} failed, again in "
                        f"{RETRY_DELAY_S:.0f} s: {_reason(exc)}")

@@ -16,7 +16,7 @@ import logging
 
 import kopf
 
-from tessera_operator import apply, desired, observe
+from tessera_operator import apply, desired, metrics, observe
 from tessera_operator.jobqueue import JobKey
 
 # Watches drive every change; the resync only re-observes what a watch may have missed. Its
@@ -66,6 +66,7 @@ def reconcile(memo: kopf.Memo, key: JobKey, logger: logging.Logger,
         #    power any more: the job's targets are released, never left boosted.
         if wanted.layout is not None:
             apply.layout(api, wanted.layout, wanted.layout_version)
+            metrics.LAYOUT_GENERATIONS.inc()
         refused = apply.power(api, observed, wanted)
         if refused is not None:
             wanted = desired.desired(spec, observed, now, refused, rejected)

@@ -40,7 +40,7 @@ def api_client() -> client.ApiClient:
 
 @kopf.on.startup()
 def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
-    # One operator replica (a Deployment with Recreate), so no peering objects to keep.
+    # No peering objects to keep: the leader Lease (`leader`) lets one replica reconcile.
     settings.peering.standalone = True
     # Our CRDs exist before the operator starts: no need to list CRDs and namespaces (which
     # least privilege does not grant) to discover resources appearing later.

@@ -17,7 +17,7 @@ import pytest
 from kubernetes import client
 
 from tessera_contracts import api, powertarget
-from tessera_dev import paths, probes, processes
+from tessera_dev import install, paths, probes, processes
 from tessera_dev.controlplane import cluster, launcher
 
 pytestmark = pytest.mark.cluster
@@ -174,11 +174,8 @@ def test_the_shipped_manifests_run_the_operator_and_a_power_agent_per_node(insta
     own, admin_api = installed
     core = client.CoreV1Api(admin_api)
     nodes = sorted(own.nodes)
-    operator = wait("the operator running as its Deployment's pod", lambda: [
-        p for p in core.list_namespaced_pod(
-            "tessera-system", label_selector="app.kubernetes.io/name=tessera-operator").items
-        if p.status.phase == "Running"], timeout=120)
-    assert len(operator) == 1
+    # both operator replicas available (one leads, one stands by, both Ready), an agent per node
+    install.wait(admin_api, len(nodes))
     agents = wait("one Ready power agent per node", lambda: [
         p for p in core.list_namespaced_pod(
             "tessera-system", label_selector="app.kubernetes.io/name=tessera-power-agent").items

@@ -26,7 +26,7 @@ import yaml
 from kubernetes import client
 
 from tessera_contracts.api import JOB_LABEL, ROLE_LABEL
-from tessera_dev import demo_data, paths, probes
+from tessera_dev import demo_data, install, paths, probes
 from tessera_dev.controlplane import cluster, launcher
 from tessera_operator.workload import RENDEZVOUS, RENDEZVOUS_PORT, TRAINER, rendezvous_name
 
@@ -104,12 +104,10 @@ def sides() -> Iterator[list[Side]]:
             plane = stack.enter_context(launcher.ControlPlane.start(bin_dir=launcher.prebuilt()))
             stack.callback(cluster.Cluster.start(plane, cluster.node_specs(NODES, GPUS)).stop)
             side = Side(plane, stack.enter_context(plane.api_client()), seed)
-            side.kubectl("apply", "--server-side", "-k", str(ROOT / "manifests/local"))
+            install.apply(plane.kubeconfig)
             sides.append(side)
         for side in sides:
-            wait(f"cluster {side.seed}: the operator and a power agent per node",
-                 lambda s=side: s.kubectl("get", "pods", "-n", "tessera-system", "--no-headers"),
-                 lambda out: out.count("Running") == 1 + NODES)
+            install.wait(side.api, NODES)
         print(f"\ntwo clusters up and Tessera installed: {time.monotonic() - started:.1f} s")
         yield sides
 

@@ -35,7 +35,7 @@ from ntp.launch import launch_local
 from tessera_agents.power.sim_backend import SimGpuSpec
 from tessera_contracts.generation import Generation, Gpu, Rendezvous
 from tessera_contracts.powertarget import parse_object
-from tessera_dev import demo_data, paths, probes
+from tessera_dev import demo_data, install, paths, probes
 from tessera_dev.controlplane import cluster, launcher
 from tessera_operator import planner
 
@@ -124,10 +124,8 @@ def flow() -> Iterator[Flow]:
         try:
             with plane.api_client() as api:
                 flow = Flow(plane, api, running.prometheus_url)
-                flow.run("kubectl", "apply", "--server-side", "-k", str(ROOT / "manifests/local"))
-                wait("the operator and a power agent per node", lambda: flow.run(
-                    "kubectl", "get", "pods", "-n", "tessera-system", "--no-headers"),
-                    lambda out: out.count("Running") == 1 + NODES)
+                install.apply(plane.kubeconfig)
+                install.wait(api, NODES)
                 yield flow
         finally:
             running.stop()
@@ -286,7 +284,7 @@ def test_kubectl_apply_cordon_fail_and_uncordon(flow: Flow, tmp_path: Path) -> N
         out: dict[str, dict[str, float]] = {}
         job = f'ntpjob="{JOB}"'
         for name, query in (("wall", f"tessera_wall_seconds_total{{{job}}}"),
-                            ("productive", f"tessera_productive_seconds_total{{{job}}}"),
+                            ("productive", f"tessera_productive_seconds{{{job}}}"),
                             ("badput", f"sum by (node) (tessera_badput_seconds_total{{{job}}})"),
                             ("ratio", f"tessera_goodput_ratio{{{job}}}"),
                             ("reconfiguration", "tessera_badput_seconds_total"

@@ -3,16 +3,14 @@ Tessera installed from the shipped manifests, as a user installs it."""
 
 from __future__ import annotations
 
-import os
-import subprocess
 import uuid
 from collections.abc import Iterator
 
 import pytest
-from jobharness import GPUS, HANG_S, NODES, ROOT, JobFlow
+from jobharness import GPUS, HANG_S, NODES, JobFlow
 from kubernetes import client
 
-from tessera_dev import probes
+from tessera_dev import install, probes
 from tessera_dev.controlplane import cluster, launcher
 
 
@@ -22,19 +20,9 @@ def installed() -> Iterator[tuple[launcher.ControlPlane, cluster.Cluster]]:
     with launcher.ControlPlane.start(bin_dir=launcher.prebuilt()) as plane:
         running = cluster.Cluster.start(plane, cluster.node_specs(NODES, GPUS))
         try:
-            env = os.environ | {"KUBECONFIG": str(plane.kubeconfig)}
-            subprocess.run(["kubectl", "apply", "--server-side", "-k",
-                            str(ROOT / "manifests/local")], check=True, env=env,
-                           capture_output=True, timeout=120)
-
-            def system_pods() -> str:
-                return subprocess.run(
-                    ["kubectl", "get", "pods", "-n", "tessera-system", "--no-headers"],
-                    env=env, capture_output=True, text=True, timeout=60).stdout
-
-            probes.poll_until(system_pods, lambda out: out.count("Running") == 1 + NODES,
-                              timeout=HANG_S, interval=0.5, error=lambda last: AssertionError(
-                                  f"the operator and the power agents not running: {last}"))
+            install.apply(plane.kubeconfig)
+            with plane.api_client() as api:
+                install.wait(api, NODES, timeout=HANG_S)
             yield plane, running
         finally:
             running.stop()
