@@ -1,10 +1,12 @@
-"""The simulated node itself: its Node object and Lease, GPU allocatable, the exporter, its
-command line, and its pods' processes dying with it."""
+"""The simulated node itself: its Node object and Lease, GPU allocatable, its command line, and its
+pods' processes dying with it; and the dcgm-exporter stand-in its exporter pod runs."""
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
+import sys
 import urllib.request
 from pathlib import Path
 
@@ -24,7 +26,7 @@ from nodeharness import (
 )
 
 from tessera_agents.power.sim_backend import SimBackend
-from tessera_dev import probes
+from tessera_dev import probes, processes
 from tessera_dev.controlplane import launcher
 from tessera_dev.simnode import dcgm
 
@@ -35,6 +37,38 @@ GPU = "nvidia.com/gpu"
 
 def _families(page: str) -> set[str]:
     return {line.split()[2] for line in page.splitlines() if line.startswith("# TYPE ")}
+
+
+def test_the_exporter_pod_serves_its_nodes_gpus_on_its_own_address(tmp_path: Path) -> None:
+    """What a node runs for the dcgm-exporter image, in the environment the exporter pod gets:
+    the node's shared GPU state under the node's name, in the node's generation, on the pod's
+    address (DCGM_EXPORTER_LISTEN=:PORT names no host)."""
+    gpus = SimBackend(count=2, node="gpu-node-7", state_path=tmp_path / "gpus.json")
+    gpus.fail(1, 79)
+    port = processes.free_ports(1)[0]
+    env = os.environ | {"DCGM_EXPORTER_LISTEN": f":{port}", "POD_IP": "127.0.0.1",
+                        "NODE_NAME": "gpu-node-7", "TESSERA_SIM_DCGM_GENERATION": "4.8",
+                        "TESSERA_SIM_GPU_STATE": str(tmp_path / "gpus.json")}
+    proc = subprocess.Popen([sys.executable, "-m", "tessera_dev.simnode.exporter"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        probes.poll_until(lambda: probes.responds(f"{url}/health"), timeout=30,
+                          error=lambda _: AssertionError("the exporter never answered"))
+        with urllib.request.urlopen(f"{url}/metrics", timeout=5) as page:
+            text = page.read().decode()
+        expected = dcgm.render(gpus.snapshot(), hostname="gpu-node-7", generation="4.8")
+        assert _families(text) == _families(expected)
+        assert 'DCGM_FI_DEV_XID_ERRORS{gpu="1"' in text and 'hostname="gpu-node-7"' in text
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+    # without the GPU state (a pod without runtimeClassName nvidia): one line, exit 1
+    bad = subprocess.run([sys.executable, "-m", "tessera_dev.simnode.exporter"], timeout=60,
+                         env={k: v for k, v in env.items() if k != "TESSERA_SIM_GPU_STATE"},
+                         capture_output=True, text=True)
+    assert bad.returncode == 1 and bad.stderr.count("\n") == 1, bad.stderr
+    assert "TESSERA_SIM_GPU_STATE" in bad.stderr
 
 
 def test_node_registers_heartbeats_and_reports_failed_gpus(
@@ -74,13 +108,6 @@ def test_node_registers_heartbeats_and_reports_failed_gpus(
         renewed = client.CoordinationV1Api(admin_api).read_namespaced_lease(
             node.name, "kube-node-lease")
         assert renewed.spec.renew_time > lease.spec.renew_time
-        with urllib.request.urlopen(f"http://{node.address}:9400/metrics", timeout=5) as page:
-            text = page.read().decode()
-        assert page.status == 200
-        # the node serves its own GPUs under its name, in the generation it was started with
-        expected = dcgm.render(gpus.snapshot(), hostname=node.name, generation="4.9")
-        assert _families(text) == _families(expected)
-        assert text.count(f'hostname="{node.name}"') == expected.count(f'hostname="{node.name}"')
     finally:
         stop_node(node)
 

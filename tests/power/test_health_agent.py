@@ -21,13 +21,14 @@ from kubernetes.client.exceptions import ApiException
 from test_control_plane import AGENT, NS, OPERATOR, _node, _node_token, _token_client
 
 from tessera_agents.health import agent as health_agent
-from tessera_agents.health.agent import HealthAgent, KubePublisher, fetch_page
+from tessera_agents.health.agent import FixedExporter, HealthAgent, KubePublisher, fetch_page
 from tessera_agents.health.dcgm import MAX_PAGE_BYTES, STALE_AFTER_S, classify
+from tessera_agents.health.discovery import SERVICE_NAME_LABEL
 from tessera_agents.power.sim_backend import SimBackend
 from tessera_contracts.api import GPU_HEALTH_PLURAL, GROUP, VERSION
 from tessera_contracts.gpuhealth import NodeHealth, PublishedHealth
 from tessera_contracts.gpuhealth import render as render_health
-from tessera_dev import probes
+from tessera_dev import probes, processes
 from tessera_dev.simnode.dcgm import GENERATIONS, render
 
 pytestmark = pytest.mark.power
@@ -107,7 +108,7 @@ Written = list[tuple[float, dict[str, Any]]]
 
 def _agent(exporter: Exporter, clock: Clock, **kw: Any) -> tuple[HealthAgent, Written]:
     written: Written = []
-    agent = HealthAgent(HOST, exporter.url, lambda: fetch_page(exporter.url, 5.0),
+    agent = HealthAgent(HOST, FixedExporter(exporter.url, 5.0),
                         lambda body: written.append((clock.now, body)), wall=clock.wall,
                         monotonic=clock.monotonic, **kw)
     return agent, written
@@ -180,7 +181,7 @@ def test_a_failed_write_is_tried_again_at_the_next_read(
             raise ConnectionRefusedError("API server down")
         bodies.append(body)
 
-    agent = HealthAgent(HOST, exporter.url, lambda: fetch_page(exporter.url, 5.0), flaky,
+    agent = HealthAgent(HOST, FixedExporter(exporter.url, 5.0), flaky,
                         wall=clock.wall, monotonic=clock.monotonic)
     agent.step()
     clock.now += 10
@@ -213,8 +214,7 @@ def test_a_stale_or_unreachable_exporter_makes_every_gpu_unknown(
 
 def test_an_exporter_that_never_answered_publishes_no_gpu_it_cannot_know(clock: Clock) -> None:
     written: Written = []
-    agent = HealthAgent(HOST, "http://127.0.0.1:9/metrics",
-                        lambda: fetch_page("http://127.0.0.1:9/metrics", 1.0),
+    agent = HealthAgent(HOST, FixedExporter("http://127.0.0.1:9/metrics", 1.0),
                         lambda body: written.append((clock.now, body)), wall=clock.wall,
                         monotonic=clock.monotonic)
     agent.step()
@@ -222,7 +222,7 @@ def test_an_exporter_that_never_answered_publishes_no_gpu_it_cannot_know(clock: 
     assert body["status"]["gpus"] == []
     assert "exporter unreachable" in body["status"]["exporter"]["error"]
     # told the count, it says which GPUs it cannot see
-    told = HealthAgent(HOST, "x", agent.fetch, lambda body: written.append((0, body)), gpus=4)
+    told = HealthAgent(HOST, agent.exporter, lambda body: written.append((0, body)), gpus=4)
     told.step()
     assert _gpus(written[-1][1]) == {i: ("Unknown", ()) for i in range(4)}
 
@@ -309,11 +309,18 @@ def test_the_shipped_daemonset_runs_the_health_agent_as_configured() -> None:
     assert health["image"] == pod["containers"][0]["image"]
     env = {e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"]
            for e in health["env"] if "valueFrom" in e}
-    assert env == {"NODE_NAME": "spec.nodeName", "HOST_IP": "status.hostIP"}
+    assert env == {"NODE_NAME": "spec.nodeName", "POD_IP": "status.podIP"}
     args = health_agent._parser().parse_args(
-        [a.replace("$(HOST_IP)", "10.0.0.7") for a in health["args"]] + ["--node", "n"])
+        [a.replace("$(POD_IP)", "10.0.0.7") for a in health["args"]] + ["--node", "n"])
     assert health_agent._bad_setting(args) is None
-    assert args.exporter_url == "http://10.0.0.7:9400/metrics" and args.interval == 2
+    # the GPU Operator's exporter, found through its Service's EndpointSlices
+    assert args.exporter_url is None and args.exporter_discovery == "endpointslices"
+    assert (args.exporter_namespace, args.exporter_service, args.exporter_port) == (
+        "gpu-operator", "nvidia-dcgm-exporter", "9400")
+    assert args.interval == 2 and (args.metrics_addr, args.metrics_port) == ("10.0.0.7", 9403)
+    assert health["ports"] == [{"name": "health-metrics", "containerPort": 9403,
+                                "protocol": "TCP"}]
+    assert health["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "health-metrics"}
     assert health["command"] == ["tessera", "health-agent"]
 
 
@@ -402,18 +409,32 @@ def test_the_agent_process_publishes_its_nodes_gpu_health(
     kubeconfig = tmp_path / "agent.kubeconfig"
     kubeconfig.write_text(yaml.safe_dump(control_plane.token_kubeconfig(
         _node_token(admin_api, node), f"system:serviceaccount:{NS}:{AGENT}")))
+    port = processes.free_ports(1)[0]
+    own = f"http://127.0.0.1:{port}"
     proc = subprocess.Popen(
         [sys.executable, "-m", "tessera_agents.health.agent", "--kubeconfig", str(kubeconfig),
-         "--exporter-url", exporter.url, "--interval", "0.2"],
+         "--exporter-url", exporter.url, "--interval", "0.2", "--metrics-addr", "127.0.0.1",
+         "--metrics-port", str(port)],
         env={**os.environ, "NODE_NAME": node, "PYTHONUNBUFFERED": "1"},
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         probes.poll_until(lambda: (_read(admin_api, node) or {}).get("status"), timeout=20,
                           error=lambda _: AssertionError("no GPUHealth published"))
+        # ready once published
+        probes.poll_until(lambda: probes.responds(f"{own}/readyz"), timeout=20,
+                          error=lambda _: AssertionError("/readyz never answered 200"))
         gpus.fail(4, xid=79)
         probes.poll_until(
             lambda: (_read(admin_api, node) or {})["status"]["xidGPUs"] == "4", timeout=20,
             error=lambda _: AssertionError("XID 79 of GPU 4 not published"))
+        page = fetch_page(f"{own}/metrics", 5.0)
+        assert f'tessera_health_exporter_up{{node="{node}"}} 1.0' in page, page
+        assert f'tessera_health_gpus{{node="{node}",state="failed"}} 1.0' in page, page
+        assert f'tessera_health_gpus{{node="{node}",state="healthy"}} {GPUS - 1}.0' in page
+        assert f'tessera_health_read_errors_total{{node="{node}",reason="timeout"}} 0.0' in page
+        promtool = subprocess.run(["promtool", "check", "metrics"], input=page, text=True,
+                                  capture_output=True, timeout=30)
+        assert promtool.returncode == 0, promtool.stdout + promtool.stderr
         proc.terminate()
         out, _ = proc.communicate(timeout=15)
         assert proc.returncode == 0, out
@@ -441,3 +462,37 @@ def test_api_server_rejects_out_of_schema_gpu_health(
         KubePublisher(admin_api, 10)(body)
     assert refused.value.status == 422
     assert _read(admin_api, node) is None
+
+
+def test_the_agent_finds_its_exporter_in_the_services_endpointslices(
+        admin_api: client.ApiClient, power_api) -> None:
+    """With the shipped role, on the real API server: the endpoint of its own node, at the port
+    named or numbered as told; none on its node is one clear reason."""
+    namespace = f"dcgm-{os.getpid()}"
+    core = client.CoreV1Api(admin_api)
+    core.create_namespace({"metadata": {"name": namespace}})
+    try:
+        endpoint = {"addressType": "IPv4", "ports": [{"name": "gpu-metrics", "port": 9400,
+                                                      "protocol": "TCP"}]}
+        client.DiscoveryV1Api(admin_api).create_namespaced_endpoint_slice(namespace, {
+            "metadata": {"name": "exporter-a", "labels": {SERVICE_NAME_LABEL: "exporter"}},
+            **endpoint, "endpoints": [
+                {"addresses": ["10.8.0.5"], "nodeName": "node-a",
+                 "conditions": {"ready": True}, "targetRef": {"kind": "Pod", "name": "e-a"}},
+                {"addresses": ["10.8.1.5"], "nodeName": "node-b",
+                 "conditions": {"ready": True}, "targetRef": {"kind": "Pod", "name": "e-b"}}]})
+        agent_api = power_api(NS, AGENT)
+        for port in ("9400", "gpu-metrics"):
+            args = health_agent._parser().parse_args([
+                "--node", "node-b", "--exporter-namespace", namespace,
+                "--exporter-service", "exporter", "--exporter-port", port, "--fetch-timeout", "1"])
+            exporter = health_agent._exporter(args, agent_api)
+            with pytest.raises(health_agent.FetchError):  # nobody listens at 10.8.1.5
+                exporter.fetch()
+            assert exporter.url == "http://10.8.1.5:9400/metrics"
+        args.node = "node-c"
+        with pytest.raises(health_agent.FetchError, match="no endpoint .* on node node-c") as err:
+            health_agent._exporter(args, agent_api).fetch()
+        assert err.value.reason == "discovery"
+    finally:
+        core.delete_namespace(namespace)

@@ -1,6 +1,11 @@
 """The node health agent (`tessera health-agent`): this node's dcgm-exporter page -> its GPUHealth.
 
-Every `--interval` it reads its own node's exporter, classifies the GPUs (`dcgm.assess`),
+It finds its node's exporter through the API: the EndpointSlices of the exporter's Service
+(`--exporter-namespace`, `--exporter-service`, `--exporter-port`; the GPU Operator's names by
+default), the endpoint on its own node (`discovery.exporter_url`; or the exporter pods on its
+node, `--exporter-discovery pods`), found again when a read fails and every `REDISCOVER_S`; or,
+for an exporter on the host's network, at a fixed `--exporter-url`.
+Every `--interval` it reads that exporter, classifies the GPUs (`dcgm.assess`),
 damps flaps and publishes the facts in the node's cluster-scoped `GPUHealth` object, named after
 the node: per GPU Healthy, Failed (a DCGM health watch failing on something other than an XID,
 or an XID after which the device is gone: 79, off the bus) or Unknown, and the recent XIDs,
@@ -10,6 +15,7 @@ which each job judges by its own `fatalXIDs`
 and otherwise once per `--refresh`, so that `observedAt` tells a reader the object is current.
 docs/health.md says why each node publishes its own health; the admission policy in
 manifests/power-controller/admission.yaml lets an agent write its own node's object only.
+It serves its own metrics and readiness on `--metrics-addr`:`--metrics-port` (`metrics.py`).
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import functools
 import logging
 import math
 import os
+import re
 import signal
 import socket
 import ssl
@@ -29,9 +36,10 @@ from collections.abc import Callable
 from contextlib import closing
 from dataclasses import dataclass, field, replace
 from http.client import HTTPConnection, HTTPException, HTTPSConnection
-from typing import Any
+from typing import Any, Protocol
 
 from tessera_agents.bounded import call_all, open_connection, shut_at
+from tessera_agents.health import discovery
 from tessera_agents.health.dcgm import MAX_PAGE_BYTES, FlapDamper, assess
 from tessera_agents.kube import api_client, is_node_name
 from tessera_contracts.api import GPU_HEALTH_PLURAL, GROUP, HEALTH_AGENT_MANAGER, VERSION
@@ -48,10 +56,23 @@ from tessera_contracts.gpuhealth import (
 log = logging.getLogger("tessera.health-agent")
 
 MAX_LOGGED_PROBLEMS = 20  # per read: a hostile page can have a problem on every line
+# A replaced exporter pod whose old address is taken by another pod would still answer there:
+# the slices are read again this often even while reads succeed.
+REDISCOVER_S = 60.0
 
 
 class FetchError(Exception):
-    """The exporter did not answer with a page."""
+    """The exporter did not answer with a page; `reason` is the kind of failure, one of
+    READ_ERRORS (the label of the agent's read-error counter)."""
+
+    def __init__(self, message: str, reason: str = "unreachable") -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+# discovery: no endpoint found, or the API read failed; unreachable: no connection or a broken
+# answer; timeout: no page within the fetch timeout; http: a status other than 2xx
+READ_ERRORS = ("discovery", "unreachable", "timeout", "http")
 
 
 @functools.cache
@@ -71,8 +92,9 @@ def fetch_page(url: str, timeout_s: float) -> str:
         host, port = parts.hostname or "", parts.port or (443 if tls else 80)
         sock = open_connection(host, port, timeout_s)
     except (OSError, ValueError) as err:  # ValueError: a port that is not a number
-        raise FetchError(f"{url}: {err!r}") from err
-    late = FetchError(f"{url}: no page within {timeout_s:g} s")
+        raise FetchError(f"{url}: {err!r}",
+                         "timeout" if isinstance(err, TimeoutError) else "unreachable") from err
+    late = FetchError(f"{url}: no page within {timeout_s:g} s", "timeout")
     with closing(sock), shut_at(sock, deadline - time.monotonic()) as expired:
         try:
             page = _get(sock, url, parts, tls)
@@ -92,7 +114,7 @@ def _get(sock: socket.socket, url: str, parts: urllib.parse.SplitResult, tls: bo
         connection.request("GET", target, headers={"Accept": "text/plain"})
         with connection.getresponse() as response:
             if not 200 <= response.status < 300:
-                raise FetchError(f"HTTP {response.status} from {url}")
+                raise FetchError(f"HTTP {response.status} from {url}", "http")
             chunks: list[bytes] = []
             size = 0
             while size <= MAX_PAGE_BYTES:
@@ -104,6 +126,79 @@ def _get(sock: socket.socket, url: str, parts: urllib.parse.SplitResult, tls: bo
     finally:
         connection.close()
     return b"".join(chunks).decode("utf-8", errors="replace")
+
+
+class Exporter(Protocol):
+    """What the agent reads: `url`, the current one ("" while none is known), and `fetch()`, a
+    page or FetchError."""
+
+    url: str
+
+    def fetch(self) -> str: ...
+
+
+class FixedExporter:
+    """The exporter at one URL (`--exporter-url`: one on the host's network)."""
+
+    def __init__(self, url: str, timeout_s: float) -> None:
+        self.url, self.timeout_s = url, timeout_s
+
+    def fetch(self) -> str:
+        return fetch_page(self.url, self.timeout_s)
+
+
+class DiscoveredExporter:
+    """The exporter `locate` names (the URL of this node's endpoint of the exporter's Service),
+    located before the first read, every `rediscover_s`, and again when a read fails: an
+    exporter pod that was replaced answers at its new address. `url` is "" until one is found."""
+
+    def __init__(self, locate: Callable[[], str], timeout_s: float,
+                 rediscover_s: float = REDISCOVER_S,
+                 monotonic: Callable[[], float] = time.monotonic) -> None:
+        self.locate, self.timeout_s = locate, timeout_s
+        self.rediscover_s, self.monotonic = rediscover_s, monotonic
+        self.url = ""
+        self._due = -math.inf
+
+    def fetch(self) -> str:
+        if not self.url or self.monotonic() >= self._due:
+            self._locate()
+        try:
+            return fetch_page(self.url, self.timeout_s)
+        except FetchError:
+            known = self.url
+            self._locate()
+            if self.url == known:
+                raise
+            return fetch_page(self.url, self.timeout_s)
+
+    def _locate(self) -> None:
+        try:
+            url = self.locate()
+        except discovery.NotFound as err:
+            raise FetchError(str(err), "discovery") from err
+        except Exception as err:  # the API server unreachable, refused, slow: tried next read
+            raise FetchError(f"reading the exporter's EndpointSlices: {err}", "discovery") from err
+        if url != self.url:
+            log.info("exporter of this node found at %s", url)
+        self.url, self._due = url, self.monotonic() + self.rediscover_s
+
+
+class Lister:
+    """One list call of the API, its items as dicts (as the API server serves them), within
+    `timeout_s` in all."""
+
+    def __init__(self, api_client: Any, call: Callable[..., Any], timeout_s: float,
+                 **query: str) -> None:
+        self._client, self._call, self._timeout, self._query = api_client, call, timeout_s, query
+
+    def __call__(self) -> list[dict[str, Any]]:
+        result = call_all({"list": lambda: self._call(**self._query,
+                                                      _request_timeout=self._timeout)},
+                          self._timeout)["list"]
+        if isinstance(result, Exception):
+            raise result
+        return self._client.sanitize_for_serialization(result.items)
 
 
 def as_facts(observed: NodeHealth) -> NodeHealth:
@@ -122,12 +217,14 @@ class HealthAgent:
     """One node's read -> classify -> damp -> publish cycle; `step()` runs one.
 
     `gpus` is the node's GPU count, or 0 to learn it from the pages: every GPU seen on one since
-    the agent started is published (as Unknown while the page does not show it). `wall` is the
+    the agent started is published (as Unknown while the page does not show it). What it saw
+    is kept for its metrics (`metrics.HealthCollector`): whether the last read succeeded, when
+    one last did, the failed reads by reason, the pages it could not use, and the GPUs as last
+    published. `wall` is the
     clock of observedAt and of the page's age, `monotonic` that of damping and refreshes."""
 
     node: str
-    url: str
-    fetch: Callable[[], str]
+    exporter: Exporter
     publish: Callable[[dict[str, Any]], None]
     gpus: int = 0
     refresh_s: float = REFRESH_S
@@ -141,6 +238,15 @@ class HealthAgent:
     _published_at: float = -math.inf
     _logged: frozenset[str] = frozenset()
     _fetch_error: str | None = None
+    up: bool = False
+    read_errors: dict[str, int] = field(default_factory=lambda: dict.fromkeys(READ_ERRORS, 0))
+    parse_errors: int = 0
+    published: NodeHealth | None = None  # as last written, None before the first write
+
+    @property
+    def read_at(self) -> float | None:
+        """Wall time of the last successful read."""
+        return self._fetched_at
 
     def step(self) -> NodeHealth:
         """Read the exporter once and publish if a GPU's state or XIDs changed, or the last
@@ -148,9 +254,11 @@ class HealthAgent:
         its error changes; a failed write is logged and tried again at the next step."""
         error = None
         try:
-            self._page, self._fetched_at = self.fetch(), self.wall()
+            self._page, self._fetched_at = self.exporter.fetch(), self.wall()
         except FetchError as err:
             error = str(err)
+            self.read_errors[err.reason] = self.read_errors.get(err.reason, 0) + 1
+        self.up = error is None
         if error != self._fetch_error:
             if error is not None:
                 log.warning("exporter of %s: %s", self.node, error)
@@ -161,6 +269,8 @@ class HealthAgent:
         observed = as_facts(assess(self._page, fetched_at=self._fetched_at, now=now,
                                    gpus=self.gpus or MAX_GPUS, fatal_xids=(),
                                    hostname=self.node, error=error))
+        if error is None and observed.error is not None:
+            self.parse_errors += 1
         self._log_problems(observed.problems)
         damped = self.damper.update(self.monotonic(), observed)
         seen = [g.index for g in observed.gpus if g.state is not State.UNKNOWN]
@@ -173,11 +283,12 @@ class HealthAgent:
                          *summary(health.gpus).values(),
                          f" ({health.error})" if health.error else "")
             try:
-                self.publish(render(PublishedHealth(self.node, self.url, now, health)))
+                self.publish(render(PublishedHealth(self.node, self.exporter.url, now, health)))
             except Exception as err:  # unreachable, refused: the next step writes again
                 log.warning("could not publish the GPU health of %s: %s", self.node, err)
             else:
                 self._published, self._published_at = key, self.monotonic()
+                self.published = health
         return health
 
     def _log_problems(self, problems: tuple[str, ...]) -> None:
@@ -213,15 +324,35 @@ class KubePublisher:
             raise result
 
 
+_DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
+_PORT_NAME = re.compile(r"[a-z0-9]([-a-z0-9]{0,13}[a-z0-9])?")  # IANA_SVC_NAME, not all digits
+
+
 def _parser() -> argparse.ArgumentParser:
-    host = os.environ.get("HOST_IP") or "127.0.0.1"
     p = argparse.ArgumentParser(
         prog="tessera health-agent",
         description="Node health agent: publishes this node's GPU health, read from its own "
                     "dcgm-exporter, as the node's GPUHealth object.")
     p.add_argument("--node", default=os.environ.get("NODE_NAME"), help="node name (env NODE_NAME)")
-    p.add_argument("--exporter-url", default=f"http://{host}:9400/metrics",
-                   help="this node's dcgm-exporter (default on the address in env HOST_IP)")
+    p.add_argument("--exporter-namespace", default=discovery.DEFAULT_NAMESPACE,
+                   help="namespace of the exporter's Service (default: %(default)s)")
+    p.add_argument("--exporter-service", default=discovery.DEFAULT_SERVICE,
+                   help="the exporter's Service, whose EndpointSlices name this node's exporter "
+                        "pod (default: %(default)s)")
+    p.add_argument("--exporter-port", default=discovery.DEFAULT_PORT,
+                   help="the Service's port, by name or number (default: %(default)s)")
+    p.add_argument("--exporter-discovery", choices=("endpointslices", "pods"),
+                   default="endpointslices",
+                   help="find the exporter in the Service's EndpointSlices (default), or in "
+                        "the exporter pods on this node (--exporter-selector; for clusters "
+                        "whose pod addresses EndpointSlices cannot hold, such as the local "
+                        "one's on loopback)")
+    p.add_argument("--exporter-selector", default=f"app={discovery.DEFAULT_SERVICE}",
+                   help="label selector of the exporter pods, with --exporter-discovery=pods "
+                        "(default: %(default)s)")
+    p.add_argument("--exporter-url",
+                   help="read this URL instead of finding the exporter: one on the host's "
+                        "network, e.g. http://$(HOST_IP):9400/metrics")
     p.add_argument("--interval", type=float, default=10.0, help="seconds between reads")
     p.add_argument("--refresh", type=float, default=REFRESH_S,
                    help="seconds after which an unchanged object is written again")
@@ -230,6 +361,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--fetch-timeout", type=float, default=5.0,
                    help="seconds for reading one page, in all")
     p.add_argument("--api-timeout", type=float, default=3.0, help="seconds per API server call")
+    p.add_argument("--metrics-addr", default=os.environ.get("POD_IP") or "127.0.0.1",
+                   help="address of /metrics and /readyz (default: env POD_IP, else loopback)")
+    p.add_argument("--metrics-port", type=int, default=9403,
+                   help="port of /metrics and /readyz, 0 for none (default: %(default)s)")
     p.add_argument("--kubeconfig", help="kubeconfig file (default: in-cluster service account)")
     p.add_argument("--log-level", default="INFO")
     return p
@@ -240,15 +375,46 @@ def _bad_setting(args: argparse.Namespace) -> str | None:
         return "--node (or NODE_NAME) is required"
     if not is_node_name(args.node):
         return f"--node {args.node!r} is not a Kubernetes node name"
-    if not args.exporter_url.startswith(("http://", "https://")):
+    if args.exporter_url is not None and not args.exporter_url.startswith(("http://",
+                                                                           "https://")):
         return f"--exporter-url must be an http(s) URL, got {args.exporter_url!r}"
+    for flag in ("exporter_namespace", "exporter_service"):
+        value = getattr(args, flag)
+        if not _DNS_LABEL.fullmatch(value):
+            return f"--{flag.replace('_', '-')} {value!r} is not a Kubernetes object name"
+    port = args.exporter_port
+    if not (port.isdigit() and 0 < int(port) < 65536
+            or _PORT_NAME.fullmatch(port) and not port.isdigit()):
+        return f"--exporter-port {port!r} is neither a port number nor a port name"
     for flag in ("interval", "refresh", "fetch_timeout", "api_timeout"):
         value = getattr(args, flag)
         if not (value > 0 and math.isfinite(value)):
             return f"--{flag.replace('_', '-')} must be a positive number of seconds, got {value}"
     if not 0 <= args.gpus <= MAX_GPUS:
         return f"--gpus must be 0 to {MAX_GPUS}, got {args.gpus}"
+    if not 0 <= args.metrics_port < 65536:
+        return f"--metrics-port must be a TCP port or 0, got {args.metrics_port}"
     return None
+
+
+def _exporter(args: argparse.Namespace, api: Any) -> Exporter:
+    if args.exporter_url is not None:
+        return FixedExporter(args.exporter_url, args.fetch_timeout)
+    from kubernetes import client
+
+    if args.exporter_discovery == "pods":
+        pods = Lister(api, client.CoreV1Api(api).list_namespaced_pod, args.api_timeout,
+                      namespace=args.exporter_namespace, label_selector=args.exporter_selector,
+                      field_selector=f"spec.nodeName={args.node}")
+        return DiscoveredExporter(lambda: discovery.exporter_url_from_pods(
+            pods(), node=args.node, port=args.exporter_port, selector=args.exporter_selector),
+            args.fetch_timeout)
+    slices = Lister(api, client.DiscoveryV1Api(api).list_namespaced_endpoint_slice,
+                    args.api_timeout, namespace=args.exporter_namespace,
+                    label_selector=f"{discovery.SERVICE_NAME_LABEL}={args.exporter_service}")
+    return DiscoveredExporter(lambda: discovery.exporter_url(
+        slices(), node=args.node, port=args.exporter_port, service=args.exporter_service),
+        args.fetch_timeout)
 
 
 def main(argv: list[str]) -> int:
@@ -266,18 +432,30 @@ def main(argv: list[str]) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    agent = HealthAgent(args.node, args.exporter_url,
-                        lambda: fetch_page(args.exporter_url, args.fetch_timeout),
-                        KubePublisher(api, args.api_timeout), gpus=args.gpus,
-                        refresh_s=args.refresh)
-    log.info("health agent on node %s reading %s every %g s", args.node, args.exporter_url,
-             args.interval)
+    agent = HealthAgent(args.node, _exporter(args, api), KubePublisher(api, args.api_timeout),
+                        gpus=args.gpus, refresh_s=args.refresh)
+    server = None
+    if args.metrics_port:
+        from tessera_agents.health.metrics import serve
+
+        try:
+            server = serve(agent, args.metrics_addr, args.metrics_port)
+        except OSError as err:
+            log.error("cannot serve metrics on %s:%d: %s", args.metrics_addr,
+                      args.metrics_port, err)
+            return 1
+    where = args.exporter_url or (
+        f"the {args.exporter_discovery} of Service {args.exporter_namespace}/"
+        f"{args.exporter_service} port {args.exporter_port}")
+    log.info("health agent on node %s reading %s every %g s", args.node, where, args.interval)
     while not stop.is_set():
         try:
             agent.step()
         except Exception:  # a bug in one read must not end the node's health reports
             log.exception("health step failed")
         stop.wait(args.interval)
+    if server is not None:
+        server.shutdown()
     api.close()
     return 0
 

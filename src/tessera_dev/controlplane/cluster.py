@@ -6,9 +6,12 @@ has an address of its own with the same ports); its pods take the rest of 127.B.
 first block whose node ports are free, so that several local clusters (a test's beside the
 user's) never share an address. Each node
 runs as its own process under its own identity (system:node:NAME), so the Node authorizer and
-NodeRestriction treat it as they treat a kubelet. Prometheus finds the nodes' DCGM exporters and
-the pods that ask to be scraped through the discovery endpoint, from what the API server says,
-and evaluates Tessera's alert rules (manifests/monitoring/alerts.yaml, read at each start).
+NodeRestriction treat it as they treat a kubelet. The GPU nodes' dcgm-exporter runs as the NVIDIA
+GPU Operator runs it (manifests/local-gpu-operator/dcgm-exporter.yaml: DaemonSet
+gpu-operator/nvidia-dcgm-exporter, a pod with its own address per node, behind the Service of
+that name); the cluster is up once every node's exporter pod is ready. Prometheus finds those
+pods and the pods that ask to be scraped through the discovery endpoint, from what the API server
+says, and evaluates Tessera's alert rules (manifests/monitoring/alerts.yaml, read at each start).
 
 Shared storage: every node serves `nfs` PersistentVolumes from one folder, DATA_DIR/nfs (server
 S, path P: DATA_DIR/nfs/S/P), so all nodes see the same files, as pods on a GPU cluster share a
@@ -37,13 +40,15 @@ from kubernetes.client.exceptions import ApiException
 from tessera_dev import paths, probes, processes
 from tessera_dev.controlplane import launcher, manifests, pki
 from tessera_dev.controlplane.prometheus import (
+    DCGM_EXPORTER,
+    DCGM_NAMESPACE,
     Prometheus,
     kubernetes_scrape_configs,
     rule_groups,
 )
 from tessera_dev.simnode.dcgm import GENERATIONS
 from tessera_dev.simnode.faults import node_dir
-from tessera_dev.simnode.node import EXPORTER_PORT, KUBELET_PORT
+from tessera_dev.simnode.node import KUBELET_PORT
 from tessera_dev.simnode.volumes import memory_root
 
 CLUSTER_FILE = "cluster.json"
@@ -52,11 +57,13 @@ DOMAIN_LABEL = "nvidia.com/gpu.clique"
 DEFAULT_NODES = 2
 DEFAULT_GPUS = 8
 MAX_NODES = 254  # one /24 of 127.B.0.0/16 per node
-# What every node binds on its address: the kubelet endpoint and the DCGM exporter.
-NODE_PORTS = (KUBELET_PORT, EXPORTER_PORT)
+# What every node binds on its address: the kubelet endpoint.
+NODE_PORTS = (KUBELET_PORT,)
 DCGM_GENERATIONS = GENERATIONS
 DISCOVERY_RBAC = paths.repo_root() / "manifests" / "local" / "discovery-rbac.yaml"
 DISCOVERY_USER = "tessera-discovery"
+GPU_OPERATOR = paths.repo_root() / "manifests" / "local-gpu-operator" / "dcgm-exporter.yaml"
+EXPORTER_READY_TIMEOUT_S = 90.0
 ALERT_RULES = paths.repo_root() / "manifests" / "monitoring" / "alerts.yaml"
 NODE_READY_TIMEOUT_S = 60.0
 NFS_DIR = "nfs"  # under the data dir: the exports of the NFS server every node mounts
@@ -130,6 +137,14 @@ def _ready_nodes(api: client.ApiClient) -> set[str]:
             if any(c.type == "Ready" and c.status == "True" for c in n.status.conditions or [])}
 
 
+def _exporters_ready(api: client.ApiClient) -> set[str]:
+    """The nodes whose dcgm-exporter pod is ready."""
+    pods = client.CoreV1Api(api).list_namespaced_pod(
+        DCGM_NAMESPACE, label_selector=f"app={DCGM_EXPORTER}", _request_timeout=10).items
+    return {p.spec.node_name for p in pods
+            if any(c.type == "Ready" and c.status == "True" for c in p.status.conditions or [])}
+
+
 def _has_default_account(api: client.ApiClient) -> bool:
     accounts = client.CoreV1Api(api).list_namespaced_service_account(
         "default", field_selector="metadata.name=default", _request_timeout=10).items
@@ -180,7 +195,16 @@ class Cluster:
                                       "no default service account in namespace default after "
                                       f"{NODE_READY_TIMEOUT_S:.0f} s; see "
                                       f"{plane.data_dir}/kube-controller-manager.log"))
-                # 2. discovery, under an identity that may only read nodes and pods
+                # 2. every node's dcgm-exporter, as the GPU Operator runs it
+                manifests.apply(api, [GPU_OPERATOR])
+                probes.poll_until(lambda: _exporters_ready(api), lambda ready: wanted <= ready,
+                                  timeout=EXPORTER_READY_TIMEOUT_S, interval=0.5,
+                                  error=lambda ready: processes.StartupError(
+                                      f"no ready dcgm-exporter pod on nodes "
+                                      f"{sorted(wanted - ready)} after "
+                                      f"{EXPORTER_READY_TIMEOUT_S:.0f} s; see `kubectl -n "
+                                      f"{DCGM_NAMESPACE} describe pods`"))
+                # 3. discovery, under an identity that may only read nodes and pods
                 manifests.apply(api, [DISCOVERY_RBAC])
             cluster._start_monitoring(detached)
         except BaseException:

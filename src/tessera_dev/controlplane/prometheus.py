@@ -2,8 +2,9 @@
 query helper.
 
 Scrape configs come in two kinds: static targets (a test's own endpoint), and the cluster's, which
-select what a real cluster's Kubernetes service discovery would (every node's DCGM exporter, and
-each pod annotated `prometheus.io/scrape: "true"`, at its `prometheus.io/port`). Debian's
+select what a real cluster's Kubernetes service discovery would: every node's dcgm-exporter pod
+(the GPU Operator's DaemonSet), and each pod annotated `prometheus.io/scrape: "true"` at every
+container port named `metrics` or ending in `-metrics` and at its `prometheus.io/port`. Debian's
 Prometheus has no Kubernetes discovery built in, so locally the same relabelling runs over
 targets from an HTTP discovery endpoint that lists nodes and pods from the API server with the
 meta labels Kubernetes discovery would attach (see `discovery`).
@@ -33,7 +34,8 @@ from tessera_dev import probes, processes
 # a few seconds (a cluster's 15-30 s would make the demo wait).
 SCRAPE_INTERVAL = "1s"
 DISCOVERY_REFRESH = "2s"
-DCGM_EXPORTER_PORT = 9400
+# The GPU Operator's dcgm-exporter pods: their namespace, their `app` label and port name.
+DCGM_NAMESPACE, DCGM_EXPORTER, DCGM_PORT_NAME = "gpu-operator", "nvidia-dcgm-exporter", "metrics"
 
 
 @dataclass(frozen=True)
@@ -70,19 +72,26 @@ def static_scrape_configs(jobs: Mapping[str, Sequence[str]]) -> list[dict]:
 
 
 def _pod_relabelling() -> list[dict]:
-    """The usual `kubernetes-pods` rules: keep pods that ask to be scraped, at the port and path
-    they name, labelled with their namespace and pod. Not with their node: Tessera's exporters
-    label their samples with their node themselves, and a target label of the same name would
-    rename theirs to `exported_node` (as the prometheus-operator's PodMonitors do, which add
-    namespace and pod too, and node only when told)."""
+    """The `kubernetes-pods` rules: keep pods that ask to be scraped, at each container port
+    named `metrics` or `*-metrics` (as a PodMonitor with an endpoint per port) and at the port
+    their `prometheus.io/port` names, on the path `prometheus.io/path` names, labelled with their
+    namespace and pod. Not with their node: Tessera's exporters label their samples with their
+    node themselves, and a target label of the same name would rename theirs to `exported_node`
+    (as the prometheus-operator's PodMonitors do, which add namespace and pod too, and node only
+    when told). A pod's targets that end at the same address are one target."""
     meta = "__meta_kubernetes_pod_"
     return [
         {"source_labels": [f"{meta}annotation_prometheus_io_scrape"], "action": "keep",
          "regex": "true"},
+        {"source_labels": [f"{meta}annotation_prometheus_io_port"], "action": "replace",
+         "target_label": "__tmp_port", "regex": r"(\d+)"},
+        {"source_labels": [f"{meta}container_port_name", f"{meta}container_port_number"],
+         "action": "replace", "regex": r"(?:.+-)?metrics;(\d+)", "target_label": "__tmp_port"},
+        {"source_labels": ["__tmp_port"], "action": "keep", "regex": r"\d+"},
         {"source_labels": [f"{meta}annotation_prometheus_io_path"], "action": "replace",
          "target_label": "__metrics_path__", "regex": "(.+)"},
-        {"source_labels": ["__address__", f"{meta}annotation_prometheus_io_port"],
-         "action": "replace", "regex": r"([^:]+)(?::\d+)?;(\d+)", "replacement": "$1:$2",
+        {"source_labels": ["__address__", "__tmp_port"], "action": "replace",
+         "regex": r"([^:]+)(?::\d+)?;(\d+)", "replacement": "$1:$2",
          "target_label": "__address__"},
         {"action": "labelmap", "regex": f"{meta}label_(.+)"},
         {"source_labels": ["__meta_kubernetes_namespace"], "target_label": "namespace"},
@@ -90,13 +99,16 @@ def _pod_relabelling() -> list[dict]:
     ]
 
 
-def _node_relabelling() -> list[dict]:
-    """Every node's DCGM exporter on its InternalIP, labelled with the node name."""
+def _dcgm_relabelling() -> list[dict]:
+    """The dcgm-exporter pods at their `metrics` port, labelled with the node they run on (the
+    name Tessera's queries group GPUs by; the exporter's own `hostname` label says the same), as
+    a ServiceMonitor on the GPU Operator's Service with a `node` relabelling would."""
+    meta = "__meta_kubernetes_pod_"
     return [
-        {"source_labels": ["__meta_kubernetes_node_address_InternalIP"], "action": "replace",
-         "regex": "(.+)", "replacement": f"$1:{DCGM_EXPORTER_PORT}",
-         "target_label": "__address__"},
-        {"source_labels": ["__meta_kubernetes_node_name"], "target_label": "node"},
+        {"source_labels": ["__meta_kubernetes_namespace", f"{meta}label_app",
+                           f"{meta}container_port_name"],
+         "action": "keep", "regex": f"{DCGM_NAMESPACE};{DCGM_EXPORTER};{DCGM_PORT_NAME}"},
+        {"source_labels": [f"{meta}node_name"], "target_label": "node"},
     ]
 
 
@@ -109,7 +121,10 @@ def kubernetes_scrape_configs(discovery_url: str | None = None) -> list[dict]:
         return {"http_sd_configs": [{"url": f"{discovery_url}/targets/{role}",
                                      "refresh_interval": DISCOVERY_REFRESH}]}
     return [
-        {"job_name": "dcgm-exporter", **sd("node"), "relabel_configs": _node_relabelling()},
+        # honor_labels: on a GPU cluster the exporter labels a GPU's samples with the namespace
+        # and pod of the workload using it; those are kept as the exporter wrote them
+        {"job_name": "dcgm-exporter", **sd("pod"), "honor_labels": True,
+         "relabel_configs": _dcgm_relabelling()},
         {"job_name": "kubernetes-pods", **sd("pod"), "relabel_configs": _pod_relabelling()},
     ]
 

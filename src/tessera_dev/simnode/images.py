@@ -1,4 +1,5 @@
-"""The entrypoints of this project's container images: the node runs them without pulling."""
+"""The entrypoints of this project's container images, and the stand-ins for the third-party
+images the local cluster runs: the node runs them without pulling."""
 
 from __future__ import annotations
 
@@ -10,6 +11,11 @@ ENTRYPOINTS: dict[str, tuple[str, ...]] = {
     "tessera-trainer": ("python", "-m", "ntp.nodeagent"),
 }
 
+# third-party image repository -> what a simulated node runs in its place
+STAND_INS: dict[str, tuple[str, ...]] = {
+    "dcgm-exporter": ("python", "-m", "tessera_dev.simnode.exporter"),
+}
+
 
 def repository(image: str) -> str:
     """The image's repository name: `ghcr.io/org/tessera:0.1@sha256:...` -> `tessera`."""
@@ -18,5 +24,6 @@ def repository(image: str) -> str:
 
 
 def entrypoint(image: str) -> tuple[str, ...] | None:
-    """The image's ENTRYPOINT, or None for an image this project does not build."""
-    return ENTRYPOINTS.get(repository(image))
+    """The image's ENTRYPOINT (or its stand-in's), or None for an image the node cannot run."""
+    name = repository(image)
+    return ENTRYPOINTS.get(name) or STAND_INS.get(name)

@@ -1,9 +1,10 @@
 """`tessera-dev sim-node`: one simulated GPU node, in the role of a kubelet with a process runtime.
 
 It registers its Node (GPU capacity and labels), renews its Lease and Ready condition every 10 s,
-runs the pods the scheduler binds to it as local processes (see pods.py), serves their logs to
-the API server on IP:10250 and its simulated GPUs as a dcgm-exporter on IP:9400. Killed, it
-simply stops: its pods' processes die with it and the node lifecycle controller marks it
+runs the pods the scheduler binds to it as local processes (see pods.py) and serves their logs to
+the API server on IP:10250. Its simulated GPUs are served by the dcgm-exporter pod it runs, as
+a GPU node's are (exporter.py), in the field names of `--dcgm-generation`. Killed, it simply
+stops: its pods' processes die with it and the node lifecycle controller marks it
 NotReady.
 """
 
@@ -31,14 +32,13 @@ from tessera_dev.simnode import dcgm, faults
 from tessera_dev.simnode.containers import unshare_binary
 from tessera_dev.simnode.kube import NodeApi, now_rfc3339
 from tessera_dev.simnode.pods import GpuPool, IpPool, NodeContext, PodWorker
-from tessera_dev.simnode.server import exporter_endpoint, kubelet_endpoint
+from tessera_dev.simnode.server import kubelet_endpoint
 from tessera_dev.simnode.volumes import SHM, memory_root, writable_tmpfs
 
 log = logging.getLogger("tessera.simnode")
 
 GPU_RESOURCE = "nvidia.com/gpu"
 KUBELET_PORT = 10250
-EXPORTER_PORT = 9400
 HEARTBEAT_S = 10.0  # the kubelet's node status and lease renewal period
 LEASE_S = 40  # the kubelet's lease duration
 _NAME = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
@@ -54,7 +54,7 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="tessera-dev sim-node",
         description="Run one simulated GPU node: registers the Node, runs its pods as local "
-                    "processes, serves container logs and a DCGM exporter.")
+                    "processes, serves container logs.")
     p.add_argument("--name", required=True, help="Node name (a DNS subdomain)")
     p.add_argument("--dir", required=True, type=Path, help="the node's state directory")
     p.add_argument("--kubeconfig", required=True, type=Path,
@@ -70,14 +70,12 @@ def _parser() -> argparse.ArgumentParser:
                         "{server, path} is NFS_DIR/SERVER/PATH); nodes given the same one share "
                         "them; without it the node serves no nfs volumes")
     p.add_argument("--dcgm-generation", default="4.9", choices=dcgm.GENERATIONS,
-                   help="dcgm-exporter field names and labels to serve")
+                   help="dcgm-exporter field names and labels its exporter pod serves")
     p.add_argument("--kubelet-cert", type=Path, help="serving certificate for IP:10250")
     p.add_argument("--kubelet-key", type=Path, help="its key")
     p.add_argument("--client-ca", type=Path,
                    help="CA whose client certificates may read logs (the API server's)")
     p.add_argument("--kubelet-port", type=int, default=KUBELET_PORT)
-    p.add_argument("--exporter-port", type=int, default=EXPORTER_PORT,
-                   help="DCGM exporter port, 0 to serve none")
     p.add_argument("--cpu", default=str(os.cpu_count() or 1), help="CPU capacity to advertise")
     p.add_argument("--memory", default=None,
                    help="memory capacity to advertise (default: this machine's)")
@@ -113,10 +111,8 @@ def _check(args: argparse.Namespace) -> None:
                        ("--kubelet-key", args.kubelet_key), ("--client-ca", args.client_ca)):
         if path is not None and not path.is_file():
             raise UsageError(f"{flag} {path}: no such file")
-    for flag, port in (("--kubelet-port", args.kubelet_port),
-                       ("--exporter-port", args.exporter_port)):
-        if not 0 <= port <= 65535:
-            raise UsageError(f"{flag} must be a TCP port, got {port}")
+    if not 0 <= args.kubelet_port <= 65535:
+        raise UsageError(f"--kubelet-port must be a TCP port, got {args.kubelet_port}")
     for flag, value in (("--cpu", args.cpu), ("--memory", args.memory)):
         if value is not None and not _QUANTITY.fullmatch(value):
             raise UsageError(f"{flag} {value!r} is not a Kubernetes quantity")
@@ -166,7 +162,7 @@ class Node:
                 "KUBERNETES_SERVICE_HOST": host, "KUBERNETES_SERVICE_PORT": str(port),
                 "KUBERNETES_SERVICE_PORT_HTTPS": str(port),
             },
-            forget=self._forget, nfs_dir=args.nfs_dir,
+            forget=self._forget, nfs_dir=args.nfs_dir, dcgm_generation=args.dcgm_generation,
             shm_dir=memory_root(self.dir) if writable_tmpfs(SHM) else None)
 
     # -- GPUs
@@ -177,10 +173,6 @@ class Node:
 
     def _healthy(self) -> set[int]:
         return {gpu.index for gpu in self.gpu_state.snapshot() if gpu.healthy}
-
-    def render_exporter(self) -> Callable[[], str]:
-        return lambda: dcgm.render(self.gpu_state.snapshot(), hostname=self.name,
-                                   generation=self.args.dcgm_generation)
 
     # -- the Node object
 
@@ -364,14 +356,12 @@ def main(argv: list[str]) -> int:
         return 1
     for index in range(node.gpu_count):
         faults.device_file(args.dir, index).touch()
-    # 2. the endpoints the Node status will name
+    # 2. the endpoint the Node status will name
     try:
         if args.kubelet_cert:
             kubelet_endpoint(args.address, args.kubelet_port, cert=args.kubelet_cert,
                              key=args.kubelet_key, client_ca=args.client_ca,
                              find_logs=node.find_logs, authorize=node.authorize)
-        if args.exporter_port:
-            exporter_endpoint(args.address, args.exporter_port, node.render_exporter())
     except OSError as exc:
         print(f"tessera-dev sim-node: cannot listen on {args.address}: {exc}", file=sys.stderr)
         return 1

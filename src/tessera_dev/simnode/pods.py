@@ -24,6 +24,7 @@ from kubernetes.client.exceptions import ApiException
 
 from tessera_dev.simnode import faults, podspec
 from tessera_dev.simnode.containers import Prober, Process, probe, stop_all
+from tessera_dev.simnode.exporter import GENERATION_ENV
 from tessera_dev.simnode.kube import NodeApi, now_rfc3339
 from tessera_dev.simnode.podspec import NotYetAvailable, PodSpecError
 from tessera_dev.simnode.volumes import PodVolumes, check_volumes
@@ -110,6 +111,7 @@ class NodeContext:
     forget: Callable[[str], None] = lambda uid: None  # called when a worker is done
     nfs_dir: Path | None = None  # the cluster's NFS exports, shared by its nodes
     shm_dir: Path | None = None  # the node's folder on a tmpfs, for Memory emptyDirs
+    dcgm_generation: str = "4.9"  # the field names its dcgm-exporter serves (exporter.py)
 
     @property
     def gpu_state(self) -> Path:
@@ -530,6 +532,7 @@ class PodWorker:
         if sees_gpus:
             env["TESSERA_SIM_GPU_STATE"] = str(self.node.gpu_state)
             env["TESSERA_SIM_DEVICES"] = str(self.node.device_dir)
+            env[GENERATION_ENV] = self.node.dcgm_generation
         return env
 
     def _mounts(self, spec: Mapping[str, Any]) -> list[dict[str, Any]]:

@@ -1,4 +1,5 @@
-"""The node's two HTTP endpoints: the kubelet's (HTTPS, container logs) and the DCGM exporter's.
+"""Two HTTP endpoints: the node's kubelet endpoint (HTTPS, container logs) and the DCGM exporter's
+(served by the exporter pod, `exporter.py`).
 
 The API server reaches the kubelet endpoint for `kubectl logs` at the node's InternalIP and
 `daemonEndpoints.kubeletEndpoint.Port`, with its kubelet client certificate; a client must show a
@@ -165,7 +166,7 @@ def kubelet_endpoint(address: str, port: int, *, cert: Path, key: Path, client_c
 
 
 def exporter_endpoint(address: str, port: int, render: Callable[[], str]) -> _Server:
-    """Serve the DCGM exporter's /metrics, rendered on each scrape."""
+    """Serve the DCGM exporter's /metrics, rendered on each scrape, and its /health."""
     server = _Server((address, port), _Handler)
-    server.routes = {"metrics": _metrics(render)}
+    server.routes = {"metrics": _metrics(render), "health": _healthz}
     return _serve(server, "dcgm-exporter")
