@@ -10,7 +10,8 @@ from tessera_cli.main import Commands, dispatch, run
 COMMANDS: Commands = {
     "build-controlplane": (
         "tessera_dev.controlplane.build",
-        "build the Kubernetes control plane and helm from the Go module registry (cached by version)",
+        "build the Kubernetes control plane and helm from the Go module registry (cached by "
+        "version)",
     ),
     "up": ("tessera_dev.controlplane.up",
            "start the local cluster: control plane, simulated GPU nodes, Prometheus"),
