@@ -1,12 +1,13 @@
-"""`tessera uninstall`: delete every NTPTrainingJob and wait until they are gone, before the
-operator that finishes them is removed.
+"""`tessera uninstall`: delete every NTPTrainingJob and wait until they are gone and the
+operator has released their GPUs' power targets, before the operator is removed.
 
-An NTPTrainingJob carries the operator's finalizer until the operator has stopped its pods and
-settled its GPUs' power. Removed with its jobs still present, the operator can no longer take its
-finalizer off them: they, and with them their CustomResourceDefinition, stay stuck terminating.
-The chart runs this command as its pre-delete hook, while the operator still runs; with the
-kustomize bundle run it (or `kubectl delete ntptrainingjobs --all -A --wait`) before deleting
-the bundle. It deletes every job in every namespace: uninstalling Tessera ends all training.
+A job's pods go with it (they are its children), but its GPUPowerTargets are cluster-scoped and
+released by the operator when it sees the deletion: a job deleted after the operator leaves its
+GPUs' power where it was planned. Jobs that an older operator marked with its finalizer would
+stay stuck terminating, and their CustomResourceDefinition with them. The chart runs this
+command as its pre-delete hook, while the operator still runs; with the kustomize bundle run it
+before deleting the bundle. It deletes every job in every namespace: uninstalling Tessera ends
+all training.
 """
 
 from __future__ import annotations
@@ -20,12 +21,13 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 from tessera_cli import kube
-from tessera_contracts.api import API_VERSION, JOB_PLURAL
+from tessera_contracts.api import API_VERSION, JOB_PLURAL, JOB_UID_LABEL, POWER_TARGET_PLURAL
 
 if TYPE_CHECKING:
     from kubernetes.client import ApiClient
 
 JOBS = f"/apis/{API_VERSION}/{JOB_PLURAL}"
+JOB_TARGETS = f"/apis/{API_VERSION}/{POWER_TARGET_PLURAL}?labelSelector={JOB_UID_LABEL}"
 POLL_S = 2.0
 
 
@@ -33,21 +35,32 @@ class UninstallError(Exception):
     """The jobs could not all be removed; the message says which are left."""
 
 
-def remaining(api: ApiClient) -> list[str]:
-    """`namespace/name` of every NTPTrainingJob; none when the CRD itself is gone."""
+def _items(api: ApiClient, path: str) -> list[dict]:
+    """The objects listed at `path`; none when their CRD itself is gone."""
     try:
-        listed = kube.request(api, "GET", JOBS)
+        return kube.request(api, "GET", path).get("items") or []
     except kube.ApiError as exc:
         if exc.status == 404:
             return []
         raise
+
+
+def _jobs(api: ApiClient) -> list[str]:
     return sorted(f"{j['metadata']['namespace']}/{j['metadata']['name']}"
-                  for j in listed.get("items") or [])
+                  for j in _items(api, JOBS))
+
+
+def remaining(api: ApiClient) -> list[str]:
+    """`namespace/name` of every NTPTrainingJob, then `GPUPowerTarget NODE` of every power target
+    the operator holds for a job."""
+    return _jobs(api) + sorted(f"GPUPowerTarget {t['metadata']['name']}"
+                               for t in _items(api, JOB_TARGETS))
 
 
 def delete_all(api: ApiClient, timeout: float, log=print) -> int:
-    """Delete every job and wait until none is left; returns how many there were."""
-    jobs = remaining(api)
+    """Delete every job and wait until no job and no job's power target is left; returns how
+    many jobs there were."""
+    jobs = _jobs(api)
     for job in jobs:
         namespace, name = job.split("/")
         try:
@@ -62,8 +75,8 @@ def delete_all(api: ApiClient, timeout: float, log=print) -> int:
     while left:
         if time.monotonic() > deadline:
             raise UninstallError(
-                f"{len(left)} NTPTrainingJob(s) still present after {timeout:.0f} s: "
-                f"{', '.join(left)}; the operator removes their finalizer: is it running? "
+                f"still present after {timeout:.0f} s: {', '.join(left)}; the operator "
+                "finishes jobs and releases their power targets: is it running? "
                 "(`kubectl -n <install namespace> logs deploy/tessera-operator`)")
         time.sleep(POLL_S)
         left = remaining(api)

@@ -23,6 +23,10 @@ ROLE_LABEL = f"{GROUP}/role"
 # on a job's pods and the ConfigMaps its trainers read and write: the attempt they belong to
 # (a restart or a resume starts the next one, in the job's status.attempt)
 ATTEMPT_LABEL = f"{GROUP}/attempt"
+# on a GPUPowerTarget: the UID of the job it serves. Targets are cluster-scoped and jobs
+# namespaced, and a cluster-scoped object cannot be owned by a namespaced one (the garbage
+# collector never resolves such an ownerReference): the owning job is named by its UID instead.
+JOB_UID_LABEL = f"{GROUP}/job-uid"
 # on a trainer pod: a digest of each spec field it was made from, to say which edits it lacks
 INPUTS_ANNOTATION = f"{GROUP}/pod-inputs"
 # spec.managedBy of the jobs Tessera's operator reconciles (also when it is absent)

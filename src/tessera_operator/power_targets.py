@@ -18,7 +18,7 @@ from typing import Any
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
-from tessera_contracts.api import GROUP, OPERATOR_MANAGER, VERSION
+from tessera_contracts.api import GROUP, JOB_UID_LABEL, OPERATOR_MANAGER, VERSION
 from tessera_contracts.api import POWER_TARGET_PLURAL as PLURAL
 from tessera_contracts.powertarget import (
     OPTIONAL_FIELDS,
@@ -29,10 +29,6 @@ from tessera_operator.power_planning import plan_sync
 
 DEFAULT_TIMEOUT_S = 5.0
 FIELD_MANAGER = OPERATOR_MANAGER
-# Targets are cluster-scoped and jobs namespaced, and a cluster-scoped object cannot be owned by
-# a namespaced one (the garbage collector never resolves such an ownerReference): the owning job
-# is named by its UID in a label instead, and `sync_targets(api, [], ...)` releases them all.
-JOB_UID_LABEL = f"{GROUP}/job-uid"
 
 
 def _api(api_client: client.ApiClient) -> client.CustomObjectsApi:

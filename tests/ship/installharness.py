@@ -1,5 +1,6 @@
-"""What the install tests share: a local cluster of their own, kubectl and helm on it, Tessera's
-pods' readiness, and a tiny job."""
+"""What the ship tests that install Tessera share: a local cluster of their own (NODES simulated
+nodes of GPUS GPUs), kubectl and helm on it, Tessera installed as a user installs it and waited
+for with tessera_dev.install, and a tiny job."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import yaml
 from kubernetes import client
 
 from tessera_contracts.api import GROUP, JOB_PLURAL, VERSION
-from tessera_dev import demo_data, paths, probes
+from tessera_dev import demo_data, install, paths, probes
 from tessera_dev.controlplane import cluster, launcher
 
 ROOT = paths.repo_root()
@@ -52,29 +53,15 @@ def local_cluster() -> Iterator[tuple[launcher.ControlPlane, cluster.Cluster]]:
             running.stop()
 
 
-def ready(pod: client.V1Pod) -> bool:
-    return any(c.type == "Ready" and c.status == "True"
-               for c in (pod.status.conditions or []))
-
-
-def wait_installed(api: client.ApiClient, namespace: str) -> list[client.V1Pod]:
-    """The operator's replicas and one power agent per node, each Ready and none terminating."""
-    core = client.CoreV1Api(api)
-    replicas = client.AppsV1Api(api).read_namespaced_deployment(
-        "tessera-operator", namespace).spec.replicas
-
-    def pods() -> list[client.V1Pod]:
-        return [p for p in core.list_namespaced_pod(namespace).items
-                if p.metadata.deletion_timestamp is None]
-
-    def installed(found: list[client.V1Pod]) -> bool:
-        names = [p.metadata.labels.get("app.kubernetes.io/name") for p in found if ready(p)]
-        return names.count("tessera-operator") == replicas and names.count(
-            "tessera-power-agent") == NODES
-
-    return probes.poll_until(pods, installed, timeout=HANG_S, interval=0.5, error=lambda last: (
-        AssertionError(f"{replicas} operator(s) and {NODES} power agents not Ready in {namespace}: "
-                       f"{[(p.metadata.name, p.status.phase) for p in last]}")))
+@contextmanager
+def installed_cluster(overlay: Path = install.LOCAL_OVERLAY, namespace: str = install.SYSTEM_NS
+                      ) -> Iterator[tuple[launcher.ControlPlane, client.ApiClient]]:
+    """A local cluster with `kubectl apply --server-side -k overlay` done and every part of
+    Tessera (in `namespace`, the overlay's) ready."""
+    with local_cluster() as (plane, _), plane.api_client() as api:
+        install.apply(plane.kubeconfig, overlay)
+        install.wait(api, NODES, timeout=HANG_S, namespace=namespace)
+        yield plane, api
 
 
 def tiny_job(name: str) -> dict[str, Any]:

@@ -4,6 +4,8 @@ uninstall with a job running leaving nothing stuck."""
 
 from __future__ import annotations
 
+import shutil
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,21 +16,22 @@ import yaml
 from installharness import (
     CHART,
     HANG_S,
+    NODES,
     ROOT,
     create_job,
     helm_binary,
+    job_status,
     local_cluster,
     new_namespace,
-    ready,
     run,
     tiny_job,
-    wait_installed,
 )
 from kubernetes import client
 
-from tessera_contracts.api import GROUP, JOB_LABEL, JOB_PLURAL
-from tessera_dev import probes
+from tessera_contracts.api import GROUP, JOB_PLURAL, POWER_TARGET_PLURAL, VERSION
+from tessera_dev import install, probes
 from tessera_dev.controlplane import launcher
+from tessera_operator import leader
 
 pytestmark = pytest.mark.ship
 
@@ -151,11 +154,111 @@ def test_values_reach_the_objects():
     assert binding["subjects"][0]["namespace"] == "ml-platform"
 
 
+def test_another_namespace_moves_only_the_shipped_namespaces_objects():
+    """The local overlay's Role in the exporter's namespace stays there, bound to the agents in
+    the release's namespace."""
+    rendered = objects(helm_template("-n", "ml-platform", "-f", str(LOCAL_VALUES)))
+    assert ("Role", "gpu-operator", "tessera-dcgm-exporter-pod-finder") in rendered
+    binding = rendered[("RoleBinding", "gpu-operator",
+                        "tessera-power-agent-dcgm-exporter-pod-finder")]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "tessera-power-agent",
+                                    "namespace": "ml-platform"}]
+    assert not [key for key in rendered if key[1] == NAMESPACE]
+
+
 def test_a_shared_namespace_is_refused_in_one_line():
     done = run([str(helm_binary()), "template", "tessera", str(CHART), "-n", "default"],
                check=False)
     assert done.returncode != 0
     assert "Tessera installs into a namespace of its own" in done.stderr
+
+
+WIDGETS = """\
+apiVersion: example.com/v1
+kind: Widget
+metadata: {name: w1, namespace: tessera-system, labels: {keep: "yes"}}
+spec:
+  items: [a, b]
+  nested: {ports: [{name: http, port: 80}]}
+---
+apiVersion: example.com/v1
+kind: Widget
+metadata: {name: w2, namespace: tessera-system, labels: {keep: "yes"}}
+spec: {items: [a, b]}
+"""
+
+
+def patched(ops: list[dict[str, Any]], **target: str) -> dict[str, Any]:
+    return {"target": {"group": "example.com", "kind": "Widget", **target},
+            "patch": yaml.safe_dump(ops)}
+
+
+@pytest.fixture(scope="module")
+def chart_copy(tmp_path_factory) -> Path:
+    """The chart with its links followed, as `helm package` carries it, to add kustomizations to."""
+    copy = tmp_path_factory.mktemp("chart") / "tessera"
+    shutil.copytree(CHART, copy)
+    return copy
+
+
+def kustomization(chart: Path, name: str, content: dict[str, Any]) -> str:
+    """A kustomization of the widgets in the chart's manifests/; the value that builds it."""
+    directory = chart / "manifests" / name
+    directory.mkdir()
+    (directory / "widgets.yaml").write_text(WIDGETS)
+    (directory / "kustomization.yaml").write_text(
+        yaml.safe_dump({"resources": ["widgets.yaml"]} | content))
+    return f"kustomization=manifests/{name}"
+
+
+def test_json_patches_render_as_kustomize_applies_them(chart_copy):
+    value = kustomization(chart_copy, "patched", {
+        "labels": [{"pairs": {"app.kubernetes.io/part-of": "tessera"}}],
+        "patches": [patched([
+            {"op": "test", "path": "/spec/items/0", "value": "a"},
+            {"op": "add", "path": "/spec/items/0", "value": "first"},
+            {"op": "add", "path": "/spec/items/-", "value": "last"},
+            {"op": "replace", "path": "/spec/items/2", "value": "B"},
+            {"op": "add", "path": "/spec/items/4", "value": "end"},
+            {"op": "add", "path": "/metadata/labels/example.com~1tier", "value": "gold"},
+            {"op": "replace", "path": "/spec/nested/ports/0/port", "value": 8080},
+            {"op": "test", "path": "/spec/nested/ports/0", "value": {"name": "http",
+                                                                      "port": 8080}},
+            {"op": "add", "path": "/spec/extra", "value": {"x": [1, {"y": None}]}},
+        ], name="w1"), patched([{"op": "add", "path": "/spec/every", "value": True}])]})
+    chart = objects(helm_template("--set", value, chart=chart_copy))
+    assert_same(chart, kustomize(chart_copy / "manifests/patched"))
+    w1 = chart[("Widget", NAMESPACE, "w1")]
+    assert w1["spec"]["items"] == ["first", "a", "B", "last", "end"]
+    assert chart[("Widget", NAMESPACE, "w2")]["spec"] == {"items": ["a", "b"], "every": True}
+
+
+@pytest.mark.parametrize(("content", "message"), [
+    ({"patches": [patched([{"op": "move", "from": "/spec/items/0", "path": "/spec/items/1"}])]},
+     'the chart interprets the JSON 6902 operations test, replace and add, not "move"'),
+    ({"patches": [patched([{"op": "test", "path": "/spec/items/0", "value": "z"}])]},
+     'test /spec/items/0: "a", not "z"'),
+    ({"patches": [patched([{"op": "replace", "path": "/spec/items/2", "value": "c"}])]},
+     "replace /spec/items/2: no such location"),
+    ({"patches": [patched([{"op": "add", "path": "/spec/items/0/x", "value": "c"}])]},
+     "add /spec/items/0/x: no such location"),
+    ({"patches": [{"target": {"kind": "Widget"}, "patch": "spec: {items: [c]}"}]},
+     "the chart interprets only JSON 6902 patches"),
+    ({"patches": [{"target": {"labelSelector": "keep=yes"}, "patch": "[]"}]},
+     "only patches given inline with a target of group, kind and name"),
+    ({"namePrefix": "x-"}, "the chart does not interpret namePrefix"),
+    ({"labels": [{"pairs": {"a": "b"}, "includeSelectors": True}]},
+     "the chart interprets only the pairs of labels, not includeSelectors"),
+], ids=["move", "failed-test", "replace-past-the-end", "into-a-string", "strategic-merge",
+        "label-selector", "name-prefix", "label-selectors"])
+def test_what_the_chart_does_not_build_as_kustomize_fails_in_one_line(chart_copy, content,
+                                                                      message):
+    value = kustomization(chart_copy, f"bad-{uuid.uuid4().hex[:8]}", content)
+    done = run([str(helm_binary()), "template", "tessera", str(chart_copy), "-n", NAMESPACE,
+                "--set", value], check=False)
+    assert done.returncode != 0
+    # the whole reason on the error line (Helm adds its --debug hint below it)
+    assert message in done.stderr.splitlines()[0], done.stderr
 
 
 @pytest.fixture(scope="module")
@@ -170,60 +273,104 @@ def helm(plane: launcher.ControlPlane, *argv: str, check: bool = True):
                timeout=HANG_S + 60)
 
 
+def pods(api: client.ApiClient, name: str) -> list[client.V1Pod]:
+    """The pods of app.kubernetes.io/name=`name` in the install's namespace, none terminating."""
+    return [p for p in client.CoreV1Api(api).list_namespaced_pod(
+        NAMESPACE, label_selector=f"app.kubernetes.io/name={name}").items
+        if p.metadata.deletion_timestamp is None]
+
+
+def ready(pod: client.V1Pod) -> bool:
+    return any(c.type == "Ready" and c.status == "True" for c in pod.status.conditions or [])
+
+
 def test_install_brings_the_operator_and_an_agent_per_node_to_ready(plane):
-    helm(plane, "install", "tessera", str(CHART), "-f", str(LOCAL_VALUES), "--wait",
-         "--timeout", "5m")
+    started = time.monotonic()
+    helm(plane, "install", "tessera", str(CHART), "-f", str(LOCAL_VALUES), "--create-namespace",
+         "--wait", "--timeout", "5m")
     with plane.api_client() as api:
-        wait_installed(api, NAMESPACE)
+        install.wait(api, NODES, timeout=HANG_S, namespace=NAMESPACE)
+        print(f"helm install to Ready: {time.monotonic() - started:.0f} s")
+        operators = pods(api, "tessera-operator")
+        assert len(operators) == 2 and all(map(ready, operators))
+        holder = probes.poll_until(
+            lambda: client.CoordinationV1Api(api).read_namespaced_lease(
+                leader.LEASE_NAME, NAMESPACE).spec.holder_identity,
+            lambda held: held in {p.metadata.name for p in operators}, timeout=HANG_S,
+            error=lambda held: AssertionError(f"the Lease is held by {held}, not an operator"))
+        assert holder
+        agents = pods(api, "tessera-power-agent")
+        assert sorted(p.spec.node_name for p in agents) == [f"gpu-node-{k}" for k in range(NODES)]
+        for agent in agents:
+            assert ready(agent)
+            assert [c.name for c in agent.spec.containers] == ["agent", "health"]
+            assert agent.spec.containers[0].args[0] == "--backend=sim"
+            assert "--exporter-discovery=pods" in agent.spec.containers[1].args
 
 
 def test_upgrade_with_a_changed_value_rolls_the_operator(plane):
     with plane.api_client() as api:
-        before = {p.metadata.uid for p in wait_installed(api, NAMESPACE)}
+        before = {p.metadata.uid for p in pods(api, "tessera-operator")}
         helm(plane, "upgrade", "tessera", str(CHART), "-f", str(LOCAL_VALUES),
              "--set", "operator.resources.requests.cpu=50m",
              "--set", "operator.resources.requests.memory=200Mi", "--wait", "--timeout", "5m")
-        operators = [p for p in wait_installed(api, NAMESPACE)
-                     if p.metadata.labels["app.kubernetes.io/name"] == "tessera-operator"]
+        install.wait(api, NODES, timeout=HANG_S, namespace=NAMESPACE)
+        operators = pods(api, "tessera-operator")
+        assert len(operators) == 2
         for pod in operators:
             assert pod.metadata.uid not in before and ready(pod)
             assert pod.spec.containers[0].resources.requests == {"cpu": "50m",
                                                                  "memory": "200Mi"}
 
 
-def test_uninstall_with_a_job_running_leaves_nothing_stuck(plane):
+def test_uninstall_with_a_job_training_leaves_nothing_stuck(plane):
     with plane.api_client() as api:
-        wait_installed(api, NAMESPACE)
+        install.wait(api, NODES, timeout=HANG_S, namespace=NAMESPACE)
         namespace = f"j-{uuid.uuid4().hex[:8]}"
         new_namespace(api, namespace)
         create_job(api, namespace, tiny_job("tiny"))
-        core = client.CoreV1Api(api)
-        probes.poll_until(
-            lambda: core.list_namespaced_pod(namespace, label_selector=f"{JOB_LABEL}=tiny"
-                                             ).items,
-            lambda pods: any(p.status.phase == "Running" for p in pods), timeout=HANG_S,
-            error=lambda last: AssertionError(f"the job's pods never ran: {last}"))
+        probes.poll_until(lambda: job_status(api, namespace, "tiny"),
+                          lambda status: (status.get("step") or 0) >= 1, timeout=HANG_S,
+                          interval=1.0, error=lambda last: AssertionError(
+                              f"the job never trained: {last}"))
 
+        started = time.monotonic()
         done = helm(plane, "uninstall", "tessera", "--wait", "--timeout", "5m", check=False)
         assert done.returncode == 0, done.stdout + done.stderr
+        print(f"helm uninstall with a job training: {time.monotonic() - started:.0f} s")
+        # the hook deleted the job while the operator ran; the job's pods go with it
         custom = client.CustomObjectsApi(api)
-        assert custom.list_cluster_custom_object(GROUP, "v1alpha1", JOB_PLURAL)["items"] == []
-        assert core.list_namespaced_pod(namespace).items == []
-
-        def namespace_left() -> list[str]:
-            return [n.metadata.name for n in core.list_namespace().items
-                    if n.metadata.name == NAMESPACE]
-
-        probes.poll_until(namespace_left, lambda left: not left, timeout=HANG_S,
-                          error=lambda _: AssertionError(f"{NAMESPACE} still terminating"))
+        assert custom.list_cluster_custom_object(GROUP, VERSION, JOB_PLURAL)["items"] == []
+        core = client.CoreV1Api(api)
+        # the operator released the job's power targets before it went
+        assert custom.list_cluster_custom_object(GROUP, VERSION, POWER_TARGET_PLURAL)[
+            "items"] == []
+        # pods go after their owners, the job's and the install's
+        for where in (namespace, NAMESPACE):
+            probes.poll_until(lambda where=where: core.list_namespaced_pod(where).items,
+                              lambda left: not left, timeout=HANG_S, error=lambda left: (
+                                  AssertionError(f"pods left: {[p.metadata.name for p in left]}")))
+        # Helm keeps the namespace (its release record lives there): nothing of Tessera in it,
+        # and deleting it completes
+        assert run(["kubectl", "get", "-n", NAMESPACE, "-o", "name",
+                    "-l", "app.kubernetes.io/part-of=tessera",
+                    "all,serviceaccounts,roles,rolebindings,configmaps,jobs"],
+                   plane.kubeconfig).stdout == ""
+        run(["kubectl", "delete", "namespace", NAMESPACE, "--wait", "--timeout=120s"],
+            plane.kubeconfig)
         admission = client.AdmissionregistrationV1Api(api)
         assert not [p.metadata.name for p in admission.list_validating_admission_policy().items
                     if p.metadata.name.startswith("tessera-")]
         assert not [b.metadata.name for b in
                     admission.list_validating_admission_policy_binding().items
                     if b.metadata.name.startswith("tessera-")]
-        assert not client.RbacAuthorizationV1Api(api).list_cluster_role(
-            label_selector="app.kubernetes.io/part-of=tessera").items
+        rbac = client.RbacAuthorizationV1Api(api)
+        assert not rbac.list_cluster_role(label_selector="app.kubernetes.io/part-of=tessera").items
+        # manifests/local's Role in the exporter's namespace goes with the release
+        assert not rbac.list_namespaced_role(
+            "gpu-operator", label_selector="app.kubernetes.io/part-of=tessera").items
+        # the cluster's RuntimeClass is the GPU Operator's, not the release's
+        client.NodeV1Api(api).read_runtime_class("nvidia")
         # the policies' bindings are gone with their param: ConfigMaps are written as before
         core.create_namespaced_config_map(namespace, {"metadata": {"name": "after-uninstall"}})
 

@@ -8,57 +8,33 @@ manifests/local as a user installs it; the cluster runs the exporter as the GPU 
 
 from __future__ import annotations
 
-import os
-import subprocess
 import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import yaml
+from installharness import GPUS, HANG_S, NODES, ROOT, installed_cluster
 from kubernetes import client
 
 from tessera_agents.health import dcgm, discovery
 from tessera_contracts.api import GPU_HEALTH_PLURAL, GROUP, JOB_PLURAL, VERSION
-from tessera_dev import demo_data, paths, probes
-from tessera_dev.controlplane import cluster, launcher
+from tessera_dev import demo_data, probes
+from tessera_dev.controlplane import launcher
 from tessera_dev.simnode import faults
 
 pytestmark = pytest.mark.ship
 
-ROOT = paths.repo_root()
-NODES, GPUS = 2, 2
-HANG_S = 300.0  # guards against a hang, not a bound on how fast anything reacts
 JOB = "dcgm-found"
 LOST_NODE, LOST_GPU = "gpu-node-1", 1
-
-
-def _ready(obj: Any) -> bool:
-    return any(c.type == "Ready" and c.status == "True" for c in obj.status.conditions or [])
 
 
 @pytest.fixture(scope="module")
 def installed() -> Iterator[tuple[launcher.ControlPlane, client.ApiClient]]:
     """A cluster of its own with Tessera installed from manifests/local, every power-agent pod
     ready (its health agent has published its node's GPUHealth)."""
-    with launcher.ControlPlane.start(bin_dir=launcher.prebuilt()) as plane:
-        running = cluster.Cluster.start(plane, cluster.node_specs(NODES, GPUS))
-        try:
-            subprocess.run(["kubectl", "apply", "--server-side", "-k",
-                            str(ROOT / "manifests/local")], check=True, capture_output=True,
-                           timeout=120, env=os.environ | {"KUBECONFIG": str(plane.kubeconfig)})
-            with plane.api_client() as api:
-                core = client.CoreV1Api(api)
-                probes.poll_until(
-                    lambda: core.list_namespaced_pod(
-                        "tessera-system",
-                        label_selector="app.kubernetes.io/name=tessera-power-agent").items,
-                    lambda pods: len(pods) == NODES and all(map(_ready, pods)),
-                    timeout=HANG_S, interval=0.5, error=lambda last: AssertionError(
-                        f"power agents not ready: {[p.status.conditions for p in last]}"))
-                yield plane, api
-        finally:
-            running.stop()
+    with installed_cluster() as (plane, api):
+        yield plane, api
 
 
 def _exporters(core: client.CoreV1Api) -> dict[str, Any]:

@@ -15,23 +15,28 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import pytest
-import yaml
+from installharness import (
+    GPUS,
+    HANG_S,
+    NODES,
+    create_job,
+    installed_cluster,
+    new_namespace,
+    tiny_job,
+)
 from kubernetes import client
 from prometheus_client.parser import text_string_to_metric_families
 
 from tessera_cli import main as tessera_cli
 from tessera_contracts.api import GROUP, JOB_PLURAL, VERSION
-from tessera_dev import demo_data, install, paths, probes
-from tessera_dev.controlplane import cluster, launcher
+from tessera_dev import install, probes
+from tessera_dev.controlplane import launcher
 from tessera_operator import leader
 
 pytestmark = pytest.mark.ship
 
-NODES, GPUS = 2, 2
 JOB = "ha"
-EXAMPLE = paths.repo_root() / "manifests/examples/ntpjob-local.yaml"
 OPERATOR_LABEL = "app.kubernetes.io/name=tessera-operator"
-HANG_S = 300.0  # a guard against a hang, not a bound on how fast anything reacts
 T = TypeVar("T")
 
 
@@ -87,34 +92,15 @@ def value(text: str, name: str, **labels: str) -> float:
 @pytest.fixture(scope="module")
 def installed() -> Iterator[Installed]:
     """A cluster of its own, Tessera installed from manifests/local, a small job training."""
-    with launcher.ControlPlane.start(bin_dir=launcher.prebuilt()) as plane:
-        running = cluster.Cluster.start(plane, cluster.node_specs(NODES, GPUS))
-        try:
-            with plane.api_client() as api:
-                install.apply(plane.kubeconfig)
-                install.wait(api, NODES)
-                namespace = f"ha-{uuid.uuid4().hex[:8]}"
-                client.CoreV1Api(api).create_namespace({"metadata": {"name": namespace}})
-                wait("the default service account", lambda: client.CoreV1Api(
-                    api).list_namespaced_service_account(
-                    namespace, field_selector="metadata.name=default").items)
-                job = demo_data.without_dataset(yaml.safe_load(EXAMPLE.read_text()))
-                job["metadata"] = {"name": JOB, "namespace": namespace}
-                spec = job["spec"]
-                spec |= {"tensorParallelSize": GPUS, "gpusPerNode": GPUS,
-                         "totalGPUs": NODES * GPUS}
-                spec["failurePolicy"]["minTensorParallelSize"] = 1
-                spec["powerPolicy"]["rackBudgetWatts"] = \
-                    GPUS * spec["powerPolicy"]["baseCapWatts"] + 200
-                client.CustomObjectsApi(api).create_namespaced_custom_object(
-                    GROUP, VERSION, namespace, JOB_PLURAL, job)
-                ha = Installed(plane, api, namespace)
-                wait("the job training on generation 1", ha.status, lambda s: (
-                    s.get("phase") == "Running" and s.get("layoutGeneration") == 1
-                    and s.get("step", 0) >= 1))
-                yield ha
-        finally:
-            running.stop()
+    with installed_cluster() as (plane, api):
+        namespace = f"ha-{uuid.uuid4().hex[:8]}"
+        new_namespace(api, namespace)
+        create_job(api, namespace, tiny_job(JOB))
+        ha = Installed(plane, api, namespace)
+        wait("the job training on generation 1", ha.status, lambda s: (
+            s.get("phase") == "Running" and s.get("layoutGeneration") == 1
+            and s.get("step", 0) >= 1))
+        yield ha
 
 
 def test_the_leaders_metrics_page_shows_its_reconciles_jobs_and_leadership(
