@@ -263,8 +263,14 @@ def test_what_the_chart_does_not_build_as_kustomize_fails_in_one_line(chart_copy
 
 @pytest.fixture(scope="module")
 def plane() -> Iterator[launcher.ControlPlane]:
+    """A local cluster of its own with the chart installed by `helm install` (the local values),
+    as a user installs it; each test starts from that release."""
     helm_binary()
     with local_cluster() as (plane, _):
+        started = time.monotonic()
+        helm(plane, "install", "tessera", str(CHART), "-f", str(LOCAL_VALUES),
+             "--create-namespace", "--wait", "--timeout", "5m")
+        print(f"helm install --wait: {time.monotonic() - started:.0f} s")
         yield plane
 
 
@@ -285,12 +291,8 @@ def ready(pod: client.V1Pod) -> bool:
 
 
 def test_install_brings_the_operator_and_an_agent_per_node_to_ready(plane):
-    started = time.monotonic()
-    helm(plane, "install", "tessera", str(CHART), "-f", str(LOCAL_VALUES), "--create-namespace",
-         "--wait", "--timeout", "5m")
     with plane.api_client() as api:
         install.wait(api, NODES, timeout=HANG_S, namespace=NAMESPACE)
-        print(f"helm install to Ready: {time.monotonic() - started:.0f} s")
         operators = pods(api, "tessera-operator")
         assert len(operators) == 2 and all(map(ready, operators))
         holder = probes.poll_until(
