@@ -30,6 +30,14 @@ def poll_until(
         time.sleep(interval)
 
 
+def wait_for(what: str, probe: Callable[[], T], done: Callable[[T], bool] = bool, *,
+             timeout: float, interval: float = 0.5) -> T:
+    """`poll_until` for a test or a demo step: the error names `what` was awaited and the last
+    result seen."""
+    return poll_until(probe, done, timeout=timeout, interval=interval, error=lambda last: (
+        TimeoutError(f"{what} not reached in {timeout:.0f} s; last: {last!r}")))
+
+
 def responds(url: str, context: ssl.SSLContext | None = None, timeout: float = 2.0) -> bool:
     """Whether GET url answers 200 within `timeout` seconds (refused, hung or failed: False)."""
     try:

@@ -5,6 +5,7 @@ leaves nothing behind."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -55,9 +56,7 @@ def gpu_pod(name: str, gpus: int, node: str | None = None) -> dict[str, Any]:
     return {"metadata": {"name": name}, "spec": spec}
 
 
-def wait(what: str, probe, done=bool, timeout: float = 60.0):
-    return probes.poll_until(probe, done, timeout=timeout, interval=0.2,
-                             error=lambda last: AssertionError(f"{what}; last: {last!r}"))
+wait = functools.partial(probes.wait_for, timeout=60.0, interval=0.2)
 
 
 def pod(core: client.CoreV1Api, namespace: str, name: str) -> client.V1Pod:

@@ -12,14 +12,15 @@ not with the other cluster's. The wall time of the setup and of the jobs is prin
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import subprocess
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
 import yaml
@@ -40,13 +41,9 @@ ROOT = paths.repo_root()
 EXAMPLE = ROOT / "manifests/examples/ntpjob-local.yaml"
 # Guards against a hang, not bounds on how fast anything reacts.
 HANG_S = 300.0
-T = TypeVar("T")
 
 
-def wait(what: str, probe: Callable[[], T], done: Callable[[T], bool] = bool,
-         timeout: float = HANG_S) -> T:
-    return probes.poll_until(probe, done, timeout=timeout, interval=0.5, error=lambda last: (
-        AssertionError(f"{what} not reached in {timeout:.0f} s; last: {last!r}")))
+wait = functools.partial(probes.wait_for, timeout=HANG_S)
 
 
 @dataclass

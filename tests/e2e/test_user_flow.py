@@ -13,6 +13,7 @@ against a checkpoint restart measured in the same run) are printed, not asserted
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -20,11 +21,11 @@ import sys
 import time
 import urllib.parse
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
 import torch.distributed as dist
@@ -54,13 +55,9 @@ PHASE_S = 180.0
 # The console script of this environment, as a user on its PATH runs it.
 TESSERA = str(Path(sys.executable).parent / "tessera")
 TESSERA_DEV = str(Path(sys.executable).parent / "tessera-dev")
-T = TypeVar("T")
 
 
-def wait(what: str, probe: Callable[[], T], done: Callable[[T], bool] = bool,
-         timeout: float = PHASE_S) -> T:
-    return probes.poll_until(probe, done, timeout=timeout, interval=0.5, error=lambda last: (
-        AssertionError(f"{what} not reached in {timeout:.0f} s; last: {last!r}")))
+wait = functools.partial(probes.wait_for, timeout=PHASE_S)
 
 
 @dataclass

@@ -5,14 +5,15 @@ the job converges to the new layout with one generation for the change."""
 
 from __future__ import annotations
 
+import functools
 import json
 import subprocess
 import time
 import urllib.request
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
 from installharness import (
@@ -37,13 +38,9 @@ pytestmark = pytest.mark.ship
 
 JOB = "ha"
 OPERATOR_LABEL = "app.kubernetes.io/name=tessera-operator"
-T = TypeVar("T")
 
 
-def wait(what: str, probe: Callable[[], T], done: Callable[[T], bool] = bool,
-         timeout: float = HANG_S) -> T:
-    return probes.poll_until(probe, done, timeout=timeout, interval=0.5, error=lambda last: (
-        AssertionError(f"{what} not reached in {timeout:.0f} s; last: {last!r}")))
+wait = functools.partial(probes.wait_for, timeout=HANG_S)
 
 
 @dataclass
