@@ -54,13 +54,12 @@ def local_cluster() -> Iterator[tuple[launcher.ControlPlane, cluster.Cluster]]:
 
 
 @contextmanager
-def installed_cluster(overlay: Path = install.LOCAL_OVERLAY, namespace: str = install.SYSTEM_NS
-                      ) -> Iterator[tuple[launcher.ControlPlane, client.ApiClient]]:
-    """A local cluster with `kubectl apply --server-side -k overlay` done and every part of
-    Tessera (in `namespace`, the overlay's) ready."""
+def installed_cluster() -> Iterator[tuple[launcher.ControlPlane, client.ApiClient]]:
+    """A local cluster with `kubectl apply --server-side -k manifests/local` done and every part
+    of Tessera ready."""
     with local_cluster() as (plane, _), plane.api_client() as api:
-        install.apply(plane.kubeconfig, overlay)
-        install.wait(api, NODES, timeout=HANG_S, namespace=namespace)
+        install.apply(plane.kubeconfig, install.LOCAL_OVERLAY)
+        install.wait(api, NODES, timeout=HANG_S)
         yield plane, api
 
 

@@ -1,9 +1,11 @@
 """The Helm chart (charts/tessera) and the kustomize bundle (manifests/) install the same objects
-from the same files; the chart installs, upgrades and uninstalls on a local cluster, an
-uninstall with a job running leaving nothing stuck."""
+from the same files, into tessera-system or any other namespace; the chart installs into another
+namespace, runs a job there, upgrades and uninstalls on a local cluster, an uninstall with a job
+running leaving nothing stuck."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import time
 import uuid
@@ -36,11 +38,15 @@ from tessera_operator import leader
 pytestmark = pytest.mark.ship
 
 NAMESPACE = "tessera-system"
+# the live release's namespace: not the shipped one, so the admission policies are shown to
+# follow the install wherever it is
+OTHER = "tessera-elsewhere"
 LOCAL_VALUES = CHART / "values-local.yaml"
 # What Helm adds for its own bookkeeping, and nothing else may differ: these labels on every
 # object, `helm.sh/resource-policy: keep` on the CRDs, and the uninstall hook's objects.
 HELM_LABELS = ("helm.sh/chart", "app.kubernetes.io/managed-by", "app.kubernetes.io/instance")
 HELM_ANNOTATIONS = ("helm.sh/resource-policy",)
+CLUSTER_SCOPED_POLICIES = ("ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding")
 TESSERA_CRDS = ("ntptrainingjobs.tessera.dev", "gpupowertargets.tessera.dev",
                 "gpuhealths.tessera.dev")
 
@@ -68,8 +74,8 @@ def kustomize(path: Path) -> dict[tuple[str, str, str], dict[str, Any]]:
     return objects(run(["kubectl", "kustomize", str(path)]).stdout)
 
 
-def helm_template(*argv: str, chart: Path = CHART) -> str:
-    return run([str(helm_binary()), "template", "tessera", str(chart), "-n", NAMESPACE,
+def helm_template(*argv: str, chart: Path = CHART, namespace: str = NAMESPACE) -> str:
+    return run([str(helm_binary()), "template", "tessera", str(chart), "-n", namespace,
                 *argv]).stdout
 
 
@@ -164,6 +170,34 @@ def test_another_namespace_moves_only_the_shipped_namespaces_objects():
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "tessera-power-agent",
                                     "namespace": "ml-platform"}]
     assert not [key for key in rendered if key[1] == NAMESPACE]
+
+
+def test_another_namespace_renders_what_a_namespace_overlay_builds(tmp_path):
+    """The kustomize way into another namespace: `namespace:` over manifests/local, with the
+    exporter's Role and RoleBinding put back where the exporter runs (a `namespace:` overlay moves
+    every object), is what the chart renders for that release namespace."""
+    moved = tmp_path / "moved"
+    moved.mkdir()
+    base = os.path.relpath(ROOT / "manifests/local", moved)  # kustomize takes relative bases
+    (moved / "kustomization.yaml").write_text(f"namespace: {OTHER}\nresources:\n  - {base}\n")
+    back = {"op": "replace", "path": "/metadata/namespace", "value": "gpu-operator"}
+    patches = [
+        {"target": {"kind": "Role", "name": "tessera-dcgm-exporter-pod-finder"},
+         "patch": yaml.safe_dump([back])},
+        {"target": {"kind": "RoleBinding", "name": "tessera-power-agent-dcgm-exporter-pod-finder"},
+         "patch": yaml.safe_dump([back, {"op": "replace", "path": "/subjects/0/namespace",
+                                         "value": OTHER}])}]
+    (tmp_path / "kustomization.yaml").write_text(
+        yaml.safe_dump({"resources": ["moved"], "patches": patches}))
+    bundle = {}
+    for (kind, namespace, name), obj in kustomize(tmp_path).items():
+        # kubectl's kustomize does not know these kinds are cluster-scoped and gives them the
+        # overlay's namespace, which kubectl drops when it applies them
+        if kind in CLUSTER_SCOPED_POLICIES:
+            obj["metadata"].pop("namespace", None)
+            namespace = ""
+        bundle[kind, namespace, name] = obj
+    assert_same(objects(helm_template("-f", str(LOCAL_VALUES), namespace=OTHER)), bundle)
 
 
 def test_a_shared_namespace_is_refused_in_one_line():
@@ -263,8 +297,8 @@ def test_what_the_chart_does_not_build_as_kustomize_fails_in_one_line(chart_copy
 
 @pytest.fixture(scope="module")
 def plane() -> Iterator[launcher.ControlPlane]:
-    """A local cluster of its own with the chart installed by `helm install` (the local values),
-    as a user installs it; each test starts from that release."""
+    """A local cluster of its own with the chart installed by `helm install` (the local values)
+    into OTHER, as a user installs it; each test starts from that release."""
     helm_binary()
     with local_cluster() as (plane, _):
         started = time.monotonic()
@@ -275,14 +309,14 @@ def plane() -> Iterator[launcher.ControlPlane]:
 
 
 def helm(plane: launcher.ControlPlane, *argv: str, check: bool = True):
-    return run([str(helm_binary()), "-n", NAMESPACE, *argv], plane.kubeconfig, check=check,
+    return run([str(helm_binary()), "-n", OTHER, *argv], plane.kubeconfig, check=check,
                timeout=HANG_S + 60)
 
 
 def pods(api: client.ApiClient, name: str) -> list[client.V1Pod]:
     """The pods of app.kubernetes.io/name=`name` in the install's namespace, none terminating."""
     return [p for p in client.CoreV1Api(api).list_namespaced_pod(
-        NAMESPACE, label_selector=f"app.kubernetes.io/name={name}").items
+        OTHER, label_selector=f"app.kubernetes.io/name={name}").items
         if p.metadata.deletion_timestamp is None]
 
 
@@ -292,12 +326,14 @@ def ready(pod: client.V1Pod) -> bool:
 
 def test_install_brings_the_operator_and_an_agent_per_node_to_ready(plane):
     with plane.api_client() as api:
-        install.wait(api, NODES, timeout=HANG_S, namespace=NAMESPACE)
+        install.wait(api, NODES, timeout=HANG_S, namespace=OTHER)
+        namespaces = {n.metadata.name for n in client.CoreV1Api(api).list_namespace().items}
+        assert install.SYSTEM_NS not in namespaces
         operators = pods(api, "tessera-operator")
         assert len(operators) == 2 and all(map(ready, operators))
         holder = probes.poll_until(
             lambda: client.CoordinationV1Api(api).read_namespaced_lease(
-                leader.LEASE_NAME, NAMESPACE).spec.holder_identity,
+                leader.LEASE_NAME, OTHER).spec.holder_identity,
             lambda held: held in {p.metadata.name for p in operators}, timeout=HANG_S,
             error=lambda held: AssertionError(f"the Lease is held by {held}, not an operator"))
         assert holder
@@ -316,7 +352,7 @@ def test_upgrade_with_a_changed_value_rolls_the_operator(plane):
         helm(plane, "upgrade", "tessera", str(CHART), "-f", str(LOCAL_VALUES),
              "--set", "operator.resources.requests.cpu=50m",
              "--set", "operator.resources.requests.memory=200Mi", "--wait", "--timeout", "5m")
-        install.wait(api, NODES, timeout=HANG_S, namespace=NAMESPACE)
+        install.wait(api, NODES, timeout=HANG_S, namespace=OTHER)
         operators = pods(api, "tessera-operator")
         assert len(operators) == 2
         for pod in operators:
@@ -327,14 +363,16 @@ def test_upgrade_with_a_changed_value_rolls_the_operator(plane):
 
 def test_uninstall_with_a_job_training_leaves_nothing_stuck(plane):
     with plane.api_client() as api:
-        install.wait(api, NODES, timeout=HANG_S, namespace=NAMESPACE)
+        install.wait(api, NODES, timeout=HANG_S, namespace=OTHER)
         namespace = f"j-{uuid.uuid4().hex[:8]}"
         new_namespace(api, namespace)
         create_job(api, namespace, tiny_job("tiny"))
+        # the operator's pods, layout and progress writes pass the policies of an install in
+        # OTHER: steps follow
         probes.poll_until(lambda: job_status(api, namespace, "tiny"),
-                          lambda status: (status.get("step") or 0) >= 1, timeout=HANG_S,
+                          lambda status: (status.get("step") or 0) >= 2, timeout=HANG_S,
                           interval=1.0, error=lambda last: AssertionError(
-                              f"the job never trained: {last}"))
+                              f"the job trained no steps with Tessera in {OTHER}: {last}"))
 
         started = time.monotonic()
         done = helm(plane, "uninstall", "tessera", "--wait", "--timeout", "5m", check=False)
@@ -348,17 +386,17 @@ def test_uninstall_with_a_job_training_leaves_nothing_stuck(plane):
         assert custom.list_cluster_custom_object(GROUP, VERSION, POWER_TARGET_PLURAL)[
             "items"] == []
         # pods go after their owners, the job's and the install's
-        for where in (namespace, NAMESPACE):
+        for where in (namespace, OTHER):
             probes.poll_until(lambda where=where: core.list_namespaced_pod(where).items,
                               lambda left: not left, timeout=HANG_S, error=lambda left: (
                                   AssertionError(f"pods left: {[p.metadata.name for p in left]}")))
         # Helm keeps the namespace (its release record lives there): nothing of Tessera in it,
         # and deleting it completes
-        assert run(["kubectl", "get", "-n", NAMESPACE, "-o", "name",
+        assert run(["kubectl", "get", "-n", OTHER, "-o", "name",
                     "-l", "app.kubernetes.io/part-of=tessera",
                     "all,serviceaccounts,roles,rolebindings,configmaps,jobs"],
                    plane.kubeconfig).stdout == ""
-        run(["kubectl", "delete", "namespace", NAMESPACE, "--wait", "--timeout=120s"],
+        run(["kubectl", "delete", "namespace", OTHER, "--wait", "--timeout=120s"],
             plane.kubeconfig)
         admission = client.AdmissionregistrationV1Api(api)
         assert not [p.metadata.name for p in admission.list_validating_admission_policy().items
