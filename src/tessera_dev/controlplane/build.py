@@ -18,6 +18,7 @@ import subprocess
 import sys
 import tempfile
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 
 # Newest first: if a release does not build from the registry we fall back to earlier minors.
@@ -196,30 +197,27 @@ def build_helm(log=print) -> Path:
     return out / "helm"
 
 
-def ensure_helm(log=print) -> Path:
-    """The helm binary, built on first use; concurrent callers serialize as in ensure()."""
-    cached = find_helm()
+def _cached_or_built(find: Callable[[], Path | None], build: Callable[[], Path]) -> Path:
+    """What `find` finds in the cache, else what `build` makes. Concurrent callers (parallel test
+    sessions, `tessera-dev up`) serialize on a lock file, so only the first builds and the rest
+    find its result in the cache."""
+    cached = find()
     if cached:
         return cached
     cache_root().mkdir(parents=True, exist_ok=True)
     with open(cache_root() / "build.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        return find_helm() or build_helm(log)
+        return find() or build()
+
+
+def ensure_helm(log=print) -> Path:
+    """The helm binary, built on first use."""
+    return _cached_or_built(find_helm, lambda: build_helm(log))
 
 
 def ensure(log=print) -> Path:
-    """Return the directory holding the control-plane binaries, building them on first use.
-
-    Concurrent callers (parallel test sessions, `tessera-dev up`) serialize on a lock file, so only
-    the first builds and the rest find its result in the cache.
-    """
-    cached = find_cached()
-    if cached:
-        return cached
-    cache_root().mkdir(parents=True, exist_ok=True)
-    with open(cache_root() / "build.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        return find_cached() or _build_newest_that_works(log)
+    """Return the directory holding the control-plane binaries, building them on first use."""
+    return _cached_or_built(find_cached, lambda: _build_newest_that_works(log))
 
 
 def _build_newest_that_works(log) -> Path:
