@@ -11,7 +11,7 @@ demo: setup
 	$(BIN)/tessera-dev demo
 
 test: setup lint
-	$(BIN)/pytest -p no:cacheprovider
+	$(BIN)/pytest -p no:cacheprovider --durations=25
 
 setup: deps system controlplane
 
