@@ -106,6 +106,7 @@ def main(argv: list[str]) -> int:
     def stopping_already(**_: Any) -> None:
         if stop.is_set():
             signal.raise_signal(signal.SIGTERM)
+
     elector = leader.Elector(settings.api_client(), args.leader_elect_namespace,
                              args.leader_elect_identity, timing) if args.leader_elect else None
 

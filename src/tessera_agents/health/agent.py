@@ -178,7 +178,8 @@ class DiscoveredExporter:
         except discovery.NotFound as err:
             raise FetchError(str(err), "discovery") from err
         except Exception as err:  # the API server unreachable, refused, slow: tried next read
-            raise FetchError(f"reading the exporter's EndpointSlices: {err}", "discovery") from err
+            raise FetchError(f"looking up the exporter through the API: {err}",
+                             "discovery") from err
         if url != self.url:
             log.info("exporter of this node found at %s", url)
         self.url, self._due = url, self.monotonic() + self.rediscover_s
@@ -220,8 +221,8 @@ class HealthAgent:
     the agent started is published (as Unknown while the page does not show it). What it saw
     is kept for its metrics (`metrics.HealthCollector`): whether the last read succeeded, when
     one last did, the failed reads by reason, the pages it could not use, and the GPUs as last
-    published. `wall` is the
-    clock of observedAt and of the page's age, `monotonic` that of damping and refreshes."""
+    published. `wall` is the clock of observedAt and of the page's age, `monotonic` that of
+    damping and refreshes."""
 
     node: str
     exporter: Exporter
