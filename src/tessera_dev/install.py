@@ -55,6 +55,5 @@ def missing(api: client.ApiClient, nodes: int, namespace: str = SYSTEM_NS) -> st
 def wait(api: client.ApiClient, nodes: int, timeout: float = INSTALL_TIMEOUT_S,
          namespace: str = SYSTEM_NS) -> None:
     """Until `missing` says nothing is; TimeoutError naming what still was."""
-    probes.poll_until(lambda: missing(api, nodes, namespace), lambda left: left is None,
-                      timeout=timeout, interval=0.5, error=lambda left: TimeoutError(
-                          f"Tessera not ready in {timeout:.0f} s: {left}"))
+    probes.wait_for("Tessera ready", lambda: missing(api, nodes, namespace),
+                    lambda left: left is None, timeout=timeout)
