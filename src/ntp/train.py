@@ -114,17 +114,17 @@ class StepTimes:
 
 
 def model_args(
-    flavor: str | None, layout: JobLayout, checkpoint: Path | None = None
+    flavor: str | None, layout: JobLayout, carried: ModelArgs | None = None
 ) -> ModelArgs:
-    """The model of the layout's shape, with what a checkpoint's model carries beyond it (RoPE
-    base, norm epsilon); a named flavor must have that shape."""
+    """The model of the layout's shape, with what the model it starts from carries beyond it
+    (`carried`: a checkpoint's RoPE base and norm epsilon); a named flavor must have that
+    shape."""
     shape = layout.shape
     if flavor is None:
         args = ModelArgs.of_shape(shape)
-        if checkpoint is None:
+        if carried is None:
             return args
-        saved = read_args(checkpoint)
-        return replace(args, **{k: getattr(saved, k) for k in CARRIED_ARGS})
+        return replace(args, **{k: getattr(carried, k) for k in CARRIED_ARGS})
     if flavor not in FLAVORS:
         raise ValueError(f"unknown flavor {flavor!r}; known: {sorted(FLAVORS)}")
     if FLAVORS[flavor].shape() != shape:
@@ -193,7 +193,7 @@ class Trainer:
         rendezvous: Rendezvous,
         reconfigure_timeout_s: float = 300.0,
         data: TokenDataset | None = None,
-        start_from: Path | None = None,
+        carried: ModelArgs | None = None,
     ):
         self.config = config
         self.checkpointing = checkpointing
@@ -201,9 +201,10 @@ class Trainer:
         self.saver = None if checkpointing.save is None else CheckpointSaver(
             checkpointing.save, checkpointing.keep, checkpointing.blocking
         )
-        # The model's arguments beyond its shape come with the weights this process starts
-        # from (`materialize`'s checkpoint; a joiner's survivors started from the same).
-        self.carried_from = start_from
+        # The model's arguments beyond its shape, from the checkpoint this process starts from
+        # (a joiner's survivors started from one of the same job), read once: the job prunes
+        # that checkpoint while it trains, and every later generation builds from them.
+        self.carried = carried
         self.source = source
         self.rendezvous = rendezvous
         self.reconfigure_timeout_s = reconfigure_timeout_s
@@ -257,7 +258,7 @@ class Trainer:
     def _build(self, layout: JobLayout) -> None:
         """Groups, this rank's shard of the model, AdamW and the sync hooks for `layout`."""
         # 1. Groups and this rank's place in the layout.
-        args = model_args(self.config.flavor, layout, self.carried_from)
+        args = model_args(self.config.flavor, layout, self.carried)
         groups = build_groups(layout, timeout=collective_timeout())
         shard = layout.replicas[groups.replica].shards[groups.rank]
         # 2. This rank's shard only, allocated uninitialized: the caller fills it.
@@ -292,7 +293,7 @@ class Trainer:
     def receive(self, layout: JobLayout, previous: JobLayout, origin: Sequence[int | None]) -> None:
         """A process holding nothing (a returning GPU) takes its units of `layout` from the
         survivors, who are switching to the same generation."""
-        args = model_args(self.config.flavor, layout, self.carried_from)
+        args = model_args(self.config.flavor, layout, self.carried)
         empty = RankShard()
         state: LocalState = {
             name: [torch.empty(local_shape(layout.shape, name, dense, empty), device=self.device)]
@@ -679,11 +680,11 @@ def log_step(trainer: Trainer) -> None:
 
 
 def open_data(
-    opts: argparse.Namespace, layout: JobLayout, checkpoint: Path | None
+    opts: argparse.Namespace, layout: JobLayout, carried: ModelArgs | None
 ) -> TokenDataset | None:
     if opts.data is None:
         return None
-    args = model_args(opts.flavor, layout, checkpoint)
+    args = model_args(opts.flavor, layout, carried)
     return TokenDataset.open(
         opts.data, args.max_seq_len, opts.seed, args.vocab_size, tokenizer=opts.tokenizer
     )
@@ -769,6 +770,7 @@ def main(
         opts.save, opts.save_every, opts.init, keep=opts.keep, blocking=opts.blocking_save
     )
     start_from = checkpointing.newest() if opts.resume else checkpointing.newest_init()
+    carried = None if start_from is None else read_args(start_from)
     config = TrainConfig(
         device=pick_device(opts.device),
         precision=opts.precision,
@@ -785,8 +787,8 @@ def main(
         source,
         first.rendezvous or rendezvous_from_env(),
         opts.reconfigure_timeout,
-        data=open_data(opts, first.layout, start_from),
-        start_from=start_from,
+        data=open_data(opts, first.layout, carried),
+        carried=carried,
     )
     # 2. Join it: build this rank's shard, or receive it from the survivors.
     trainer.join(first, int(os.environ["RANK"]))

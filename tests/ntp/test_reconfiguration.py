@@ -151,6 +151,26 @@ def test_a_killed_rank_reconfigures_live_at_the_default_timeout(tmp_path, capsys
         )
 
 
+def test_a_resumed_job_switches_after_the_checkpoint_it_started_from_is_pruned(tmp_path):
+    # A job resumed from its checkpoint keeps only its newest save: by the planned switch after
+    # step 4 the one it started from (step 2) is gone, and every rank builds the new layout
+    # with what it read of that checkpoint at start.
+    store, resumed_store = new_store(), new_store()
+    tp2 = (NODE0[:2], NODE0[2:])
+    train(Generation(1, SHAPE, 8, "NTP", tp2, Rendezvous("127.0.0.1", store.port)), store,
+          tmp_path / "first", steps=2)
+    shutil.copytree(tmp_path / "first" / "ckpt", tmp_path / "resumed" / "ckpt")
+    first = Generation(1, SHAPE, 8, "NTP", tp2, Rendezvous("127.0.0.1", resumed_store.port))
+    publish(tmp_path / "resumed", next_generation(first, (NODE0[:2], NODE0[2:3]), at_step=4))
+    got, report = train(first, resumed_store, tmp_path / "resumed", steps=4,
+                        extra=("--resume", "--save-every", "1", "--keep", "1"))
+    assert report.deaths == []
+    [switch] = events(got, "reconfigured")
+    assert (switch["generation"], switch["step"], switch["tp_degrees"]) == (2, 4, [2, 1])
+    assert len(got["losses"]) == 4  # steps 3 to 6, each once
+    assert [d.name for d in (tmp_path / "resumed" / "ckpt").glob("step-*")] == ["step-00000006"]
+
+
 def test_a_unit_no_survivor_holds_falls_back_to_the_checkpoint(tmp_path):
     # One TP3 replica loses a rank: the units only it held survive nowhere, so the job
     # restores its last checkpoint (step 2) onto TP2 inside the surviving processes and redoes
