@@ -21,6 +21,7 @@ from tessera_sim.failures import (
     sample_trace,
     warmup_days,
 )
+from tessera_sim.pauses import ScaledPauses, apply
 from tessera_sim.policies import Policy, build_policies
 
 DEFAULT_FRACTIONS: tuple[float, ...] = (
@@ -126,6 +127,9 @@ class Study:
     trace_stats: dict[str, float] = field(default_factory=dict)
     # The first trace, kept whole for the time-series plot.
     trace: TraceResult | None = None
+    # With a pauses file: its pauses scaled to this job, and goodput charged them.
+    pauses: ScaledPauses | None = None
+    measured_goodput: list[dict[str, Any]] = field(default_factory=list)
 
 
 def spares_needed(deficit_groups: np.ndarray, groups_per_domain: int) -> np.ndarray:
@@ -254,6 +258,39 @@ def goodput_rows(
     ]
 
 
+def measured_goodput_rows(
+    cfg: SimConfig,
+    assumed: Sequence[Policy],
+    measured: Sequence[Policy],
+    pauses: ScaledPauses,
+    assumed_rows: Sequence[dict[str, Any]],
+    results: Sequence[TraceResult],
+) -> list[dict[str, Any]]:
+    """Per policy: the pauses charged and goodput with the assumed and the measured pauses
+    (`results` replayed the same traces as `assumed_rows`, charging `measured`)."""
+    rows = []
+    for a, m, before, after in zip(
+        assumed, measured, assumed_rows, goodput_rows(cfg, measured, results), strict=True
+    ):
+        scaled = pauses.policies.get(a.name)
+        rows.append(
+            {
+                "policy": a.name,
+                "pauses": "assumed" if scaled is None else "measured",
+                "failure_stall_s_assumed": a.failure_stall_s,
+                "repair_stall_s_assumed": a.repair_stall_s,
+                "failure_stall_s": m.failure_stall_s,
+                "repair_stall_s": m.repair_stall_s,
+                "lost_work_s": 0.0 if scaled is None else scaled.lost_work_s,
+                "goodput_mean_assumed": before["goodput_mean"],
+                "goodput_mean_measured": after["goodput_mean"],
+                "goodput_min_measured": after["goodput_min"],
+                "stall_share_measured": after["stall_share"],
+            }
+        )
+    return rows
+
+
 def trace_stats(results: Sequence[TraceResult]) -> dict[str, float]:
     """Failed-GPU statistics over the traces (the paper: >0.1% failed 81% of a 15-day trace)."""
     mean = [float(r.length @ r.failed_fraction) / r.days for r in results]
@@ -271,18 +308,31 @@ def run_study(
     cfg: SimConfig,
     settings: StudySettings | None = None,
     progress: StudyProgress = _no_progress,
+    pauses: ScaledPauses | None = None,
 ) -> Study:
-    """Every figure of the report for one config: 1. policies, 2. traces, 3. snapshots."""
+    """Every figure of the report for one config: 1. policies, 2. traces (again with `pauses`
+    charged, when given, on the same draws), 3. snapshots."""
     cfg.validate()
     settings = (settings or StudySettings()).validate(cfg)
     policies = build_policies(cfg)
     trace_seed, loss_seed, availability_seed = np.random.SeedSequence(cfg.seed).spawn(3)
-    study = Study(config=cfg)
+    study = Study(config=cfg, pauses=pauses)
     study.policies = [{"policy": p.name, "summary": p.summary} for p in policies]
-    results = run_traces(cfg, policies, trace_seed.spawn(settings.traces), progress)
+    trace_seeds = trace_seed.spawn(settings.traces)
+    results = run_traces(cfg, policies, trace_seeds, progress)
     study.trace = results[0]
     study.goodput = goodput_rows(cfg, policies, results)
     study.trace_stats = trace_stats(results)
+    if pauses is not None:
+        measured = apply(policies, pauses)
+
+        def measured_progress(phase: str, done: int, total: int) -> None:
+            progress(f"{phase}, measured pauses", done, total)
+
+        replayed = run_traces(cfg, measured, trace_seeds, measured_progress)
+        study.measured_goodput = measured_goodput_rows(
+            cfg, policies, measured, pauses, study.goodput, replayed
+        )
     study.loss = loss_curve(
         cfg,
         policies,

@@ -18,7 +18,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from tessera_contracts.model_shape import ModelShape, PlanError
-from tessera_sim import report
+from tessera_sim import pauses, report
 from tessera_sim.analysis import (
     DEFAULT_FRACTIONS,
     DEFAULT_TPS,
@@ -218,6 +218,13 @@ def build_parser() -> argparse.ArgumentParser:
     pol.add_argument("--checkpoint-minutes", type=float, default=p.checkpoint_interval_minutes)
     pol.add_argument("--reconfigure-seconds", type=float, default=p.reconfigure_seconds)
     pol.add_argument("--spare-swap-seconds", type=float, default=p.spare_swap_seconds)
+    pol.add_argument(
+        "--pauses",
+        type=Path,
+        metavar="FILE",
+        help=f"pauses measured by a recovery bench ({pauses.FORMAT}): scaled to this job and "
+        "charged to the policies it lists; goodput is reported with both the assumed and these",
+    )
     mc = parser.add_argument_group("Monte Carlo")
     s = StudySettings()
     mc.add_argument("--traces", type=int, default=s.traces, help="failure traces to replay, >= 1")
@@ -283,6 +290,20 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
     return cfg.validate()
 
 
+def load_pauses(path: Path, cfg: SimConfig) -> pauses.ScaledPauses:
+    """The pauses file scaled to `cfg`'s job; ValueError naming the file and the JSON path."""
+    try:
+        return pauses.scale(pauses.parse(json.loads(path.read_text())), cfg)
+    except OSError as exc:
+        raise ValueError(f"--pauses {path}: cannot read: {exc.strerror}") from exc
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"--pauses {path}: not UTF-8 text: {exc.reason}") from exc
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--pauses {path}: not JSON: {exc}") from exc
+    except pauses.PausesError as exc:
+        raise ValueError(f"--pauses {path}: {exc}") from exc
+
+
 def _pct(x: float, digits: int = 2) -> str:
     return f"{100 * x:.{digits}f}%"
 
@@ -322,6 +343,8 @@ def render_tables(study: Study, console: Console) -> None:
         "its own pool); +power: mean draw above the baseline caps; peak: the hungriest TP group "
         "against its healthy budget"
     )
+    if study.pauses is not None:
+        render_measured(study.pauses, study.measured_goodput, console)
     shown = [x for x in _TABLE_FRACTIONS if any(r["requested_fraction"] == x for r in study.loss)]
     table = Table(title="Throughput loss (spares for a fixed mini-batch) at a failed share")
     table.add_column("policy")
@@ -352,6 +375,38 @@ def render_tables(study: Study, console: Console) -> None:
             ),
         )
     console.print(table)
+
+
+def render_measured(
+    scaled: pauses.ScaledPauses, rows: list[dict[str, Any]], console: Console
+) -> None:
+    job, f = scaled.job, scaled.factors
+    table = Table(
+        title=f"Goodput with the measured pauses (--pauses: a {job.gpus}-GPU, {job.nodes}-node "
+        f"bench of {job.parameters:,} parameters; parts scaled x{f.bytes_per_gpu:.3g} by "
+        f"parameters per GPU, restart x{f.restart:.3g} for {f.sim_nodes:,} nodes)",
+        box=box.SIMPLE_HEAD,
+        pad_edge=False,
+    )
+    cols = ("policy", "pauses", "failure s", "repair s", "goodput", "measured")
+    for col in cols:
+        table.add_column(col, justify="left" if col in cols[:2] else "right", no_wrap=True)
+    for r in rows:
+        table.add_row(
+            r["policy"],
+            r["pauses"],
+            *(
+                f"{r[k + '_assumed']:,.0f} -> {r[k]:,.0f}"
+                for k in ("failure_stall_s", "repair_stall_s")
+            ),
+            _pct(r["goodput_mean_assumed"], 1),
+            _pct(r["goodput_mean_measured"], 1),
+        )
+    console.print(table)
+    console.print(
+        "pauses: assumed -> charged (a restart's includes half the checkpoint interval); "
+        "goodput: with the assumed pauses, then with the measured ones"
+    )
 
 
 def input_error(prog: str, exc: ValueError, flags: dict[str, str] | None = None) -> int:
@@ -386,6 +441,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         settings = StudySettings(
             fractions=args.fractions, tps=args.tps, trials=args.trials, traces=args.traces
         ).validate(cfg)
+        scaled = None if args.pauses is None else load_pauses(args.pauses, cfg)
         prepare_out(args.out)
     except ValueError as exc:
         return input_error("tessera-dev simulate", exc)
@@ -403,7 +459,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 tasks[phase] = bar.add_task(phase, total=total)
             bar.update(tasks[phase], completed=done)
 
-        study = run_study(cfg, settings, progress)
+        study = run_study(cfg, settings, progress, scaled)
     written = report.write_all(study, args.out, plots=not args.no_plots)
     if args.json:
         print(json.dumps(report.to_dict(study), indent=2))

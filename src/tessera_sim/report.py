@@ -23,7 +23,25 @@ def to_dict(study: Study) -> dict[str, Any]:
     }
     if study.trace is not None:
         doc["trace"] = trace_rows(study)
+    if study.pauses is not None:
+        doc["measured_pauses"] = measured_pauses(study)
     return doc
+
+
+def measured_pauses(study: Study) -> dict[str, Any]:
+    """The bench's job, the scale factors, each measured fault scaled, and goodput both ways."""
+    pauses = study.pauses
+    if pauses is None:
+        return {}
+    return {
+        "bench_job": asdict(pauses.job),
+        "factors": asdict(pauses.factors),
+        "faults": {
+            name: [{**asdict(row.fault), "scaled_pause_s": row.scaled_s} for row in p.faults]
+            for name, p in pauses.policies.items()
+        },
+        "goodput": study.measured_goodput,
+    }
 
 
 def share_label(rows: list[dict[str, Any]]) -> str:
@@ -57,6 +75,7 @@ def write_csvs(study: Study, out: Path) -> list[Path]:
         "loss_vs_failed_fraction.csv": study.loss,
         "availability_vs_tp.csv": study.availability,
         "trace.csv": trace_rows(study),
+        "goodput_measured_pauses.csv": study.measured_goodput,
     }
     written = []
     for name, rows in tables.items():

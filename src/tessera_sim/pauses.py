@@ -1,0 +1,310 @@
+"""Measured pauses: a recovery bench's `tessera.recovery/v1` file, validated, and scaled from the
+bench's small job to the simulated one (README "Measured pauses" states the model and why).
+
+Pure: the command reads the file and hands the decoded JSON here; nothing here does I/O.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from tessera_sim.config import MAX_DAYS, SimConfig
+from tessera_sim.policies import POLICY_NAMES, Policy
+
+FORMAT = "tessera.recovery/v1"
+FAILURE_KINDS: tuple[str, ...] = ("gpu-lost", "gpu-cordoned", "node-lost")
+REPAIR_KIND = "gpu-returned"
+# The one policy that restarts the job; every other one relays its groups out live.
+RESTART_POLICY = "ckpt-restart"
+# A scaled pause must fit the simulator's clock, as --reconfigure-seconds must.
+MAX_PAUSE_S = 86_400 * MAX_DAYS
+
+_JOB_INTS = ("gpus", "nodes", "gpus_per_node", "tp", "pp", "dp", "parameters")
+_FAULT_KEYS = {"kind", "detection_s", "pause_s", "steps_redone", "checkpoint_load_s"}
+
+
+class PausesError(ValueError):
+    """A pauses document that breaks the format; `path` is the JSON path of the problem."""
+
+    def __init__(self, path: str, message: str) -> None:
+        super().__init__(f"{path}: {message}" if path else message)
+        self.path = path
+
+
+@dataclass(frozen=True)
+class BenchJob:
+    """The job the bench measured on."""
+
+    gpus: int
+    nodes: int
+    gpus_per_node: int
+    tp: int
+    pp: int
+    dp: int
+    parameters: int
+    step_seconds: float
+    checkpoint_interval_steps: int
+    checkpoint_interval_seconds: float
+
+
+@dataclass(frozen=True)
+class MeasuredFault:
+    """One fault the bench injected and the pause it measured around it."""
+
+    kind: str
+    # None when the policy does not detect the fault itself (a cordon is announced to it).
+    detection_s: float | None
+    # From the last step before the fault to the first step after it.
+    pause_s: float
+    steps_redone: int
+    checkpoint_load_s: float = 0.0
+
+    @property
+    def rest_s(self) -> float:
+        """The pause less detection and checkpoint load: restart or live relayout."""
+        return self.pause_s - (self.detection_s or 0.0) - self.checkpoint_load_s
+
+
+@dataclass(frozen=True)
+class MeasuredPauses:
+    job: BenchJob
+    # Policy name -> its faults, in the file's order.
+    policies: dict[str, tuple[MeasuredFault, ...]]
+
+
+@dataclass(frozen=True)
+class ScalingModel:
+    """The knobs of the scaling model (README "Measured pauses")."""
+
+    # GPUs per node of the simulated cluster (an HGX node), for its node count.
+    gpus_per_node: int = 8
+
+
+@dataclass(frozen=True)
+class Factors:
+    """What each part of a measured pause is multiplied by, bench job -> simulated job."""
+
+    # Checkpoint load and live relayout: parameters per GPU, parameters / (tp x pp).
+    bytes_per_gpu: float
+    # Restart (pod replacement, process start, rendezvous): log2(2 x nodes).
+    restart: float
+    bench_nodes: int
+    sim_nodes: int
+
+
+@dataclass(frozen=True)
+class ScaledFault:
+    fault: MeasuredFault
+    scaled_s: float
+
+
+@dataclass(frozen=True)
+class PolicyPauses:
+    """One policy's pauses for the simulated job; None keeps the assumed one."""
+
+    failure_stall_s: float | None
+    repair_stall_s: float | None
+    # Charged on top of a restart's scaled pause: half the simulated checkpoint interval.
+    lost_work_s: float
+    faults: tuple[ScaledFault, ...]
+
+
+@dataclass(frozen=True)
+class ScaledPauses:
+    """A pauses file scaled to one simulated job."""
+
+    job: BenchJob
+    factors: Factors
+    policies: dict[str, PolicyPauses]
+
+
+def parse(doc: Any) -> MeasuredPauses:
+    """Validate a decoded pauses document; PausesError names the first bad JSON path."""
+    if not isinstance(doc, dict):
+        raise PausesError("", "must be a JSON object")
+    if doc.get("format") != FORMAT:
+        raise PausesError("format", f"must be {FORMAT!r}, got {doc.get('format')!r}")
+    job = _parse_job(_object(doc, "job"))
+    policies = _object(doc, "policies")
+    parsed = {}
+    for name, entry in policies.items():
+        path = f"policies.{name}"
+        if name not in POLICY_NAMES:
+            raise PausesError(
+                path, f"unknown policy; the simulator's are {', '.join(POLICY_NAMES)}"
+            )
+        if not isinstance(entry, dict):
+            raise PausesError(path, "must be an object with a 'faults' list")
+        _no_other_keys(entry, {"faults"}, path)
+        faults = entry.get("faults")
+        if not isinstance(faults, list) or not faults:
+            raise PausesError(f"{path}.faults", "must be a non-empty list of faults")
+        parsed[name] = tuple(_parse_fault(f, f"{path}.faults[{i}]") for i, f in enumerate(faults))
+    return MeasuredPauses(job, parsed)
+
+
+def parameters(cfg: SimConfig) -> int:
+    """Parameter elements of the simulated model (every unit of every layer, and the vocab)."""
+    shape = cfg.model.shape
+    kinds = {"q_heads": shape.n_layers, "kv_heads": shape.n_layers, "mlp_cols": shape.n_layers,
+             "vocab_rows": 1}  # fmt: skip
+    return sum(shape.unit_count(k) * shape.unit_elements(k) * n for k, n in kinds.items())
+
+
+def factors(job: BenchJob, cfg: SimConfig, model: ScalingModel = ScalingModel()) -> Factors:
+    """The scale factors from the bench's job to `cfg`'s."""
+    sim_nodes = math.ceil(cfg.gpus / model.gpus_per_node)
+    return Factors(
+        bytes_per_gpu=(parameters(cfg) / (cfg.tp * cfg.pp)) / (job.parameters / (job.tp * job.pp)),
+        restart=math.log2(2 * sim_nodes) / math.log2(2 * job.nodes),
+        bench_nodes=job.nodes,
+        sim_nodes=sim_nodes,
+    )
+
+
+def scale_fault(fault: MeasuredFault, policy: str, f: Factors) -> float:
+    """The fault's pause on the simulated job: detection held, checkpoint load by the bytes per
+    GPU, the rest by the restart factor (ckpt-restart) or the bytes per GPU (live relayout)."""
+    rest = f.restart if policy == RESTART_POLICY else f.bytes_per_gpu
+    return (
+        (fault.detection_s or 0.0) + fault.checkpoint_load_s * f.bytes_per_gpu + fault.rest_s * rest
+    )
+
+
+def scale(
+    measured: MeasuredPauses, cfg: SimConfig, model: ScalingModel = ScalingModel()
+) -> ScaledPauses:
+    """Per policy in the file: its pauses on `cfg`'s job. A failure stall is the mean over the
+    failure kinds present of each kind's mean; a restart also loses half the checkpoint interval.
+    PausesError when a scaled pause exceeds the simulator's clock."""
+    f = factors(measured.job, cfg, model)
+    lost_work = 60 * cfg.policy.checkpoint_interval_minutes / 2
+    scaled = {}
+    for name, faults in measured.policies.items():
+        rows = tuple(ScaledFault(fault, scale_fault(fault, name, f)) for fault in faults)
+        by_kind: dict[str, list[float]] = {}
+        for row in rows:
+            by_kind.setdefault(row.fault.kind, []).append(row.scaled_s)
+        means = {kind: sum(v) / len(v) for kind, v in by_kind.items()}
+        failures = [means[k] for k in FAILURE_KINDS if k in means]
+        lost = lost_work if name == RESTART_POLICY else 0.0
+        result = PolicyPauses(
+            failure_stall_s=sum(failures) / len(failures) + lost if failures else None,
+            repair_stall_s=means.get(REPAIR_KIND),
+            lost_work_s=lost,
+            faults=rows,
+        )
+        for which, value in (
+            ("failure", result.failure_stall_s),
+            ("repair", result.repair_stall_s),
+        ):
+            if value is not None and value > MAX_PAUSE_S:
+                raise PausesError(
+                    f"policies.{name}",
+                    f"the {which} pause scales to {value:.3g} s on this job, "
+                    f"beyond the simulator's {MAX_PAUSE_S:.3g} s",
+                )
+        scaled[name] = result
+    return ScaledPauses(measured.job, f, scaled)
+
+
+def apply(policies: Sequence[Policy], scaled: ScaledPauses) -> tuple[Policy, ...]:
+    """The policies charged the scaled pauses where the file has them, the assumed ones else."""
+    out = []
+    for p in policies:
+        s = scaled.policies.get(p.name)
+        stalls = ("failure_stall_s", "repair_stall_s")
+        charged = {k: getattr(s, k) for k in stalls if s and getattr(s, k) is not None}
+        out.append(replace(p, **charged))
+    return tuple(out)
+
+
+def _object(doc: dict[str, Any], key: str) -> dict[str, Any]:
+    value = doc.get(key)
+    if not isinstance(value, dict):
+        raise PausesError(key, "must be an object" if key in doc else "is missing")
+    return value
+
+
+def _no_other_keys(entry: dict[str, Any], allowed: set[str], path: str) -> None:
+    for key in entry:
+        if key not in allowed:
+            raise PausesError(
+                f"{path}.{key}", f"unknown key; expected {', '.join(sorted(allowed))}"
+            )
+
+
+def _present(entry: dict[str, Any], key: str, path: str) -> Any:
+    if key not in entry:
+        raise PausesError(f"{path}.{key}", "is missing")
+    return entry[key]
+
+
+def _number(entry: dict[str, Any], key: str, path: str, *, positive: bool = False) -> float:
+    value = _present(entry, key, path)
+    ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok or value < 0 or (positive and value == 0):
+        bound = "> 0" if positive else ">= 0"
+        raise PausesError(f"{path}.{key}", f"must be a number {bound}, got {value!r}")
+    return float(value)
+
+
+def _integer(entry: dict[str, Any], key: str, path: str, *, minimum: int) -> int:
+    value = _present(entry, key, path)
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise PausesError(f"{path}.{key}", f"must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def _parse_job(job: dict[str, Any]) -> BenchJob:
+    ints = {key: _integer(job, key, "job", minimum=1) for key in _JOB_INTS}
+    parsed = BenchJob(
+        **ints,
+        step_seconds=_number(job, "step_seconds", "job", positive=True),
+        checkpoint_interval_steps=_integer(job, "checkpoint_interval_steps", "job", minimum=0),
+        checkpoint_interval_seconds=_number(job, "checkpoint_interval_seconds", "job"),
+    )
+    if parsed.tp * parsed.pp * parsed.dp != parsed.gpus:
+        raise PausesError(
+            "job.gpus",
+            f"tp x pp x dp = {parsed.tp} x {parsed.pp} x {parsed.dp} = "
+            f"{parsed.tp * parsed.pp * parsed.dp}, but gpus = {parsed.gpus}",
+        )
+    if parsed.nodes * parsed.gpus_per_node < parsed.gpus:
+        raise PausesError(
+            "job.nodes",
+            f"{parsed.nodes} nodes of {parsed.gpus_per_node} GPUs cannot hold {parsed.gpus} GPUs",
+        )
+    return parsed
+
+
+def _parse_fault(entry: Any, path: str) -> MeasuredFault:
+    if not isinstance(entry, dict):
+        raise PausesError(path, "must be an object")
+    _no_other_keys(entry, _FAULT_KEYS, path)
+    kinds = (*FAILURE_KINDS, REPAIR_KIND)
+    if entry.get("kind") not in kinds:
+        raise PausesError(f"{path}.kind", f"must be one of {', '.join(kinds)}, got "
+                          f"{entry.get('kind')!r}")  # fmt: skip
+    if "detection_s" not in entry:
+        raise PausesError(f"{path}.detection_s", "is missing (null when not detected in-job)")
+    detection = None if entry["detection_s"] is None else _number(entry, "detection_s", path)
+    fault = MeasuredFault(
+        kind=entry["kind"],
+        detection_s=detection,
+        pause_s=_number(entry, "pause_s", path),
+        steps_redone=_integer(entry, "steps_redone", path, minimum=0),
+        checkpoint_load_s=_number(entry, "checkpoint_load_s", path)
+        if "checkpoint_load_s" in entry
+        else 0.0,
+    )
+    if fault.rest_s < 0:
+        raise PausesError(
+            f"{path}.pause_s",
+            f"must be at least detection_s + checkpoint_load_s = "
+            f"{fault.pause_s - fault.rest_s:g}, got {fault.pause_s:g}",
+        )
+    return fault

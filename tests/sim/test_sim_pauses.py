@@ -1,0 +1,225 @@
+"""`tessera-dev simulate --pauses`: a recovery bench's measured pauses, scaled to the simulated job
+by the README's model, charged to the policies the file lists, goodput reported both ways."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tessera_dev.cli import main as tessera
+from tessera_sim import pauses
+from tessera_sim.analysis import StudySettings, run_study
+from tessera_sim.config import FailureConfig, SimConfig
+from tessera_sim.policies import POLICY_NAMES, build_policies
+
+pytestmark = [pytest.mark.sim, pytest.mark.recovery]
+
+SAMPLE = Path(__file__).parent / "data" / "recovery-sample.json"
+TESSERA_DEV = Path(sys.executable).with_name("tessera-dev")
+# A 1,024-GPU job (TP8 x PP4 x DP32) of the paper's model: a run takes well under a second.
+SMALL = ["--gpus", "1024", "--domain-size", "8", "--tp", "8", "--pp", "4", "--days", "3"]
+SMALL += ["--traces", "1", "--trials", "1", "--fractions", "0", "--tps", "8", "--no-plots"]
+
+
+def sample() -> dict[str, Any]:
+    return json.loads(SAMPLE.read_text())
+
+
+def model_parameters(cfg: SimConfig) -> int:
+    """The paper model's parameter count written out: per layer Q and O (h x h each), K and V
+    (kv_heads x head_dim x h each), the SwiGLU gate, up and down (3 x h x ffn); then the
+    embedding and the untied LM head (2 x vocab x h)."""
+    s = cfg.model.shape
+    head_dim = s.hidden // s.n_heads
+    per_layer = 2 * s.hidden * s.hidden + 2 * s.n_kv_heads * head_dim * s.hidden
+    per_layer += 3 * s.hidden * s.ffn
+    return s.n_layers * per_layer + 2 * s.vocab * s.hidden
+
+
+def test_the_paper_model_has_its_487b_parameters() -> None:
+    assert pauses.parameters(SimConfig()) == model_parameters(SimConfig()) == 487_598_325_760
+
+
+def test_scaled_pauses_are_the_documented_model(paper_config: SimConfig) -> None:
+    # The README's model, written out: detection held; checkpoint load and live relayout times
+    # the parameters per GPU, P / (tp x pp), sim over bench; a restart's rest times
+    # log2(2 x nodes), sim (gpus / 8 per node) over bench; a restart also loses half the
+    # simulated checkpoint interval. Per policy the mean over the failure kinds present.
+    doc = sample()
+    job = doc["job"]
+    b = (model_parameters(paper_config) / (32 * 8)) / (job["parameters"] / (job["tp"] * job["pp"]))
+    r = math.log2(2 * 32_768 / 8) / math.log2(2 * job["nodes"])
+    restart = [
+        3.0 + 2.5 * b + (31.0 - 3.0 - 2.5) * r,  # gpu-lost
+        3.5 + 2.5 * b + (36.0 - 3.5 - 2.5) * r,  # node-lost
+        0.0 + 2.4 * b + (24.0 - 2.4) * r,  # gpu-cordoned: announced, not detected
+    ]
+    expected = {
+        "ckpt-restart": (sum(restart) / 3 + 60 * 30 / 2, 0.0),
+        "ntp": (((3.0 + (4.2 - 3.0) * b) + 0.9 * b) / 2, 1.1 * b),
+        "dp-drop": (3.0 + (4.6 - 3.0) * b, 1.2 * b),
+        # No repair measured: the assumed one (none) stays.
+        "spares": (3.0 + (6.0 - 3.0) * b, 0.0),
+    }
+    assumed = {p.name: p for p in build_policies(paper_config)}
+    scaled = pauses.scale(pauses.parse(doc), paper_config)
+    charged = {p.name: p for p in pauses.apply(tuple(assumed.values()), scaled)}
+    for name, (failure, repair) in expected.items():
+        assert charged[name].failure_stall_s == pytest.approx(failure, rel=1e-12), name
+        assert charged[name].repair_stall_s == pytest.approx(repair, rel=1e-12), name
+    for name in ("dp-drop-unpacked", "tessera"):
+        assert charged[name] == assumed[name]
+    # The measured pauses replace the assumed 25-min restart and 60 s reconfiguration.
+    assert assumed["ckpt-restart"].failure_stall_s == 1500.0
+    assert assumed["ntp"].failure_stall_s == assumed["ntp"].repair_stall_s == 60.0
+
+
+def test_shorter_measured_pauses_raise_goodput_and_absent_policies_keep_theirs() -> None:
+    # 10 failures per day on 1,024 GPUs for 5 days: every policy pauses dozens of times.
+    cfg = SimConfig(
+        gpus=1024, domain_size=8, tp=8, pp=4, dp=32, days=5.0,
+        failures=FailureConfig(rate_per_gpu_day=0.01),
+    ).validate()  # fmt: skip
+    doc = sample()
+    quick = {"kind": "gpu-lost", "detection_s": 0.05, "pause_s": 0.1, "steps_redone": 1}
+    slow = {"kind": "gpu-lost", "detection_s": 5.0, "pause_s": 600.0, "steps_redone": 50}
+    doc["policies"] = {"ntp": {"faults": [quick]}, "ckpt-restart": {"faults": [slow]}}
+    scaled = pauses.scale(pauses.parse(doc), cfg)
+    assumed = {p.name: p for p in build_policies(cfg)}
+    assert scaled.policies["ntp"].failure_stall_s < assumed["ntp"].failure_stall_s
+    assert scaled.policies["ckpt-restart"].failure_stall_s > assumed["ckpt-restart"].failure_stall_s
+    settings = StudySettings(fractions=(0.0,), tps=(8,), trials=1, traces=2)
+    study = run_study(cfg, settings, pauses=scaled)
+    rows = {r["policy"]: r for r in study.measured_goodput}
+    assert [r["policy"] for r in study.measured_goodput] == list(POLICY_NAMES)
+    assert {r["policy"]: r["goodput_mean"] for r in study.goodput} == {
+        name: r["goodput_mean_assumed"] for name, r in rows.items()
+    }
+    assert rows["ntp"]["goodput_mean_measured"] > rows["ntp"]["goodput_mean_assumed"]
+    assert (
+        rows["ckpt-restart"]["goodput_mean_measured"] < rows["ckpt-restart"]["goodput_mean_assumed"]
+    )
+    for name in ("dp-drop", "dp-drop-unpacked", "spares", "ntp-pw", "tessera"):
+        assert rows[name]["pauses"] == "assumed"
+        assert rows[name]["goodput_mean_measured"] == rows[name]["goodput_mean_assumed"], name
+        assert rows[name]["failure_stall_s"] == rows[name]["failure_stall_s_assumed"], name
+
+
+def _mutate(path: str, value: Any) -> dict[str, Any]:
+    """The sample with the value at a dotted path (list indices as [i]) set; `...` removes it."""
+    doc = copy.deepcopy(sample())
+    keys = path.replace("[", ".").replace("]", "").split(".")
+    node: Any = doc
+    for key in keys[:-1]:
+        node = node[int(key)] if isinstance(node, list) else node[key]
+    last: Any = int(keys[-1]) if isinstance(node, list) else keys[-1]
+    if value is ...:
+        del node[last]
+    else:
+        node[last] = value
+    return doc
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (None, "cannot read: No such file or directory"),
+        ("{", "not JSON: Expecting property name"),
+        ([1, 2], "must be a JSON object"),
+        (_mutate("format", "tessera.recovery/v2"), "format: must be 'tessera.recovery/v1', got"),
+        (_mutate("job", ...), "job: is missing"),
+        (_mutate("job.tp", 4), "job.gpus: tp x pp x dp = 4 x 1 x 2 = 8, but gpus = 4"),
+        (_mutate("job.parameters", 0), "job.parameters: must be an integer >= 1, got 0"),
+        (_mutate("policies.ntp-magic", {"faults": []}), "policies.ntp-magic: unknown policy"),
+        (_mutate("policies.ntp.faults", []), "policies.ntp.faults: must be a non-empty list"),
+        (_mutate("policies.ntp.faults[1].pause_s", -1), "policies.ntp.faults[1].pause_s: must be "
+         "a number >= 0, got -1"),
+        (_mutate("policies.ntp.faults[0].pause_s", "fast"), "policies.ntp.faults[0].pause_s: "
+         "must be a number >= 0, got 'fast'"),
+        (_mutate("policies.ntp.faults[0].pause_s", ...), "policies.ntp.faults[0].pause_s: is "
+         "missing"),
+        (_mutate("policies.ntp.faults[0].steps_redone", True), "policies.ntp.faults[0]."
+         "steps_redone: must be an integer >= 0, got True"),
+        (_mutate("policies.ntp.faults[0].steps_redone", 1.5), "policies.ntp.faults[0].steps_"
+         "redone: must be an integer >= 0, got 1.5"),
+        (_mutate("policies.dp-drop.faults[0].kind", "gpu-melted"), "policies.dp-drop.faults[0]."
+         "kind: must be one of gpu-lost, gpu-cordoned, node-lost, gpu-returned"),
+        (_mutate("policies.ntp.faults[0].detection_s", 5.0), "policies.ntp.faults[0].pause_s: "
+         "must be at least detection_s + checkpoint_load_s = 5, got 4.2"),
+        (_mutate("policies.ntp.faults[0].pause_seconds", 4.2), "policies.ntp.faults[0]."
+         "pause_seconds: unknown key"),
+        # A one-parameter bench scales a 2.5 s checkpoint load past the simulator's clock.
+        (_mutate("job.parameters", 1), "policies.ckpt-restart: the failure pause scales to "
+         "7.52e+10 s"),
+    ],
+)  # fmt: skip
+def test_a_malformed_pauses_file_exits_2_with_one_line_and_writes_nothing(
+    tmp_path: Path, capsys, content: Any, message: str
+) -> None:
+    path = tmp_path / "bench.json"
+    if isinstance(content, str):
+        path.write_text(content)
+    elif content is not None:
+        path.write_text(json.dumps(content))
+    out = tmp_path / "never"
+    assert tessera(["simulate", *SMALL, "--pauses", str(path), "--out", str(out)]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1, lines
+    assert f"--pauses {path}: {message}" in lines[0]
+    assert not out.exists()
+
+
+def test_nan_in_a_pauses_file_is_refused(tmp_path: Path, capsys) -> None:
+    # Python's JSON reader takes NaN, which passes no comparison: it must still be refused.
+    path = tmp_path / "bench.json"
+    path.write_text(SAMPLE.read_text().replace('"pause_s": 4.2', '"pause_s": NaN'))
+    assert tessera(["simulate", *SMALL, "--pauses", str(path), "--out", str(tmp_path / "x")]) == 2
+    assert (
+        "policies.ntp.faults[0].pause_s: must be a number >= 0, got nan" in capsys.readouterr().err
+    )
+
+
+def test_the_command_writes_both_goodputs_into_study_json(tmp_path: Path) -> None:
+    out = tmp_path / "study"
+    run = subprocess.run(
+        [str(TESSERA_DEV), "simulate", *SMALL, "--pauses", str(SAMPLE), "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert run.returncode == 0, run.stderr
+    assert "Goodput with the measured pauses" in run.stdout
+    doc = json.loads((out / "study.json").read_text())
+    section = doc["measured_pauses"]
+    assert section["bench_job"] == sample()["job"]
+    rows = {r["policy"]: r for r in section["goodput"]}
+    assert list(rows) == list(POLICY_NAMES)
+    assert {r["policy"]: r["goodput_mean"] for r in doc["goodput"]} == {
+        name: r["goodput_mean_assumed"] for name, r in rows.items()
+    }
+    for name in sample()["policies"]:
+        assert rows[name]["pauses"] == "measured"
+        assert 0.0 < rows[name]["goodput_mean_measured"] <= 1.0
+    # The pauses charged are the scaled ones: ntp's repair is its 1.1 s bench relayout times the
+    # parameters per GPU, 1,024-GPU TP8 x PP4 job over the bench's TP2.
+    b = (model_parameters(SimConfig()) / 32) / (124_439_808 / 2)
+    assert rows["ntp"]["repair_stall_s"] == pytest.approx(1.1 * b, rel=1e-12)
+    assert rows["tessera"]["failure_stall_s"] == rows["tessera"]["failure_stall_s_assumed"] == 60
+    scaled = {f["kind"]: f["scaled_pause_s"] for f in section["faults"]["ntp"]}
+    assert scaled["gpu-cordoned"] == pytest.approx(0.9 * b, rel=1e-12)
+    assert (out / "goodput_measured_pauses.csv").read_text().startswith("policy,pauses,")
+
+
+def test_without_pauses_the_study_is_unchanged(tmp_path: Path, capsys) -> None:
+    assert tessera(["simulate", *SMALL, "--json", "--out", str(tmp_path)]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert "measured_pauses" not in doc
+    assert not (tmp_path / "goodput_measured_pauses.csv").exists()
