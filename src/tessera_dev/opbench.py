@@ -129,7 +129,7 @@ def _shape(i: int) -> dict[str, int]:
             "vocab": 128256 + 8 * i, "layers": 32, "seqLen": 8192}
 
 
-def _rss_mib(pid: int) -> float:
+def rss_mib(pid: int) -> float:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024
@@ -164,7 +164,7 @@ def _cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
 
 
-def _wait_idle(pid: int, timeout_s: float) -> float:
+def wait_idle(pid: int, timeout_s: float) -> float:
     """Until the operator has worked off the watch events queued so far (it used under 5% of a
     core over the last two seconds); returns how long that took. A thousand targets and node
     updates take it tens of seconds on a loaded machine, and a cordon queued behind them would
@@ -251,7 +251,7 @@ def _operator(plane: launcher.ControlPlane, work: Path) -> Iterator[subprocess.P
             processes.stop_group(proc)
 
 
-def _create_nodes(api: client.ApiClient, groups: dict[str, list[str]]) -> None:
+def create_nodes(api: client.ApiClient, groups: dict[str, list[str]]) -> None:
     """Each job's nodes in a pool of its own, which its nodeSelector names."""
     with ThreadPoolExecutor(8) as pool:
         list(pool.map(lambda item: simnodes.register(api, [item[1]], item[0], GPUS_PER_NODE),
@@ -270,14 +270,14 @@ def run(nodes: int, jobs: int, cordons: int, window_s: float, timeout_s: float,
         crds.apply(api, crds.load())
         manifests.apply(api, [paths.repo_root() / m for m in MANIFESTS])
         client.CoreV1Api(api).create_namespace({"metadata": {"name": NAMESPACE}})
-        _create_nodes(api, groups)
+        create_nodes(api, groups)
         log(f"{nodes} nodes registered")
         custom = client.CustomObjectsApi(api)
         jobs_watch = JobWatch(api)
         rss: dict[str, float] = {}
         try:
             with _operator(plane, work) as proc:
-                rss["started"] = _rss_mib(proc.pid)
+                rss["started"] = rss_mib(proc.pid)
                 log("operator started")
                 for i, job in enumerate(groups):
                     custom.create_namespaced_custom_object(
@@ -285,9 +285,9 @@ def run(nodes: int, jobs: int, cordons: int, window_s: float, timeout_s: float,
                 healthy = ",".join(["8"] * per_job)
                 for job in groups:
                     jobs_watch.wait(job, lambda s: s.get("tpLayout") == healthy, timeout_s)
-                rss["jobs running"] = _rss_mib(proc.pid)
+                rss["jobs running"] = rss_mib(proc.pid)
                 log(f"{jobs} jobs Running")
-                backlog_s = _wait_idle(proc.pid, max(timeout_s, IDLE_TIMEOUT_S))
+                backlog_s = wait_idle(proc.pid, max(timeout_s, IDLE_TIMEOUT_S))
                 log(f"operator idle after {backlog_s:.1f} s more; cordoning {cordons} GPUs")
                 latencies, before = [], sum(_requests(api).values())
                 for job in list(groups)[:cordons]:
@@ -299,11 +299,11 @@ def run(nodes: int, jobs: int, cordons: int, window_s: float, timeout_s: float,
                         ","), timeout_s)
                     latencies.append(seen - t0)
                 per_cordon = (sum(_requests(api).values()) - before) / cordons
-                rss["after cordons"] = _rss_mib(proc.pid)
+                rss["after cordons"] = rss_mib(proc.pid)
                 _largest(api, jobs_watch, timeout_s)
-                rss["largest shape degraded"] = _rss_mib(proc.pid)
+                rss["largest shape degraded"] = rss_mib(proc.pid)
                 log("largest-shape job degraded")
-                _wait_idle(proc.pid, max(timeout_s, IDLE_TIMEOUT_S))
+                wait_idle(proc.pid, max(timeout_s, IDLE_TIMEOUT_S))
                 log(f"measuring steady state for {window_s:.0f} s")
                 steady = _rate(api, window_s)
                 if not processes.is_alive(proc):

@@ -3,7 +3,8 @@
 kopf's indices (`handlers`) hold what the operator reads of pods, GPUHealth, children and jobs.
 Two needs are beyond them, and kept here:
 
-- `NodeCache`, the nodes' facts that placement and health read, ordered by resourceVersion. A job
+- `NodeCache`, the nodes' facts that placement and health read (a few small values per node,
+  never the node's body), ordered by resourceVersion. A job
   placed on a node the watch has not delivered yet (just created, or the operator just started)
   reads it from the API; the watch may then deliver the node's creation, older than that read.
   A kopf index takes every event as it comes and cannot be written by an API read, so planning
@@ -19,6 +20,7 @@ Two needs are beyond them, and kept here:
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections.abc import Hashable, Mapping
 from typing import Any, NamedTuple
@@ -42,7 +44,8 @@ class NodeFacts(NamedTuple):
         """The facts of a node as a watch event or an API read has it."""
         meta = node["metadata"]
         allocatable = (node.get("status") or {}).get("allocatable") or {}
-        return cls(dict(meta.get("labels") or {}),
+        # Interned: thousands of nodes share their label keys and most values.
+        return cls({sys.intern(k): sys.intern(v) for k, v in (meta.get("labels") or {}).items()},
                    (meta.get("annotations") or {}).get(CORDON_ANNOTATION),
                    allocatable.get(GPU_RESOURCE),
                    bool((node.get("spec") or {}).get("unschedulable")), health.node_lost(node))
@@ -88,6 +91,13 @@ class NodeCache:
             if seen is not None:
                 self._nodes[name] = (found, seen)
         return seen != before
+
+    def matching(self, selector: Mapping[str, str]) -> list[tuple[str, NodeFacts]]:
+        """The nodes whose labels hold `selector`, by name."""
+        with self._guard:
+            found = [(name, facts) for name, (_, facts) in self._nodes.items()
+                     if all(facts.labels.get(k) == v for k, v in selector.items())]
+        return sorted(found, key=lambda found: found[0])
 
     def get(self, name: str) -> NodeFacts | None:
         with self._guard:

@@ -339,6 +339,19 @@ def _plan(spec: planner.JobSpec | planner.Problem, observed: Observed, now: date
     return _Planned(placement, plan, plan.problems, signal, lost)
 
 
+def chosen_nodes(spec: planner.JobSpec | planner.Problem, observed: Observed
+                 ) -> tuple[str, ...]:
+    """The nodes placement chooses among `observed.candidates` for the trainer pods the job
+    lacks; none when they do not fit."""
+    if isinstance(spec, planner.Problem):
+        return ()
+    placed = _place(observed, spec)
+    if isinstance(placed, planner.Problem):
+        return ()
+    before = set(workload.placed_nodes(observed.pods, observed.job).values())
+    return tuple(sorted(set(placed[0].values()) - before))
+
+
 def _place(observed: Observed, spec: planner.JobSpec
            ) -> tuple[dict[int, str], tuple[Mapping[str, Any], ...]] | planner.Problem:
     """Every trainer pod's node (those placed, and nodes chosen for the missing ones) and the
@@ -352,7 +365,7 @@ def _place(observed: Observed, spec: planner.JobSpec
     if candidates is None:
         raise ValueError("placing a job needs its candidates observed")
     selector = workload.node_selector(job["spec"])
-    views = [v for v in workload.node_views(candidates.nodes, candidates.pods, selector,
+    views = [v for v in workload.node_views(candidates.nodes, candidates.taken, selector,
                                             spec.domain_label)
              if v.name not in placed.values()]
     chosen = workload.place(spec, len(missing), views)

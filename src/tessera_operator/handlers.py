@@ -13,8 +13,8 @@ for it, or a target someone else deleted. Watch-triggered reconciles go through 
 
 Indices (kept by kopf from its watches, complete before any handler runs): jobs by UID, the
 jobs their status says are Unschedulable, the jobs by phase (the metrics' gauge), the jobs
-placed on each node (from their trainer pods), each node's GPUHealth, and each job's children
-as `observed.child_view` sees them.
+placed on each node and the GPUs they hold there (from their trainer pods), each node's
+GPUHealth, and each job's children as `observed.child_view` sees them.
 Every handler is a coroutine: kopf runs a plain function in a thread, a hand-off per watch
 event that a storm of them (a thousand pods marked not ready) would pay each; only a reconcile
 and the writes it does not make go to a thread.
@@ -81,6 +81,16 @@ async def node_jobs(namespace: str, labels: kopf.Labels, body: kopf.Body, **_: A
     return {} if node is None else {node: (namespace, labels[JOB_LABEL])}
 
 
+@kopf.index("", "v1", "pods", labels=TRAINERS)
+async def held_gpus(body: kopf.Body, status: kopf.Status, **_: Any) -> dict[str, int]:
+    """Node -> the GPUs an unfinished trainer pod of the operator's asks for there: placement's
+    index of taken GPUs, so it never lists the cluster's pods."""
+    node = workload.pod_node(body)
+    if node is None or status.get("phase") in workload.FINISHED:
+        return {}
+    return {node: workload.pod_gpus(body)}
+
+
 @kopf.index(GROUP, VERSION, "gpuhealths")
 async def gpu_health(name: str, status: kopf.Status, **_: Any) -> dict[str, dict[str, Any]]:
     """Node -> its GPUHealth, as its health agent last published it."""
@@ -105,6 +115,7 @@ async def children(namespace: str, labels: kopf.Labels, body: kopf.Body, **_: An
 @kopf.on.event(GROUP, VERSION, PLURAL)
 async def on_job(type: str | None, namespace: str, name: str, body: kopf.Body, memo: kopf.Memo,
                  logger: logging.Logger, gpu_health: kopf.Index, children: kopf.Index,
+                 held_gpus: kopf.Index,
                  job_phases: kopf.Index, **_: Any) -> None:
     """Reconcile a job when it appears (also at the operator's start) or its spec changes
     (`metadata.generation`; our own status writes do not count); release its power targets when
@@ -124,7 +135,8 @@ async def on_job(type: str | None, namespace: str, name: str, body: kopf.Body, m
                                 f"removing the finalizer of job {namespace}/{name}", logger)
     facts = (body["metadata"].get("uid"), body["metadata"].get("generation"))
     if memo.seen.changed(("NTPTrainingJob", namespace, name), facts):
-        await _reconcile_soon(memo, key, logger, observe.Indices(gpu_health, children))
+        await _reconcile_soon(memo, key, logger,
+                              observe.Indices(gpu_health, children, held_gpus))
 
 
 def _released(memo: kopf.Memo, key: JobKey, job: dict[str, Any], logger: logging.Logger) -> None:
@@ -169,7 +181,8 @@ def _attempt(action: Callable[[], None], what: str, logger: logging.Logger) -> b
 @kopf.on.event("", "v1", "nodes")
 async def on_node(type: str, name: str, body: kopf.Body, memo: kopf.Memo,
                   logger: logging.Logger, node_jobs: kopf.Index, unschedulable_jobs: kopf.Index,
-                  gpu_health: kopf.Index, children: kopf.Index, **_: Any) -> None:
+                  gpu_health: kopf.Index, children: kopf.Index, held_gpus: kopf.Index,
+                  **_: Any) -> None:
     """Reconcile the jobs placed on a node when what they read of it changes (labels, GPU
     capacity, cordons, schedulability), and the jobs too few nodes fit; other node updates
     (heartbeats, conditions) are ignored, and so is an event older than an API read of the
@@ -181,30 +194,33 @@ async def on_node(type: str, name: str, body: kopf.Body, memo: kopf.Memo,
     if not memo.nodes.deliver(name, None if type == "DELETED" else body):
         return
     for key in set(node_jobs.get(name, ())) | set(unschedulable_jobs):
-        await _reconcile_soon(memo, key, logger, observe.Indices(gpu_health, children))
+        await _reconcile_soon(memo, key, logger,
+                              observe.Indices(gpu_health, children, held_gpus))
 
 
 @kopf.on.event("", "v1", "pods", labels=JOBS_OWN)
 async def on_pod(type: str, namespace: str, name: str, labels: kopf.Labels,
                  status: kopf.Status, memo: kopf.Memo, logger: logging.Logger,
-                 gpu_health: kopf.Index, children: kopf.Index, **_: Any) -> None:
+                 gpu_health: kopf.Index, children: kopf.Index, held_gpus: kopf.Index,
+                 **_: Any) -> None:
     """Reconcile a job when one of its pods gets an address (the rendezvous: generation 1
     can be published), ends, or disappears."""
     facts = None if type == "DELETED" else (status.get("phase"), status.get("podIP"))
     if memo.seen.changed(("Pod", namespace, name), facts):
         await _reconcile_soon(memo, (namespace, labels[JOB_LABEL]), logger,
-                              observe.Indices(gpu_health, children))
+                              observe.Indices(gpu_health, children, held_gpus))
 
 
 @kopf.on.event("", "v1", "configmaps", labels=JOBS_OWN,
                when=lambda name, **_: str(name).endswith("-progress"))
 async def on_progress(namespace: str, labels: kopf.Labels, memo: kopf.Memo,
                       logger: logging.Logger, gpu_health: kopf.Index, children: kopf.Index,
+                      held_gpus: kopf.Index,
                       **_: Any) -> None:
     """A node agent reported: the job's phase, step and goodput follow (and a progress
     ConfigMap changed or deleted by someone converges back)."""
     await _reconcile_soon(memo, (namespace, labels[JOB_LABEL]), logger,
-                          observe.Indices(gpu_health, children))
+                          observe.Indices(gpu_health, children, held_gpus))
 
 
 def _changed(type: str | None, **_: Any) -> bool:
@@ -218,11 +234,12 @@ def _changed(type: str | None, **_: Any) -> bool:
 @kopf.on.event(RBAC, "v1", "rolebindings", labels=JOBS_OWN, when=_changed)
 async def on_identity(namespace: str, labels: kopf.Labels, memo: kopf.Memo,
                       logger: logging.Logger, gpu_health: kopf.Index, children: kopf.Index,
+                      held_gpus: kopf.Index,
                       **_: Any) -> None:
     """One of the trainer identity's objects changed or went: the job's reconcile compares it
     with the one wanted (its own writes compare equal) and applies it back if it differs."""
     await _reconcile_soon(memo, (namespace, labels[JOB_LABEL]), logger,
-                          observe.Indices(gpu_health, children))
+                          observe.Indices(gpu_health, children, held_gpus))
 
 
 @kopf.on.event(GROUP, VERSION, "gpuhealths")
@@ -235,7 +252,8 @@ async def on_gpu_health(type: str, name: str, status: kopf.Status, memo: kopf.Me
                                             for g in status.get("gpus") or []]
     if memo.seen.changed(("GPUHealth", name), facts):
         for key in set(node_jobs.get(name, ())):
-            await _reconcile_soon(memo, key, logger, observe.Indices(gpu_health, children))
+            await _reconcile_soon(memo, key, logger,
+                                  observe.Indices(gpu_health, children, held_gpus))
 
 
 @kopf.on.event(GROUP, VERSION, api.POWER_TARGET_PLURAL)
@@ -256,7 +274,8 @@ async def on_power_target(type: str | None, name: str, labels: kopf.Labels, memo
         logger.info(f"deleted power target {name}: its job (uid {uid}) is gone")
     for key in keys:
         if type == "DELETED" or memo.queue.holds(key):
-            await _reconcile_soon(memo, key, logger, observe.Indices(gpu_health, children))
+            await _reconcile_soon(memo, key, logger,
+                                  observe.Indices(gpu_health, children, held_gpus))
 
 
 async def _reconcile_soon(memo: kopf.Memo, key: JobKey, logger: logging.Logger,

@@ -1,9 +1,10 @@
 """Observe a job's world, reads only: one frozen `Observed` value per reconcile.
 
 From the API: the job, its pods, its layout and progress ConfigMaps, its power targets, and,
-while a trainer pod is missing, the nodes and pods placement chooses among. From the watches:
-its nodes (`cache.NodeCache`), their GPUHealth and the job's children (kopf's indices, as
-`Indices`). A placed job's reconcile reads five objects or lists from the API whatever its size.
+while a trainer pod is missing, the pods on the nodes placement would choose. From the
+watches: its nodes and the placement candidates (`cache.NodeCache`), their GPUHealth, the
+GPUs the operator's trainer pods hold and the job's children (kopf's indices, as `Indices`).
+A placed job's reconcile reads five objects or lists from the API whatever its size.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ class Indices:
 
     gpu_health: Mapping[str, Iterable[Mapping[str, Any]]]  # node -> its GPUHealth
     children: Mapping[JobKey, Iterable[Mapping[str, Any]]]  # job -> `child_view` of each child
+    # node -> the GPUs each unfinished trainer pod of the operator's there asks for
+    held: Mapping[str, Iterable[int]]
 
 
 def job(api: client.ApiClient, key: JobKey) -> dict[str, Any] | None:
@@ -67,23 +70,44 @@ def world(api: client.ApiClient, cache: NodeCache, indices: Indices,
         gpu_health=_gpu_health(indices, placed), children=children)
 
 
-def with_candidates(api: client.ApiClient, indices: Indices, observed: Observed) -> Observed:
-    """`observed` with the nodes and pods placement chooses among, and their GPUHealth."""
-    core = client.CoreV1Api(api)
+def with_candidates(api: client.ApiClient, cache: NodeCache, indices: Indices,
+                    observed: Observed, choose: Callable[[Observed], Iterable[str]]
+                    ) -> Observed:
+    """`observed` with the nodes placement chooses among and the GPUs other pods hold there,
+    and their GPUHealth. The nodes come from the node watch, the GPUs from the operator's own
+    trainer pods (`Indices.held`); only the nodes placement would choose (`choose`) are asked
+    for other pods, one list each, until it chooses no node it has not asked about. So a
+    placement costs reads in the job's nodes, not the cluster's nodes and pods."""
     selector = workload.node_selector(observed.job["spec"])
-    matching = tuple(_items(core.list_node,
-                            label_selector=",".join(f"{k}={v}" for k, v in selector.items())))
-    pods = tuple(_items(core.list_pod_for_all_namespaces,
-                        field_selector="status.phase!=Succeeded,status.phase!=Failed"))
+    matching = tuple(facts.node(name) for name, facts in cache.matching(selector))
+    taken = {name: held for name in (n["metadata"]["name"] for n in matching)
+             if (held := sum(list(indices.held.get(name, ()))))}
+    asked: set[str] = set()
+    while True:
+        candidates = Candidates(matching, dict(taken))
+        fresh = [n for n in choose(replace(observed, candidates=candidates)) if n not in asked]
+        if not fresh:
+            break
+        for name in fresh:
+            asked.add(name)
+            if others := _others_gpus(api, name):
+                taken[name] = taken.get(name, 0) + others
     named = sorted({n["metadata"]["name"] for n in matching} | {
         n["metadata"]["name"] for n in observed.nodes})
-    return replace(observed, candidates=Candidates(matching, pods),
-                   gpu_health=_gpu_health(indices, named))
+    return replace(observed, candidates=candidates, gpu_health=_gpu_health(indices, named))
+
+
+def _others_gpus(api: client.ApiClient, node: str) -> int:
+    """The GPUs that pods bound to `node`, other than the operator's trainer pods (which
+    `Indices.held` counts), ask for."""
+    pods = _items(client.CoreV1Api(api).list_pod_for_all_namespaces, field_selector=(
+        f"spec.nodeName={node},status.phase!=Succeeded,status.phase!=Failed"))
+    return sum(workload.pod_gpus(p) for p in pods if not workload.is_trainer(p))
 
 
 def _items(listing: Callable[..., Any], *args: Any, **kwargs: Any) -> list[dict[str, Any]]:
-    """A list call's items as the API sends them (plain dicts). The client's models cost
-    several times the JSON they come from, and a placement lists every node and pod."""
+    """A list call's items as the API sends them (plain dicts): the client's models cost
+    several times the JSON they come from."""
     response = listing(*args, _preload_content=False, _request_timeout=API_TIMEOUT_S, **kwargs)
     return list(json.loads(response.data)["items"])
 

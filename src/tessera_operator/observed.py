@@ -23,11 +23,11 @@ class Layout:
 
 @dataclass(frozen=True)
 class Candidates:
-    """What placement chooses among: the nodes the job's nodeSelector matches, and every pod
-    not finished (for the GPUs it holds), as the API listed them."""
+    """What placement chooses among: the schedulable nodes the job's nodeSelector matches (as
+    the node watch last saw them), and per node the GPUs other pods ask for there."""
 
     nodes: tuple[Mapping[str, Any], ...]
-    pods: tuple[Mapping[str, Any], ...]
+    taken: Mapping[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

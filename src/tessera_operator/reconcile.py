@@ -51,7 +51,9 @@ def reconcile(memo: kopf.Memo, key: JobKey, logger: logging.Logger,
         placing = desired.needs_placement(spec, observed, now)
         with memo.placing if placing else contextlib.nullcontext():
             if placing:
-                observed = observe.with_candidates(api, indices, observed)
+                observed = observe.with_candidates(
+                    api, memo.nodes, indices, observed,
+                    lambda seen: desired.chosen_nodes(spec, seen))
             wanted = desired.desired(spec, observed, now)
             if wanted.ended:
                 apply.status(api, job, wanted.status)

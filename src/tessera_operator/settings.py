@@ -49,6 +49,11 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     settings.watching.server_timeout = 120
     settings.watching.client_timeout = 150
     settings.watching.connect_timeout = 10
+    # Memory that follows the cluster's size, held at once: the first listing of 8,192 nodes
+    # read in one response, and kopf's worker per object, which keeps that object's last body
+    # until it has been idle this long (default 5 s: a storm of node updates holds them all).
+    settings.watching.chunk_size = 500
+    settings.queueing.idle_timeout = 0.5
     # Filtered by the API server, not here.
     for kind in JOB_CHILD_KINDS:
         settings.watching.label_selectors[kind] = JOB_LABEL

@@ -42,6 +42,7 @@ from tessera_operator.planner import JobPlan, JobSpec, Problem
 
 GPU_RESOURCE = "nvidia.com/gpu"
 TRAINER, RENDEZVOUS = "trainer", "rendezvous"
+FINISHED = ("Succeeded", "Failed")  # pod phases that hold no GPU
 RENDEZVOUS_PORT = 29400
 METRICS_PORT = 9300
 DEFAULT_STEPS = 1000
@@ -131,7 +132,7 @@ def pod_node(pod: Mapping[str, Any]) -> str | None:
     return None
 
 
-def _pod_gpus(pod: Mapping[str, Any]) -> int:
+def pod_gpus(pod: Mapping[str, Any]) -> int:
     total = 0
     for container in (pod.get("spec") or {}).get("containers") or []:
         resources = container.get("resources") or {}
@@ -141,15 +142,20 @@ def _pod_gpus(pod: Mapping[str, Any]) -> int:
     return total
 
 
-def node_views(nodes: Iterable[Mapping[str, Any]], pods: Iterable[Mapping[str, Any]],
-               selector: Mapping[str, str], domain_label: str) -> list[NodeView]:
-    """Schedulable nodes matching `selector`, with the GPUs that running or pending pods (bound,
-    or pinned by name as this operator's are) have not taken."""
+def taken_gpus(pods: Iterable[Mapping[str, Any]]) -> dict[str, int]:
+    """Per node, the GPUs that running or pending pods (bound, or pinned by name as this
+    operator's are) ask for."""
     taken: dict[str, int] = {}
     for pod in pods:
         node = pod_node(pod)
-        if node and (pod.get("status") or {}).get("phase") not in ("Succeeded", "Failed"):
-            taken[node] = taken.get(node, 0) + _pod_gpus(pod)
+        if node and (pod.get("status") or {}).get("phase") not in FINISHED:
+            taken[node] = taken.get(node, 0) + pod_gpus(pod)
+    return taken
+
+
+def node_views(nodes: Iterable[Mapping[str, Any]], taken: Mapping[str, int],
+               selector: Mapping[str, str], domain_label: str) -> list[NodeView]:
+    """Schedulable nodes matching `selector`, with the GPUs other pods have not `taken`."""
     views = []
     for node in nodes:
         meta, spec = node["metadata"], node.get("spec") or {}
@@ -213,6 +219,12 @@ def trainer_pods(pods: Iterable[Mapping[str, Any]], job: Mapping[str, Any]
     """The pods among `pods` that are trainer pods of `job`."""
     return [pod for pod in pods if controlled_by(pod, job) and (
         (pod.get("metadata") or {}).get("labels") or {}).get(ROLE_LABEL) == TRAINER]
+
+
+def is_trainer(pod: Mapping[str, Any]) -> bool:
+    """A trainer pod of any of the operator's jobs (by its labels)."""
+    labels = (pod.get("metadata") or {}).get("labels") or {}
+    return JOB_LABEL in labels and labels.get(ROLE_LABEL) == TRAINER
 
 
 def placed_nodes(pods: Iterable[Mapping[str, Any]], job: Mapping[str, Any]) -> dict[int, str]:

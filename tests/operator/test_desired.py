@@ -103,7 +103,7 @@ class Case:
 
 CASES = {
     "a fresh job on two free nodes, its rendezvous without an address yet": Case(
-        Observed(JOB, candidates=Candidates((_node(A), _node(B)), ())), EVERY_CHILD,
+        Observed(JOB, candidates=Candidates((_node(A), _node(B)))), EVERY_CHILD,
         ("True", "AllReplicasHealthy"), "8,8"),
     "placed, the rendezvous has an address: generation 1": Case(
         PLACED, EVERY_CHILD, ("True", "AllReplicasHealthy"), "8,8",
@@ -116,7 +116,7 @@ CASES = {
         replace(TRAINING, gpu_health=(_gpu_health(A, {3: [79]}), _gpu_health(B, {}))),
         EVERY_CHILD, ("True", "RunningDegraded"), "7,8", {"generation": 2, "atStep": ABSENT}),
     "one free node where two are needed: unschedulable, nothing made": Case(
-        Observed(JOB, candidates=Candidates((_node(A),), ())), [], ("False", "Unschedulable"),
+        Observed(JOB, candidates=Candidates((_node(A),))), [], ("False", "Unschedulable"),
         ""),
     "an invalid spec: nothing made": Case(
         Observed(_job(model={"heads": 32})), [], ("False", "InvalidSpec"), ""),
@@ -160,7 +160,8 @@ def test_a_node_whose_gpus_other_pods_hold_is_not_chosen() -> None:
     other = {"metadata": {"name": "theirs"}, "spec": {"nodeName": B, "containers": [
         {"resources": {"limits": {workload.GPU_RESOURCE: "1"}}}]}, "status": {"phase": "Running"}}
     wanted = _desired(
-        Observed(JOB, candidates=Candidates((_node(A), _node(B), _node("gpu-c")), (other,))),
+        Observed(JOB, candidates=Candidates((_node(A), _node(B), _node("gpu-c")),
+                                        workload.taken_gpus([other]))),
         NOW)
     assert wanted.placement == {0: A, 1: "gpu-c"}
 
@@ -265,7 +266,7 @@ BOTH_CONFIGMAPS = frozenset({"llama-layout", "llama-progress"})
 
 LIFE_CASES = {
     "suspended before it ran: nothing made, no power": LifeCase(
-        Observed(SUSPENDED_JOB, candidates=Candidates((_node(A), _node(B)), ())), "Suspended",
+        Observed(SUSPENDED_JOB, candidates=Candidates((_node(A), _node(B)))), "Suspended",
         {"Suspended": ("True", "JobSuspended"), "Ready": ("False", "Suspended"),
          "UpToDate": ("True", "PodsCurrent")},
         {"attempt": 0, "restarts": 0, "restartingSince": ABSENT, "earlierAttempts": ABSENT},

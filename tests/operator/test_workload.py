@@ -410,11 +410,11 @@ def test_placement_counts_gpus_other_pods_hold_and_skips_unusable_nodes() -> Non
     nodes = [_node("a", 8), _node("b", 8), _node("c", 8), _node("d", 8, pool="other"),
              _node("e", 8) | {"spec": {"unschedulable": True}}]
     pods = [_pod_on("a", 2), _pod_on("b", 8, phase="Succeeded")]
-    views = workload.node_views(nodes, pods, {}, DOMAIN)
+    views = workload.node_views(nodes, workload.taken_gpus(pods), {}, DOMAIN)
     assert {v.name: v.free_gpus for v in views} == {"a": 6, "b": 8, "c": 8, "d": 8}
     spec = JobSpec.from_spec(_job(gpusPerNode=8, totalGPUs=16)["spec"])
     assert workload.place(spec, 2, views) == ("b", "c")
-    selected = workload.node_views(nodes, pods, {"pool": "other"}, DOMAIN)
+    selected = workload.node_views(nodes, workload.taken_gpus(pods), {"pool": "other"}, DOMAIN)
     problem = workload.place(spec, 2, selected)
     assert isinstance(problem, Problem) and problem.reason == "Unschedulable"
     assert "found 1 such nodes of 1" in problem.message
@@ -428,10 +428,10 @@ def test_placement_keeps_tp_groups_inside_a_domain() -> None:
     spec = JobSpec.from_spec(_job(tensorParallelSize=8, dataParallelReplicas=2, gpusPerNode=4,
                                   totalGPUs=16, model=EXAMPLE["spec"]["model"] | {
                                       "heads": 8, "kvHeads": 2})["spec"])
-    views = workload.node_views(nodes, [], {}, DOMAIN)
+    views = workload.node_views(nodes, {}, {}, DOMAIN)
     assert workload.place(spec, 4, views) == ("x0", "x1", "y0", "y1")
     # Without the domain label every node is its own domain: no group fits.
-    alone = workload.node_views([_node(f"n{i}", 4) for i in range(4)], [], {}, DOMAIN)
+    alone = workload.node_views([_node(f"n{i}", 4) for i in range(4)], {}, {}, DOMAIN)
     problem = workload.place(spec, 4, alone)
     assert isinstance(problem, Problem) and "in 4 domains" in problem.message
 
@@ -455,7 +455,7 @@ def test_a_job_takes_whole_nodes_only() -> None:
     nodes = [_node("a", 8), _node("b", 16), _node("c", 8), _node("d", 8)]
     pods = [_pod_on("a", 2), _pod_on("c", 0)]
     spec = JobSpec.from_spec(_job(gpusPerNode=8, totalGPUs=16)["spec"])
-    views = workload.node_views(nodes, pods, {}, DOMAIN)
+    views = workload.node_views(nodes, workload.taken_gpus(pods), {}, DOMAIN)
     assert workload.place(spec, 2, views) == ("c", "d")
     problem = workload.place(spec, 3, views)
     assert isinstance(problem, Problem) and "whole nodes" in problem.message
