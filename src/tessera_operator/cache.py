@@ -77,6 +77,7 @@ class NodeCache:
     def __init__(self) -> None:
         self._guard = threading.Lock()
         self._nodes: dict[str, tuple[int | None, NodeFacts]] = {}
+        self.changes = 0  # events that changed what planning reads, so far
 
     def deliver(self, name: str, node: Mapping[str, Any] | None) -> bool:
         """A watch event of the node (`node` None: it was deleted); True when what planning
@@ -90,7 +91,9 @@ class NodeCache:
             self._nodes.pop(name, None)
             if seen is not None:
                 self._nodes[name] = (found, seen)
-        return seen != before
+            changed = seen != before
+            self.changes += changed
+        return changed
 
     def matching(self, selector: Mapping[str, str]) -> list[tuple[str, NodeFacts]]:
         """The nodes whose labels hold `selector`, by name."""

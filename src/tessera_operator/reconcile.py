@@ -22,6 +22,9 @@ from tessera_operator.jobqueue import JobKey
 # Watches drive every change; the resync only re-observes what a watch may have missed. Its
 # cost is five reads per job per interval, whatever the number of nodes.
 RESYNC_INTERVAL_S = 300.0
+# A placement that read the node cache while node events changed it places again this soon:
+# the event's own reconcile may have run before this job was known to need nodes.
+REPLACE_AFTER_S = 1.0
 
 
 def reconcile(memo: kopf.Memo, key: JobKey, logger: logging.Logger,
@@ -49,6 +52,7 @@ def reconcile(memo: kopf.Memo, key: JobKey, logger: logging.Logger,
         #    writes its status (its account) before its pods and reports go.
         spec = desired.job_spec(job)
         placing = desired.needs_placement(spec, observed, now)
+        nodes_seen = memo.nodes.changes
         with memo.placing if placing else contextlib.nullcontext():
             if placing:
                 observed = observe.with_candidates(
@@ -77,4 +81,6 @@ def reconcile(memo: kopf.Memo, key: JobKey, logger: logging.Logger,
         if not wanted.ended:
             apply.status(api, job, wanted.status)
         apply.events(job, wanted.events, logger)
+        if placing and memo.nodes.changes != nodes_seen:
+            return REPLACE_AFTER_S
         return min(wanted.requeue_after or RESYNC_INTERVAL_S, RESYNC_INTERVAL_S)

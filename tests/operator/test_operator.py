@@ -648,7 +648,8 @@ def test_a_node_event_older_than_an_api_read_takes_nothing_back(admin_api: clien
     def deliver(kind: str, body: dict[str, Any]) -> None:
         asyncio.run(handlers.on_node(type=kind, name=name, body=kopf.Body(body), memo=memo,
                                      logger=logging.getLogger("test"), node_jobs={},
-                                     unschedulable_jobs={}, gpu_health={}, children={}))
+                                     unschedulable_jobs={}, gpu_health={}, children={},
+                                     held_gpus={}))
 
     try:
         assert cordon_seen() == "0"  # read from the API: not delivered yet
