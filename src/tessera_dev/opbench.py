@@ -2,12 +2,16 @@
 
 It starts etcd, kube-apiserver, the controller-manager and the scheduler on loopback, applies the
 CRDs and the shipped RBAC and admission policies, registers `--nodes` simulated 8-GPU Node objects
-(no node processes) and runs the operator as a subprocess under its own service account. Then:
+(no node processes) and runs the operator as a subprocess under its own service account. The
+controller-manager runs without its node lifecycle controller: the registered nodes stay Ready as
+heartbeating nodes do, rather than all going NotReady at once (a storm of node and pod updates,
+and after 300 s the eviction of every pod on them, which no healthy cluster sees). Then:
 
-1. `--jobs` NTP-PW jobs, each of a distinct model shape, share the nodes; all reach Running.
-   The operator then works off the watch events of that creation (its own target writes, the
-   controller-manager marking the heartbeat-less nodes); the bench waits until its CPU use
-   falls, and prints how long that took.
+1. `--jobs` NTP-PW jobs, each of a distinct model shape, share the nodes; all reach Running
+   (the time from the first creation, and the CPU seconds the operator and each control-plane
+   server spent in it). The operator then works off the watch events of that creation (its own
+   target writes, the pods' scheduling); the bench waits until its CPU use falls, and prints how
+   long that took.
 2. `--cordons` GPUs cordoned one at a time, each on a different job: cordon-to-status latency
    (from the node patch to the job's status showing the reduced replica, seen on a watch),
    p50 and p99 against the 1 s target; the apiserver requests each change costs.
@@ -58,9 +62,7 @@ PAPER_NODES = 8192
 # A reconcile that finds nothing changed: the job, its pods, layout and progress, and its targets
 # (listed once, for planning and the sync); its nodes come from the node watch.
 RESYNC_READS = 5
-# The bench's nodes never report, so the controller-manager marks each of their pods not ready,
-# rate-limited: a stream of pod updates for minutes, which the operator's pod watch receives
-# (each costs kopf an event; none changes what the operator reads of a pod).
+# How long the operator may take to work off the watch events of the jobs' creation.
 IDLE_TIMEOUT_S = 600.0
 GPUS_PER_NODE = 8
 SYSTEM_NS, OPERATOR_SA = "tessera-system", "tessera-operator"
@@ -75,8 +77,7 @@ LARGEST_MODEL = {"hidden": 262144, "heads": 4096, "kvHeads": 4096, "ffn": 104857
 _REQUESTS = re.compile(r'^apiserver_request_total\{([^}]*)\} ([0-9.e+]+)$', re.M)
 _LABEL = re.compile(r'(\w+)="([^"]*)"')
 # What the operator may request (its RBAC), less Events: it posts those only for decisions,
-# while the controller-manager posts node events whenever its node lifecycle controller gets to
-# the bench's heartbeat-less nodes, which would land in either window.
+# while the control plane posts its own (the scheduler's), which would land in either window.
 OPERATOR_KINDS = re.compile(
     r"^(GET|LIST|PATCH|APPLY|PUT|POST|DELETE) (ntptrainingjobs(/status)?|configmaps|"
     r"gpupowertargets(/status)?)$|^(GET|LIST) nodes$")
@@ -92,6 +93,8 @@ class Figures:
     requests_per_cordon: float
     rss_mib: dict[str, float]
     backlog_s: float  # from every job Running to the operator idle
+    creation_s: float  # from the first job created to every job Running
+    creation_cpu_s: dict[str, float]  # CPU seconds of each process in that time
 
     @property
     def operator(self) -> Counter[str]:
@@ -264,7 +267,8 @@ def run(nodes: int, jobs: int, cordons: int, window_s: float, timeout_s: float,
     groups = {f"job-{j:04d}": [f"node-{j:04d}-{k:02d}" for k in range(per_job)]
               for j in range(jobs)}
     with tempfile.TemporaryDirectory(prefix="tessera-opbench-") as tmp, \
-            launcher.ControlPlane.start(bin_dir=launcher.binaries(log=log)) as plane, \
+            launcher.ControlPlane.start(bin_dir=launcher.binaries(log=log),
+                                        node_lifecycle=False) as plane, \
             plane.api_client() as api:
         work = Path(tmp)
         crds.apply(api, crds.load())
@@ -279,12 +283,17 @@ def run(nodes: int, jobs: int, cordons: int, window_s: float, timeout_s: float,
             with _operator(plane, work) as proc:
                 rss["started"] = rss_mib(proc.pid)
                 log("operator started")
+                pids = {"operator": proc.pid} | {
+                    name: plane.pids[name] for name in launcher.SERVERS}
+                created, cpu_before = time.monotonic(), {n: _cpu_s(p) for n, p in pids.items()}
                 for i, job in enumerate(groups):
                     custom.create_namespaced_custom_object(
                         GROUP, VERSION, NAMESPACE, PLURAL, _job(job, per_job, _shape(i)))
                 healthy = ",".join(["8"] * per_job)
                 for job in groups:
                     jobs_watch.wait(job, lambda s: s.get("tpLayout") == healthy, timeout_s)
+                creation_s = time.monotonic() - created
+                creation_cpu = {n: _cpu_s(p) - cpu_before[n] for n, p in pids.items()}
                 rss["jobs running"] = rss_mib(proc.pid)
                 log(f"{jobs} jobs Running")
                 backlog_s = wait_idle(proc.pid, max(timeout_s, IDLE_TIMEOUT_S))
@@ -315,7 +324,7 @@ def run(nodes: int, jobs: int, cordons: int, window_s: float, timeout_s: float,
         finally:
             jobs_watch.stop()
     return Figures(per_job * jobs, jobs, idle, steady, tuple(latencies), per_cordon, rss,
-                   backlog_s)
+                   backlog_s, creation_s, creation_cpu)
 
 
 def _largest(api: client.ApiClient, jobs_watch: JobWatch, timeout_s: float) -> None:
@@ -337,6 +346,9 @@ def report(f: Figures) -> tuple[list[str], bool]:
     lines = [
         f"cluster: {f.nodes} nodes x {GPUS_PER_NODE} GPUs, {f.jobs} NTP-PW jobs of distinct "
         f"shapes ({f.nodes // f.jobs} nodes each)",
+        f"creation -> every job Running: {f.creation_s:.1f} s; CPU seconds in that time (of "
+        f"{f.creation_s * (os.cpu_count() or 1):.0f} the machine had): "
+        + ", ".join(f"{n} {c:.1f}" for n, c in f.creation_cpu_s.items()),
         f"operator idle {f.backlog_s:.1f} s after every job showed Running (the watch events "
         "of the jobs' creation worked off)",
         f"cordon -> status, {len(f.latencies_s)} cordons: p50 {p50 * 1000:.0f} ms, "

@@ -133,7 +133,7 @@ def _component_argv(binary: Path, kubeconfig_path: Path, port: int) -> list[str]
 
 
 def _controller_manager_argv(binary: Path, keys: pki.Pki, kubeconfig_path: Path,
-                             port: int) -> list[str]:
+                             port: int, node_lifecycle: bool) -> list[str]:
     return [
         *_component_argv(binary, kubeconfig_path, port),
         # the token controller signs with the key the apiserver verifies, and publishes the CA
@@ -142,6 +142,7 @@ def _controller_manager_argv(binary: Path, keys: pki.Pki, kubeconfig_path: Path,
         "--use-service-account-credentials=true",
         "--service-cluster-ip-range=10.96.0.0/16",
         f"--node-monitor-grace-period={NODE_MONITOR_GRACE}", "--node-monitor-period=2s",
+        *([] if node_lifecycle else ["--controllers=*,-node-lifecycle-controller"]),
     ]
 
 
@@ -175,12 +176,14 @@ class ControlPlane:
     @classmethod
     def start(
         cls, data_dir: Path | None = None, bin_dir: Path | None = None, timeout: float = 120.0,
-        *, detached: bool = False,
+        *, detached: bool = False, node_lifecycle: bool = True,
     ) -> ControlPlane:
         """Start a fresh control plane; with no data_dir a temporary one is removed on stop().
 
         Detached servers outlive this process (`tessera-dev up`); otherwise the kernel kills them
-        when this process dies, so a killed test run leaves no servers behind.
+        when this process dies, so a killed test run leaves no servers behind. Without
+        `node_lifecycle` no controller marks nodes that never heartbeat (registered Node objects
+        with no node process stay Ready, as heartbeating ones do).
         """
         root, owns = processes.work_dir(data_dir, "tessera-cp-")
         try:
@@ -189,7 +192,7 @@ class ControlPlane:
             keys = pki.generate(root / "pki")
             # a port taken by someone else between our pick and the server's bind: new ports
             return processes.with_free_ports(5, lambda ports: cls._launch(
-                root, owns, bins, keys, ports, timeout, detached))
+                root, owns, bins, keys, ports, timeout, detached, node_lifecycle))
         except BaseException:
             if owns:
                 shutil.rmtree(root, ignore_errors=True)
@@ -198,7 +201,7 @@ class ControlPlane:
     @classmethod
     def _launch(
         cls, root: Path, owns: bool, bins: Path, keys: pki.Pki, ports: list[int],
-        timeout: float, detached: bool,
+        timeout: float, detached: bool, node_lifecycle: bool,
     ) -> ControlPlane:
         etcd_port, peer_port, port, cm_port, scheduler_port = ports
         plane = cls(root, f"https://127.0.0.1:{port}", root / "kubeconfig", {}, owns)
@@ -233,7 +236,7 @@ class ControlPlane:
             argvs = {
                 "kube-controller-manager": _controller_manager_argv(
                     bins / "kube-controller-manager", keys, components["kube-controller-manager"],
-                    cm_port),
+                    cm_port, node_lifecycle),
                 "kube-scheduler": _component_argv(
                     bins / "kube-scheduler", components["kube-scheduler"], scheduler_port),
             }
