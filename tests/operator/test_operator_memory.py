@@ -16,9 +16,9 @@ from tessera_dev import opbench, simnodes
 pytestmark = pytest.mark.operator
 
 EXAMPLE = yaml.safe_load((ROOT / "manifests/examples/ntpjob-small.yaml").read_text())
-NODES = 500  # N; 4N once the jobs run
+NODES = 250  # N; 4N once the jobs run
 JOBS, JOB_NODES = 4, 2
-# 3N more nodes may cost at most 8 KiB each (12 MiB): at that rate 8,192 nodes cost 64 MiB, a
+# 3N more nodes may cost at most 8 KiB each (5.9 MiB): at that rate 8,192 nodes cost 64 MiB, a
 # quarter of the 256 MiB the operator is to stay under at the paper's scale
 # (src/tessera_operator/README.md, `tessera-dev bench operator`). Each node is kept as a few
 # small values (`cache.NodeFacts`) and kopf's record of the object; a node body kept per node,
