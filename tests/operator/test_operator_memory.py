@@ -53,6 +53,8 @@ def test_memory_does_not_grow_with_the_nodes_no_job_uses(running_operator) -> No
     opbench.create_nodes(op.admin, {f"mem-{tag}-idle": idle[NODES - JOBS * JOB_NODES:
                                                              4 * NODES - JOBS * JOB_NODES]})
     at_4n = _settled_rss(op)
+    print(f"\noperator RSS beside {NODES} nodes {at_n:.1f} MiB, beside {4 * NODES} "
+          f"{at_4n:.1f} MiB: {(at_4n - at_n) * 1024 / (3 * NODES):.1f} KiB a node")
     assert at_4n - at_n < GROWTH_BOUND_MIB, (
         f"operator RSS {at_n:.1f} MiB beside {NODES} nodes, {at_4n:.1f} MiB beside "
         f"{4 * NODES}: {at_4n - at_n:.1f} MiB more, bound {GROWTH_BOUND_MIB:.1f} MiB")
