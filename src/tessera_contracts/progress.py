@@ -7,7 +7,9 @@ job's status from `summarize`. Pure: no I/O, no Kubernetes; a report that does n
 
 A report describes its node since its agent started: the generation its ranks run, the job's
 last step they completed, the node's goodput ledger (docs/goodput.md), what its ranks train on
-(`Device`; absent in reports of agents that do not say) and a state:
+(`Device`; absent in reports of agents that do not say), the job's nodes whose agents it found
+silent (`silentNodes`: their heartbeat on the job's store stopped, `ntp.nodeagent.heartbeat`;
+absent when none, and in reports of agents that do not watch) and a state:
 
 | state | the node's agent |
 | --- | --- |
@@ -119,10 +121,13 @@ class NodeReport:
     # step may lag the ranks when it is read (`progress_age`).
     reported_at: float | None = None
     device: Device | None = None  # what its ranks train on; None: not said
+    # Nodes of the job whose agents its agent found silent, and still does: lost to the job.
+    silent_nodes: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         _check(self.to_dict())  # one validation, whoever builds the report
         object.__setattr__(self, "state", State(self.state))
+        object.__setattr__(self, "silent_nodes", tuple(sorted(set(self.silent_nodes))))
         # a category with no time is the same report with or without it
         object.__setattr__(self, "badput_seconds",
                            {c: float(s) for c, s in self.badput_seconds.items() if s})
@@ -157,6 +162,8 @@ class NodeReport:
             out["device"] = self.device.kind
             if self.device.cuda_devices is not None:
                 out["cudaDevices"] = self.device.cuda_devices
+        if self.silent_nodes:
+            out["silentNodes"] = list(self.silent_nodes)
         return out
 
     @classmethod
@@ -181,6 +188,7 @@ class NodeReport:
             reported_at=d.get("reportedAt"),
             device=None if d.get("device") is None
             else Device(d["device"], d.get("cudaDevices")),
+            silent_nodes=tuple(d.get("silentNodes", ())),
         )
 
     def to_json(self) -> str:
@@ -222,6 +230,9 @@ def _check(document: object) -> Mapping[str, Any]:
         raise ReportError(f"state: one of {', '.join(State)}, got {d['state']!r}")
     if not isinstance(d.get("message", ""), str):
         raise ReportError(f"message: a string, got {d['message']!r}")
+    silent = d.get("silentNodes", [])
+    if not isinstance(silent, list) or not all(isinstance(n, str) and n for n in silent):
+        raise ReportError(f"silentNodes: a list of node names, got {silent!r}")
     for key in ("stepSeconds", "computeSeconds", "reportedAt"):
         if d.get(key) is not None:
             _seconds(d, key)

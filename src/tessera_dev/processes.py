@@ -158,11 +158,15 @@ def wait_until(
 
 
 def stop_group(proc: subprocess.Popen | int, timeout: float = 10.0) -> None:
-    """SIGTERM the process group a spawned process leads; SIGKILL it if it lingers."""
+    """SIGTERM the process group a spawned process leads; SIGKILL it if it lingers. A stopped
+    group (a node `tessera-dev fail-node --freeze` froze) gets SIGCONT after the SIGTERM, as a
+    shell's `kill` gives a stopped job, so that it handles the SIGTERM now."""
     pid = proc.pid if isinstance(proc, subprocess.Popen) else proc
     for sig in (signal.SIGTERM, signal.SIGKILL):
         try:
             os.killpg(pid, sig)
+            if sig == signal.SIGTERM:
+                os.killpg(pid, signal.SIGCONT)
         except ProcessLookupError:
             return
         with contextlib.suppress(TimeoutError):

@@ -20,6 +20,11 @@ the current generation lists:
   lifetime as a CUDA process holds /dev/nvidia<INDEX>, so `tessera-dev fail-gpu` kills exactly it.
   What the rank trains on follows from it before it starts (`rank_device`: CUDA when CUDA has its
   device, else CPU), and the node's progress report says so;
+- the agent beats on the job's store and watches other agents' beats (`heartbeat`): a node
+  whose agent goes silent (the node froze or died whole, with nobody left to report its ranks'
+  deaths) ends the generations this agent's ranks are in and the one in force, as failed, and
+  is listed in the node's progress report (`silentNodes`) for the operator to plan without it;
+  the agent of a finished job says so before it stops beating;
 - ranks die with the agent (PR_SET_PDEATHSIG). The agent exits 0 once the job has finished
   (a generation ended `End.FINISHED` on the store) and its ranks have exited, non-zero with one
   line saying why when it cannot go on;
@@ -64,6 +69,7 @@ from ntp.distributed import (
     report_death,
     wait_for_end,
 )
+from ntp.nodeagent.heartbeat import Heartbeat, Settings
 from ntp.nodeagent.progress import RELAY_GRACE_S, NodeProgress, Reporter
 from ntp.sources import FileGenerationSource
 from tessera_contracts.generation import Generation, GenerationError, Gpu, Rendezvous
@@ -223,10 +229,12 @@ class NodeAgent:
         devices: Devices = Devices(),
         publish: Callable[[NodeReport], None] | None = None,
         cuda_count: int | None = None,
+        heartbeat: Settings | None = None,
     ) -> None:
         """`publish` writes the node's progress report (None: nowhere); `cuda_count`: the
         CUDA devices on this node (`cuda_devices`), from which the report says what the ranks
-        train on (None: it does not say)."""
+        train on (None: it does not say); `heartbeat`: how often it beats, how long a silence
+        is a loss (None: the defaults)."""
         self.node = node
         self.source = source
         self.work_dir = work_dir
@@ -239,6 +247,11 @@ class NodeAgent:
         self.ranks: dict[int, RankProcess] = {}  # running, by pid
         self.events: queue.Queue[tuple[str, Any]] = queue.Queue()
         self.store: dist.TCPStore | None = None
+        self.heartbeat_settings = heartbeat or Settings()
+        self.heartbeat: Heartbeat | None = None  # once the first generation names the store
+        # The nodes whose ranks the job's work waits on: the generation in force's, and until
+        # a planned switch to it, its predecessor's too.
+        self.peers: tuple[str, ...] = ()
         self.finished = False
         self.failed_after_finish: list[str] = []
         self.abandoned: set[int] = set()  # joiners stopped because the job finished first
@@ -255,6 +268,7 @@ class NodeAgent:
             while not (self.finished and not self.ranks):
                 self.reporter.tick()
                 self.follow()
+                self.watch_peers()
                 try:
                     kind, detail = self.events.get(timeout=POLL_S)
                 except queue.Empty:
@@ -265,6 +279,10 @@ class NodeAgent:
                     self.ended(*detail)
                 elif not self.finished:  # no rank can start or reconfigure without it
                     raise AgentError(f"lost the job's rendezvous: {detail}")
+            if self.heartbeat is not None:
+                # the job is over: a store already gone leaves nobody to judge the silence
+                with contextlib.suppress(dist.DistError):
+                    self.heartbeat.done()
             failed = "; ".join(self.failed_after_finish)
             self.progress.finished(f"the job finished, but {failed}" if failed else "")
         except AgentError as exc:
@@ -316,6 +334,7 @@ class NodeAgent:
         previous, number = self.current, generation.generation
         if previous is None:
             self.store = self.connect(generation.rendezvous)
+            self.heartbeat = Heartbeat(self.store, self.node, self.heartbeat_settings)
             before = self.source.get(number - 1) if number > 1 else None
             if before is not None:  # a joining rank reads the layout it joins from
                 self.mirror(number - 1, before)
@@ -327,6 +346,10 @@ class NodeAgent:
                 f"ranks stay on {previous.rendezvous}"
             )
         self.mirror(number, document)
+        peers = {gpu.node for gpu in generation.gpus}
+        if previous is not None and generation.at_step is not None:
+            peers |= {gpu.node for gpu in previous.gpus}
+        self.peers = tuple(sorted(peers))
         self.current = generation
         self.watch_end(number, generation.rendezvous)
         self.reporter.job_nodes(len({gpu.node for gpu in generation.gpus}))
@@ -362,14 +385,45 @@ class NodeAgent:
         may not be anyone who can end them: the ranks would wait on the lost ones until their
         collective timeout. Ending one that has ended already changes nothing."""
         assert self.store is not None
-        host = socket.gethostname()
-        joined = {generation_of(self.store, host, pid) for pid, process in self.ranks.items()
-                  if process.proc.poll() is None}
-        for old in sorted(g for g in joined if g is not None and g < number):
+        for old in sorted(g for g in self.joined() if g < number):
             reason = end_generation(self.store, old, EndReason(
                 End.FAILED, f"generation {number} follows a loss"))
             log.info("%s: generation %d ended (%s) for generation %d", self.node, old, reason,
                      number)
+
+    def joined(self) -> set[int]:
+        """The generations this node's running ranks last joined."""
+        assert self.store is not None
+        host = socket.gethostname()
+        joined = {generation_of(self.store, host, pid) for pid, process in self.ranks.items()
+                  if process.proc.poll() is None}
+        return {g for g in joined if g is not None}
+
+    def watch_peers(self) -> None:
+        """Beat, and end the work of any node whose agent went silent (`heartbeat`): the
+        generation in force and those this node's ranks are in, which the silent node's ranks
+        would hold up until a collective's timeout. A finished job's agent watches nobody."""
+        if self.heartbeat is None or self.current is None:
+            return
+        try:
+            lost = self.heartbeat.tick(() if self.finished else self.peers)
+        except dist.DistError as exc:
+            if self.finished:
+                return  # the rendezvous may go first once the job is over
+            raise AgentError(f"lost the job's rendezvous: {str(exc).splitlines()[0]}") from None
+        if set(self.heartbeat.silent) != set(self.progress.silent):
+            self.progress.silent_nodes(list(self.heartbeat.silent))
+        if not lost:
+            return
+        assert self.store is not None
+        timeout = self.heartbeat_settings.timeout_s
+        for node in lost:
+            detail = f"node {node}: its agent went silent (no heartbeat for over {timeout:g} s)"
+            for number in sorted(self.joined() | {self.current.generation}):
+                reason = end_generation(self.store, number, EndReason(End.FAILED, detail))
+                log.warning("%s: generation %d ended: %s (silent for %.2f s)", self.node,
+                            number, reason, self.heartbeat.silent[node])
+            self.progress.interrupted(detail)
 
     def connect(self, where: Rendezvous) -> dist.TCPStore:
         """A new connection to the job's store."""

@@ -21,6 +21,7 @@ from ntp.nodeagent.agent import (
     cuda_devices,
     write_atomic,
 )
+from ntp.nodeagent.heartbeat import Settings
 from ntp.nodeagent.progress import NodeProgress
 from tessera_contracts.invocation import (
     AgentInvocation,
@@ -98,10 +99,14 @@ def main(argv: list[str] | None = None) -> int:
             job = opts.job
             source = kube_source.KubeGenerationSource(api, namespace, job).start()
             publish = kube_source.progress_writer(api, namespace, job)
+        try:
+            heartbeat = Settings.from_env(os.environ)
+        except ValueError as exc:
+            raise AgentError(str(exc)) from None
         work_dir = opts.work_dir or Path(tempfile.mkdtemp(prefix="ntp-agent-"))
         work_dir.mkdir(parents=True, exist_ok=True)
         agent = NodeAgent(node, source, work_dir, opts.until_step, opts.trainer_args,
-                          devices, publish, cuda_count=cuda_devices())
+                          devices, publish, cuda_count=cuda_devices(), heartbeat=heartbeat)
         if opts.metrics_port:
             serve_metrics(agent.progress, os.environ.get("POD_IP") or "0.0.0.0",
                           opts.metrics_port, {"ntpjob": job, "node": node})

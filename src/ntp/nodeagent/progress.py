@@ -7,7 +7,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 from ntp.nodeagent.metrics import StepTimes
@@ -57,6 +57,7 @@ class NodeProgress:
         self.device: Device | None = None  # what the node's ranks train on, once one started
         self.loss: float | None = None  # of the last step that counts (the metrics' gauge)
         self.step_times = StepTimes()  # of every step this node completed (the metrics')
+        self.silent: tuple[str, ...] = ()  # the job's nodes whose agents went silent
         self._switch: tuple[int, int] | None = None  # (after step, to generation): planned
         self._recent: deque[float] = deque(maxlen=RECENT_STEPS)
         # (generation, step, seconds) from every rank's step line: one generation's only, since
@@ -184,11 +185,16 @@ class NodeProgress:
         with self._lock:
             self._set(State.FAILED, why)
 
+    def silent_nodes(self, nodes: Sequence[str]) -> None:
+        """The job's nodes whose agents this one finds silent now (`heartbeat`)."""
+        with self._lock:
+            self.silent = tuple(sorted(nodes))
+
     def _set(self, state: State, message: str) -> None:
         self.state, self.message = state, message
 
     def key(self) -> tuple[State, int]:
-        """What a report is due on as soon as it changes."""
+        """What a report is due on as soon as it changes (and `silent`)."""
         with self._lock:
             return self.state, self.generation
 
@@ -213,14 +219,15 @@ class NodeProgress:
                 wall_seconds=round(float(a.wall), 3),
                 badput_seconds={c: round(float(s), 3) for c, s in a.badput.items()},
                 device=self.device,
+                silent_nodes=self.silent,
             )
 
 
 class Reporter:
     """Publishes the node's report from a thread of its own, so that a slow or unreachable
     API never holds up the agent's loop (which reaps ranks and reports their deaths): at once
-    when the state or generation changes, otherwise every `period_s` (`progress.report_period`).
-    A failed write is logged; the next report retries."""
+    when the state, the generation or the silent nodes change, otherwise every `period_s`
+    (`progress.report_period`). A failed write is logged; the next report retries."""
 
     def __init__(self, progress: NodeProgress, publish: Callable[[NodeReport], None] | None,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -228,7 +235,7 @@ class Reporter:
         self.publish = publish
         self.clock = clock
         self.period_s = report_period(1)
-        self._sent: tuple[tuple[State, int], float] | None = None
+        self._sent: tuple[tuple[tuple[State, int], tuple[str, ...]], float] | None = None
         self._pending: NodeReport | None = None
         self._closed = False
         self._error: str | None = None  # of the last write that failed
@@ -243,7 +250,7 @@ class Reporter:
 
     def due(self) -> bool:
         """Whether a report is due now; if so, it counts as sent."""
-        key, now = self.progress.key(), self.clock()
+        key, now = (self.progress.key(), self.progress.silent), self.clock()
         if self._sent is not None and self._sent[0] == key and now - self._sent[1] < self.period_s:
             return False
         self._sent = key, now

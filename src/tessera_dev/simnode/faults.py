@@ -11,6 +11,10 @@ held open by every process using that GPU, as /dev/nvidia<i> is on a real node) 
 - `restore-gpu NODE GPU` brings it back: health ok, the last-XID gauge back to 0, NVML working.
 - `fail-node NODE` SIGKILLs the node process (its pods die with it, and its heartbeat stops), but
   only while node.pid still names a `sim-node` process for NODE: a reused pid is never killed.
+  With `--freeze` it SIGSTOPs the node process and every process it started (its pods'), as a
+  node that hangs whole or drops off the network: nothing dies, no connection closes, nobody
+  reports anything; `--thaw` SIGCONTs them all again. The cluster's stop kills a frozen node
+  (SIGKILL ends stopped processes too).
 
 Errors (unknown node, GPU out of range, bad XID, missing or unreadable state) print one line and
 exit 1; usage errors exit 2.
@@ -92,10 +96,17 @@ def restore_gpu(argv: list[str]) -> int:
 
 
 def fail_node(argv: list[str]) -> int:
-    """`tessera-dev fail-node NODE [--data-dir D]`."""
+    """`tessera-dev fail-node NODE [--freeze] [--data-dir D]`."""
     parser = _parser("fail-node", "stop a simulated node at once (SIGKILL): its pods die with "
                      "it and its heartbeat stops, so the cluster marks it NotReady")
+    how = parser.add_mutually_exclusive_group()
+    how.add_argument("--freeze", action="store_true",
+                     help="SIGSTOP the node and its pods' processes instead: a node that "
+                          "hangs whole, where nothing dies and no connection closes")
+    how.add_argument("--thaw", action="store_true",
+                     help="SIGCONT a frozen node and its pods' processes")
     args = parser.parse_args(argv)
+    signum = signal.SIGSTOP if args.freeze else signal.SIGCONT if args.thaw else None
     try:
         directory = _node(args)
         pid = _node_pid(directory / NODE_PID)
@@ -105,12 +116,61 @@ def fail_node(argv: list[str]) -> int:
             if pidfd is None or not is_node_process(pid, args.node):
                 raise FaultError(f"node {args.node!r} is not running (pid {pid} in "
                                  f"{directory / NODE_PID} is not its node process)")
-            gone = _kill([(pid, pidfd)])
+            if signum is not None:
+                signalled = signal_tree(pid, pidfd, signum)
+            else:
+                gone = _kill([(pid, pidfd)])
     except FaultError as exc:
         return _error("fail-node", exc)
+    if signum is not None:
+        print(f"{args.node}: {'froze' if args.freeze else 'thawed'} node process {pid} and "
+              f"{len(signalled) - 1} process(es) it started")
+        return 0
     print(f"{args.node}: killed node process {pid}" + ("" if gone else
           f" (still exiting after {EXIT_WAIT_S:.0f} s)"))
     return 0
+
+
+def signal_tree(pid: int, pidfd: int, signum: int, proc: Path = Path("/proc")) -> set[int]:
+    """Send `signum` to `pid` (pinned by `pidfd`) and all its descendants; the pids signalled.
+
+    The root goes first, then each newly found child, until a pass finds none: under SIGSTOP a
+    stopped process starts nothing, so the tree stops growing. A child is signalled through a
+    pidfd checked to be its parent's child still, so a reused pid is never reached.
+    """
+    signal.pidfd_send_signal(pidfd, signum)
+    signalled = {pid}
+    while True:
+        found = [(child, parent) for child, parent in _parents(proc)
+                 if parent in signalled and child not in signalled]
+        if not found:
+            return signalled
+        for child, parent in found:
+            signalled.add(child)
+            with _pidfd(child) as fd:
+                if fd is None or _parent(proc / str(child)) != parent:
+                    continue  # exited meanwhile
+                with contextlib.suppress(ProcessLookupError):
+                    signal.pidfd_send_signal(fd, signum)
+
+
+def _parents(proc: Path) -> list[tuple[int, int]]:
+    """(pid, parent pid) of every process."""
+    found = []
+    for pid in _pids(proc):
+        parent = _parent(proc / str(pid))
+        if parent is not None:
+            found.append((pid, parent))
+    return found
+
+
+def _parent(process: Path) -> int | None:
+    try:
+        stat = (process / "stat").read_text()
+    except OSError:  # exited meanwhile
+        return None
+    # the command name (2nd field) is in parentheses and may hold spaces or ')'
+    return int(stat[stat.rindex(")") + 2:].split()[1])
 
 
 def kill_holders(path: Path, proc: Path = Path("/proc")) -> list[tuple[int, str]]:
