@@ -33,6 +33,7 @@ class FailurePolicy(StrEnum):
     NTP_PW = "NTP-PW"  # ... and the survivors of its scale-up domain get power to keep pace
     DROP = "DROP"  # the replica sits out until its GPUs are back
     SPARE = "SPARE"  # a spare scale-up domain stands in for it
+    CKPT_RESTART = "CKPT-RESTART"  # every trainer pod replaced, resumed from the checkpoint
 
     @property
     def reshapes(self) -> bool:
@@ -43,6 +44,6 @@ class FailurePolicy(StrEnum):
     def batch_rule(self) -> str:
         """How the global batch is split (tessera_core.plan): only NTP-PW gives every replica
         the same batch (its reduced replicas keep pace through power); the others give
-        replicas samples in proportion to their TP degree (DROP and SPARE run every replica at
-        full TP, where both rules agree)."""
+        replicas samples in proportion to their TP degree (DROP, SPARE and CKPT-RESTART run
+        every replica at full TP, where both rules agree)."""
         return "ntp-pw" if self is FailurePolicy.NTP_PW else "ntp"

@@ -1,10 +1,13 @@
 """A job's desired state (pure): from its spec, what was observed and the time, one `Desired`.
 
 `desired(spec, observed, now)` takes the steps a reconcile decides on, with no I/O:
+0. Where the job is in its life (`lifecycle`); under failurePolicy.mode CKPT-RESTART a GPU lost
+   under the running attempt's layout fails it as a failed trainer pod does (`_lost_layout`).
 1. The spec the operator runs (`job_spec`; else InvalidSpec, PipelineParallelNotSupported:
    nothing made).
 2. Placement (`workload.place`): nodes for the trainer pods the job lacks, among the candidates
-   observed; too few gives Unschedulable and no child at all. The children are every object
+   observed (CKPT-RESTART: for an attempt that has none, on nodes without a failed GPU, spares
+   as found); too few gives Unschedulable and no child at all. The children are every object
    the job runs, under deterministic names (`workload`).
 3. Health: failed and unknown GPUs of its nodes from its sources (cordons, lost nodes, DCGM's
    GPUHealth), unknown ones held where the generation in force has them (`health`).
@@ -122,10 +125,10 @@ def needs_placement(spec: planner.JobSpec | planner.Problem, observed: Observed,
                     now: datetime) -> bool:
     """Whether the job runs an attempt and lacks a trainer pod: a reconcile then observes the
     placement candidates (`observe.with_candidates`)."""
-    if isinstance(spec, planner.Problem) or _life(observed, now).stage is not Stage.RUNNING:
+    if isinstance(spec, planner.Problem) or _life(spec, observed, now)[0].stage \
+            is not Stage.RUNNING:
         return False
-    placed = workload.placed_nodes(observed.pods, observed.job)
-    return any(i not in placed for i in range(_trainers(observed.job, spec)))
+    return bool(_missing(observed.job, spec, workload.placed_nodes(observed.pods, observed.job)))
 
 
 def desired(spec: planner.JobSpec | planner.Problem, observed: Observed, now: datetime,
@@ -137,9 +140,9 @@ def desired(spec: planner.JobSpec | planner.Problem, observed: Observed, now: da
     job = observed.job
     previous = job.get("status") or {}
     # 0. Where the job is in its life; what earlier attempts left behind goes.
-    life = _life(observed, now)
+    life, lost = _life(spec, observed, now)
     if life.stage is not Stage.RUNNING:
-        return _stopped(observed, now, life)
+        return _stopped(observed, now, life, lost)
     stale = tuple(name for name, attempt in observed.configmap_attempts.items()
                   if attempt != life.attempt)
     observed = _current(observed, life)
@@ -218,16 +221,63 @@ def _agreed(reports: Mapping[str, progress.NodeReport | None], observed: Observe
     return agreed, tuple(refused)
 
 
-def _life(observed: Observed, now: datetime) -> Lifecycle:
+def _life(spec: planner.JobSpec | planner.Problem, observed: Observed, now: datetime
+          ) -> tuple[Lifecycle, dict[planner.GpuId, str]]:
     """The job's lifecycle from its pods and its attempt's progress reports (every node that
-    reported: an attempt that ends folds them all into the job's account)."""
+    reported: an attempt that ends folds them all into the job's account), and the GPUs lost
+    under its layout that end its attempt, with why (CKPT-RESTART; none otherwise): its
+    trainer pod there reads as failed, so the attempt ends as for any failed trainer pod,
+    within the same restart budget."""
     status = observed.job.get("status") or {}
     name = progress.progress_configmap(observed.job["metadata"]["name"])
     current = observed.configmap_attempts.get(name) == int(status.get("attempt", 0))
     data = observed.reports if current else {}
     nodes = [key.removesuffix(".json") for key in data if key.endswith(".json")]
-    return lifecycle.lifecycle(observed.job, observed.pods, progress.read_reports(data, nodes),
-                               now)
+    reports = progress.read_reports(data, nodes)
+    life = lifecycle.lifecycle(observed.job, observed.pods, reports, now)
+    if isinstance(spec, planner.Problem) or not spec.restarts_on_loss \
+            or life.stage is not Stage.RUNNING:
+        return life, {}
+    lost = _lost_layout(spec, _current(observed, life), now)
+    if not lost:
+        return life, {}
+    pods = _failed_by_loss(observed.pods, observed.job, lost)
+    return lifecycle.lifecycle(observed.job, pods, reports, now), lost
+
+
+def _lost_layout(spec: planner.JobSpec, observed: Observed, now: datetime
+                 ) -> dict[planner.GpuId, str]:
+    """CKPT-RESTART: the GPUs whose loss ends the running attempt, with what their health
+    source says ("" when it says no more): those of the generation in force that a source
+    fails (DCGM, a cordon, a node lost) or whose node's trainer pod is gone; before one is in
+    force, the failed GPUs of its nodes once they leave too few whole TP groups for the
+    replicas."""
+    placement = workload.placed_nodes(observed.pods, observed.job)
+    if not placement:
+        return {}
+    signal, _ = _health(observed, spec, placement, observed.nodes, now)
+    in_force = observed.layout.generation
+    if in_force is None:
+        plan = planner.plan(spec, planner.node_domains(observed.nodes, spec.domain_label),
+                            signal.failed)
+        return {gpu: signal.reasons.get(gpu, "") for gpu in sorted(plan.failed)} \
+            if plan.degraded else {}
+    used = {(g.node, g.index) for g in in_force.gpus}
+    gone = {gpu: "its trainer pod is gone" for gpu in sorted(used)
+            if gpu[0] not in placement.values()}
+    return gone | {gpu: signal.reasons.get(gpu, "") for gpu in sorted(used & signal.failed)}
+
+
+def _failed_by_loss(pods: tuple[Mapping[str, Any], ...], job: Mapping[str, Any],
+                    lost: Mapping[planner.GpuId, str]) -> tuple[Mapping[str, Any], ...]:
+    """`pods` with the trainer pod on the first lost GPU's node (the first trainer pod, when
+    that one is gone) read as failed: without a live relayout its ranks cannot go on."""
+    (node, index), why = min(lost.items())
+    reason = f"GPU {node}/{index} lost" + (f": {why}" if why else "")
+    trainers = workload.trainer_pods(pods, job)
+    hit = next((p for p in trainers if workload.pod_node(p) == node), trainers[0])
+    failed = dict(hit) | {"status": {"phase": lifecycle.FAILED, "reason": reason}}
+    return tuple(failed if p is hit else p for p in pods)
 
 
 def _current(observed: Observed, life: Lifecycle) -> Observed:
@@ -247,10 +297,12 @@ def _with_status(job: Mapping[str, Any], **values: Any) -> dict[str, Any]:
     return dict(job) | {"status": dict(job.get("status") or {}) | values}
 
 
-def _stopped(observed: Observed, now: datetime, life: Lifecycle) -> Desired:
+def _stopped(observed: Observed, now: datetime, life: Lifecycle,
+             lost: Mapping[planner.GpuId, str] | None = None) -> Desired:
     """A job that runs no attempt (suspended, between two, finished): no child is made and
     every power target released; an attempt that ends takes its layout with it, a finished
-    job keeps its last one (and its step and goodput) for the record."""
+    job keeps its last one (and its step and goodput) for the record. `lost`: the GPUs whose
+    loss ended the attempt (CKPT-RESTART), named in an event."""
     job = observed.job
     previous = job.get("status") or {}
     finished = life.stage is Stage.FINISHED
@@ -267,7 +319,16 @@ def _stopped(observed: Observed, now: datetime, life: Lifecycle) -> Desired:
     if finished:  # the layout it ended on
         status |= {key: previous[key] for key in ("tpLayout", "replicas") if key in previous}
     ttl = life.delete_job_in
-    return Desired(status=status, events=_condition_events(previous, status),
+    events = _condition_events(previous, status)
+    if lost:
+        gpus = ", ".join(planner.gpu_name(gpu) + (f" ({why})" if why else "")
+                         for gpu, why in sorted(lost.items()))
+        then = "no restart left" if finished else \
+            "every trainer pod is replaced and the job resumes from its last checkpoint"
+        events = (Event("Warning", "LayoutGPULost", (
+            f"GPU {gpus} of attempt {previous.get('attempt', 0)}'s layout lost: "
+            f"failurePolicy.mode CKPT-RESTART ends the attempt; {then}")), *events)
+    return Desired(status=status, events=events,
                    delete_pods=life.delete_pods,
                    delete_configmaps=() if finished else tuple(observed.configmap_attempts),
                    ended=life.ended, delete_job=ttl is not None and ttl <= 0,
@@ -323,11 +384,22 @@ def _trainers(job: Mapping[str, Any], spec: planner.JobSpec) -> int:
     return int(job["spec"]["totalGPUs"]) // spec.gpus_per_node
 
 
+def _missing(job: Mapping[str, Any], spec: planner.JobSpec, placed: Mapping[int, str]
+             ) -> list[int]:
+    """The trainer pods to place: those the job lacks. Under CKPT-RESTART all of them for an
+    attempt that has none, else none: an attempt keeps the nodes it started on (a pod gone
+    from its layout's nodes ends it)."""
+    wanted = range(_trainers(job, spec))
+    if spec.restarts_on_loss:
+        return [] if placed else list(wanted)
+    return [i for i in wanted if i not in placed]
+
+
 def _plan(spec: planner.JobSpec | planner.Problem, observed: Observed, now: datetime
           ) -> _Planned:
     if isinstance(spec, planner.Problem):
         return _Planned(problems=(spec,))
-    placed = _place(observed, spec)
+    placed = _place(observed, spec, now)
     if isinstance(placed, planner.Problem):
         return _Planned(problems=(placed,))
     placement, nodes = placed
@@ -335,6 +407,9 @@ def _plan(spec: planner.JobSpec | planner.Problem, observed: Observed, now: date
     if (unpowered := planner.budget_problem(spec, domains)) is not None:
         return _Planned(problems=(unpowered,))
     signal, lost = _health(observed, spec, placement, nodes, now)
+    if spec.restarts_on_loss and (in_force := observed.layout.generation) is not None:
+        # An attempt keeps its first layout: its plan is that layout's nodes, the spares idle.
+        domains = {n: d for n, d in domains.items() if n in {g.node for g in in_force.gpus}}
     plan = planner.plan(spec, domains, signal.failed)
     return _Planned(placement, plan, plan.problems, signal, lost)
 
@@ -345,20 +420,22 @@ def chosen_nodes(spec: planner.JobSpec | planner.Problem, observed: Observed
     lacks; none when they do not fit."""
     if isinstance(spec, planner.Problem):
         return ()
-    placed = _place(observed, spec)
+    placed = _place(observed, spec, None)
     if isinstance(placed, planner.Problem):
         return ()
     before = set(workload.placed_nodes(observed.pods, observed.job).values())
     return tuple(sorted(set(placed[0].values()) - before))
 
 
-def _place(observed: Observed, spec: planner.JobSpec
+def _place(observed: Observed, spec: planner.JobSpec, now: datetime | None
            ) -> tuple[dict[int, str], tuple[Mapping[str, Any], ...]] | planner.Problem:
     """Every trainer pod's node (those placed, and nodes chosen for the missing ones) and the
-    job's nodes as observed; or why the missing ones cannot be placed."""
+    job's nodes as observed; or why the missing ones cannot be placed. `now` None: the
+    candidates' DCGM health is not read yet (`chosen_nodes`, which only picks the nodes whose
+    other pods are read)."""
     job = observed.job
     placed = workload.placed_nodes(observed.pods, job)
-    missing = [i for i in range(_trainers(job, spec)) if i not in placed]
+    missing = _missing(job, spec, placed)
     if not missing:
         return placed, observed.nodes
     candidates = observed.candidates
@@ -368,30 +445,54 @@ def _place(observed: Observed, spec: planner.JobSpec
     views = [v for v in workload.node_views(candidates.nodes, candidates.taken, selector,
                                             spec.domain_label)
              if v.name not in placed.values()]
-    chosen = workload.place(spec, len(missing), views)
+    chosen = _healthy_nodes(observed, spec, views, len(missing), now) \
+        if spec.restarts_on_loss else workload.place(spec, len(missing), views)
     if isinstance(chosen, planner.Problem):
         return chosen
-    placement = placed | dict(zip(missing, chosen, strict=True))
+    # CKPT-RESTART may find fewer nodes than pods asked for: the spares it lacks are left out.
+    placement = placed | dict(zip(missing, chosen, strict=False))
     return placement, tuple(n for n in candidates.nodes
                             if n["metadata"]["name"] in placement.values())
 
 
+def _healthy_nodes(observed: Observed, spec: planner.JobSpec, views: list[workload.NodeView],
+                   wanted: int, now: datetime | None) -> tuple[str, ...] | planner.Problem:
+    """CKPT-RESTART's placement of an attempt: whole nodes none of whose GPUs the job's health
+    sources fail (a trainer pod needs every GPU of its node), `wanted` of them or as many as
+    there are, at least those DP x TP x PP GPUs fill; or why not."""
+    assert observed.candidates is not None
+    signal, _ = _health(observed, spec, {}, observed.candidates.nodes, now)
+    bad = {node for node, _ in signal.failed}
+    chosen = workload.place(spec, wanted, [v for v in views if v.name not in bad],
+                            fewest=spec.fewest_nodes)
+    if isinstance(chosen, planner.Problem):
+        return replace(chosen, message=(
+            f"{chosen.message}; under failurePolicy.mode CKPT-RESTART a node with a failed or "
+            f"cordoned GPU is no candidate ({len(bad)} such)"))
+    return chosen
+
+
 def _health(observed: Observed, spec: planner.JobSpec, placement: Mapping[int, str],
-            nodes: tuple[Mapping[str, Any], ...], now: datetime
+            nodes: tuple[Mapping[str, Any], ...], now: datetime | None
             ) -> tuple[health.Health, health.Health]:
     """The job's GPU health from its sources, merged (GPUs of unknown health held where the
     generation in force has them), and the part lost under their processes rather than
-    drained: the GPUs of nodes that stopped reporting, and those DCGM failed."""
+    drained: the GPUs of nodes that stopped reporting (their kubelet, or their node agent to
+    the job's other agents), and those DCGM failed (`now` None:
+    without DCGM's)."""
     job = observed.job
     policy = job["spec"].get("failurePolicy") or {}
     sources = set(policy.get("healthSources", ("dcgm", "cordon")))
-    lost = health.from_lost_nodes(nodes, spec.gpus_per_node,
-                                  placed=sorted(set(placement.values())),
-                                  leaving=workload.leaving_nodes(observed.pods, job))
+    placed = sorted(set(placement.values()))
+    silent = {node for report in progress.read_reports(observed.reports, placed).values()
+              if report is not None for node in report.silent_nodes}
+    lost = health.from_lost_nodes(nodes, spec.gpus_per_node, placed=placed,
+                                  leaving=workload.leaving_nodes(observed.pods, job),
+                                  silent=silent)
     signal = health.from_cordons(nodes, spec.gpus_per_node) if "cordon" in sources \
         else health.Health()
     signal = signal.merge(lost)
-    if "dcgm" not in sources:
+    if "dcgm" not in sources or now is None:
         return signal, lost
     names = sorted({n["metadata"]["name"] for n in nodes})
     objects = sorted((o for o in observed.gpu_health if o["metadata"]["name"] in set(names)),
@@ -504,6 +605,9 @@ def _generation(observed: Observed, plan: planner.JobPlan,
             "someone else): the running trainers cannot follow a layout derived from nothing. "
             "Restore it, or delete the job's trainer pods and the ConfigMap's data to restart "
             "from generation 1"))
+    if previous is not None and plan.spec.restarts_on_loss \
+            and workload.replicas_of(plan) != previous.replicas:
+        return None, previous  # an attempt keeps its first layout: a GPU lost there restarts it
     rendezvous = _rendezvous(job, observed.pods)
     if previous is None:
         if rendezvous is None:

@@ -71,27 +71,34 @@ def node_lost(node: Mapping[str, Any]) -> bool:
 
 
 def from_lost_nodes(nodes: Iterable[Mapping[str, Any]], gpus_per_node: int, *,
-                    placed: Iterable[str] = (), leaving: Iterable[str] = ()) -> Health:
+                    placed: Iterable[str] = (), leaving: Iterable[str] = (),
+                    silent: Iterable[str] = ()) -> Health:
     """Every GPU of a lost node is failed: whatever ran there is out of reach, and the
     survivors elsewhere can go on only without it. A node is lost when it stopped reporting,
-    when it is one of the job's `placed` nodes but gone from the API (`nodes` lacks it), or
-    when the job's trainer pod on it is `leaving` (being deleted).
+    when it is one of the job's `placed` nodes but gone from the API (`nodes` lacks it), when
+    the job's trainer pod on it is `leaving` (being deleted), or when it is one of the job's
+    nodes and the job's own node agents report it `silent` (its agent's heartbeat stopped:
+    `ntp.nodeagent.heartbeat`; in seconds, long before its kubelet's silence shows). A silent
+    node is lost for as long as an agent reports it: once it beats again, it is not.
 
     When every node of the job stopped reporting at once, that is taken for the control
     plane's view failing (as the node lifecycle controller takes a fully disrupted zone), not
-    for every node dying: none is lost, and the problems say so."""
+    for every node dying: none is lost, and the problems say so. Agents that report a node
+    silent are alive: their word stands."""
     nodes = list(nodes)
     present = {node["metadata"]["name"] for node in nodes}
-    silent = sorted(node["metadata"]["name"] for node in nodes if node_lost(node))
+    stopped = sorted(node["metadata"]["name"] for node in nodes if node_lost(node))
     problems: list[str] = []
-    if silent and len(silent) == len(nodes):
-        problems.append(f"every node of the job ({len(silent)}) stopped reporting at once: "
+    if stopped and len(stopped) == len(nodes):
+        problems.append(f"every node of the job ({len(stopped)}) stopped reporting at once: "
                         "taken for the control plane's view, not as lost")
-        silent = []
-    why = {name: "its kubelet stopped reporting (Ready Unknown)" for name in silent}
+        stopped = []
+    why = {name: "its kubelet stopped reporting (Ready Unknown)" for name in stopped}
     why |= {name: "its trainer pod is being deleted" for name in sorted(set(leaving))
             if name not in why}
     why |= {name: "it is gone from the API" for name in sorted(set(placed) - present)}
+    why |= {name: "the job's node agents lost its heartbeat"
+            for name in sorted(set(silent) & (present | set(placed))) if name not in why}
     failed = {(name, i) for name in why for i in range(gpus_per_node)}
     problems += [f"node {name}: {reason}: its GPUs are lost" for name, reason in why.items()]
     return Health(frozenset(failed), tuple(problems))

@@ -57,6 +57,17 @@ class JobSpec:
     def min_tp_or_default(self) -> int:
         return self.min_tp or max(1, self.tp // 2)
 
+    @property
+    def restarts_on_loss(self) -> bool:
+        """CKPT-RESTART: a GPU lost under the layout ends the attempt (every trainer pod
+        replaced, the job resumed from its last checkpoint) instead of a live relayout."""
+        return self.mode is FailurePolicy.CKPT_RESTART
+
+    @property
+    def fewest_nodes(self) -> int:
+        """The whole nodes that hold DP x TP x PP GPUs: the least an attempt runs on."""
+        return -(-self.dp * self.tp * self.pp // self.gpus_per_node)
+
     @classmethod
     def from_spec(cls, spec: Mapping[str, Any]) -> JobSpec:
         """Read the API object's spec (defaults as in the CRD); SpecError names the bad field."""
@@ -354,7 +365,8 @@ def plan(spec: JobSpec, domains: Mapping[str, str], failed: Set[GpuId]) -> JobPl
     # 1. Scale-up domains and their fixed group slots, in a canonical order.
     racks = racks_of(domains)
     groups = _slots(spec, racks, failed, problems)
-    # 2. DROP keeps to the job's own groups; the other modes may use spare groups.
+    # 2. DROP keeps to the job's own groups; the other modes may use spare groups (CKPT-RESTART
+    #    when an attempt starts: its layout never changes while it runs).
     if spec.mode is FailurePolicy.DROP:
         groups = groups[: spec.dp * spec.pp]
     position = {g: i for i, g in enumerate(groups)}

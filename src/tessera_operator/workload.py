@@ -169,8 +169,10 @@ def node_views(nodes: Iterable[Mapping[str, Any]], taken: Mapping[str, int],
     return views
 
 
-def place(spec: JobSpec, nodes: int, candidates: Sequence[NodeView]) -> tuple[str, ...] | Problem:
-    """`nodes` nodes for the job, whole TP groups inside scale-up domains; or why not.
+def place(spec: JobSpec, nodes: int, candidates: Sequence[NodeView], fewest: int | None = None
+          ) -> tuple[str, ...] | Problem:
+    """`nodes` nodes for the job, whole TP groups inside scale-up domains; or why not. With
+    `fewest`, as many as it finds up to `nodes`, and at least `fewest`.
 
     A job takes whole nodes: each with exactly gpusPerNode GPUs, none of them asked for by
     another pod. Its plan, cordons, health and power target all name a node's GPUs by index
@@ -193,9 +195,10 @@ def place(spec: JobSpec, nodes: int, candidates: Sequence[NodeView]) -> tuple[st
             break
         take = min(room, len(names)) // per_group * per_group
         chosen.extend(names[:take])
-    if len(chosen) < nodes:
+    least = nodes if fewest is None else fewest
+    if len(chosen) < least:
         return Problem("Unschedulable", (
-            f"needs {nodes} whole nodes with {spec.gpus_per_node} {GPU_RESOURCE} each, none "
+            f"needs {least} whole nodes with {spec.gpus_per_node} {GPU_RESOURCE} each, none "
             f"taken by another pod (whole TP groups of {spec.tp} GPUs inside one scale-up "
             f"domain); found {len(usable)} such nodes of {len(candidates)} matching the job's "
             f"nodeSelector, in {len(domains)} domains"))
