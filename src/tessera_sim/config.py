@@ -106,6 +106,11 @@ class PolicyConfig:
     reconfigure_seconds: float = 60.0
     spare_swap_seconds: float = 120.0
 
+    @property
+    def lost_work_s(self) -> float:
+        """The work a restart redoes on average: half a checkpoint interval."""
+        return 60 * self.checkpoint_interval_minutes / 2
+
 
 @dataclass(frozen=True)
 class SimConfig:

@@ -181,7 +181,7 @@ def scale(
     failure kinds present of each kind's mean; a restart also loses half the checkpoint interval.
     PausesError when a scaled pause exceeds the simulator's clock."""
     f = factors(measured.job, cfg, model)
-    lost_work = 60 * cfg.policy.checkpoint_interval_minutes / 2
+    lost_work = cfg.policy.lost_work_s
     scaled = {}
     for name, faults in measured.policies.items():
         rows = tuple(ScaledFault(fault, scale_fault(fault, name, f)) for fault in faults)

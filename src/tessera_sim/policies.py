@@ -181,7 +181,7 @@ def build_policies(cfg: SimConfig, perf: PerfModel = PAPER) -> tuple[Policy, ...
     stages = {"stage_aware": p.stage_aware_regroup}
     live = {"failure_stall_s": p.reconfigure_seconds, "repair_stall_s": p.reconfigure_seconds}
     ntp_live = {**live, "reshapes": True}
-    restart = 60 * (p.restart_minutes + p.checkpoint_interval_minutes / 2)
+    restart = 60 * p.restart_minutes + p.lost_work_s
     return (
         Policy(
             "ckpt-restart",
