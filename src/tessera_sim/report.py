@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from tessera_sim.analysis import Study
+from tessera_sim.pauses import ScaledPauses
 
 
 def to_dict(study: Study) -> dict[str, Any]:
@@ -24,15 +25,12 @@ def to_dict(study: Study) -> dict[str, Any]:
     if study.trace is not None:
         doc["trace"] = trace_rows(study)
     if study.pauses is not None:
-        doc["measured_pauses"] = measured_pauses(study)
+        doc["measured_pauses"] = measured_pauses(study.pauses, study.measured_goodput)
     return doc
 
 
-def measured_pauses(study: Study) -> dict[str, Any]:
+def measured_pauses(pauses: ScaledPauses, goodput: list[dict[str, Any]]) -> dict[str, Any]:
     """The bench's job, the scale factors, each measured fault scaled, and goodput both ways."""
-    pauses = study.pauses
-    if pauses is None:
-        return {}
     return {
         "bench_job": asdict(pauses.job),
         "factors": asdict(pauses.factors),
@@ -40,7 +38,7 @@ def measured_pauses(study: Study) -> dict[str, Any]:
             name: [{**asdict(row.fault), "scaled_pause_s": row.scaled_s} for row in p.faults]
             for name, p in pauses.policies.items()
         },
-        "goodput": study.measured_goodput,
+        "goodput": goodput,
     }
 
 
