@@ -81,7 +81,7 @@ def with_candidates(api: client.ApiClient, cache: NodeCache, indices: Indices,
     selector = workload.node_selector(observed.job["spec"])
     matching = tuple(facts.node(name) for name, facts in cache.matching(selector))
     taken = {name: held for name in (n["metadata"]["name"] for n in matching)
-             if (held := sum(list(indices.held.get(name, ()))))}
+             if (held := sum(indices.held.get(name, ())))}
     asked: set[str] = set()
     while True:
         candidates = Candidates(matching, dict(taken))
@@ -102,7 +102,7 @@ def _others_gpus(api: client.ApiClient, node: str) -> int:
     `Indices.held` counts), ask for."""
     pods = _items(client.CoreV1Api(api).list_pod_for_all_namespaces, field_selector=(
         f"spec.nodeName={node},status.phase!=Succeeded,status.phase!=Failed"))
-    return sum(workload.pod_gpus(p) for p in pods if not workload.is_trainer(p))
+    return workload.taken_gpus(p for p in pods if not workload.is_trainer(p)).get(node, 0)
 
 
 def _items(listing: Callable[..., Any], *args: Any, **kwargs: Any) -> list[dict[str, Any]]:
