@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import kopf
@@ -114,9 +114,7 @@ async def children(namespace: str, labels: kopf.Labels, body: kopf.Body, **_: An
 
 @kopf.on.event(GROUP, VERSION, PLURAL)
 async def on_job(type: str | None, namespace: str, name: str, body: kopf.Body, memo: kopf.Memo,
-                 logger: logging.Logger, gpu_health: kopf.Index, children: kopf.Index,
-                 held_gpus: kopf.Index,
-                 job_phases: kopf.Index, **_: Any) -> None:
+                 logger: logging.Logger, job_phases: kopf.Index, **indices: Any) -> None:
     """Reconcile a job when it appears (also at the operator's start) or its spec changes
     (`metadata.generation`; our own status writes do not count); release its power targets when
     it is gone. The job carries nothing of kopf's, no diff base, progress annotation nor
@@ -135,8 +133,7 @@ async def on_job(type: str | None, namespace: str, name: str, body: kopf.Body, m
                                 f"removing the finalizer of job {namespace}/{name}", logger)
     facts = (body["metadata"].get("uid"), body["metadata"].get("generation"))
     if memo.seen.changed(("NTPTrainingJob", namespace, name), facts):
-        await _reconcile_soon(memo, key, logger,
-                              observe.Indices(gpu_health, children, held_gpus))
+        await _reconcile_soon(memo, key, logger, _indices(indices))
 
 
 def _released(memo: kopf.Memo, key: JobKey, job: dict[str, Any], logger: logging.Logger) -> None:
@@ -181,8 +178,7 @@ def _attempt(action: Callable[[], None], what: str, logger: logging.Logger) -> b
 @kopf.on.event("", "v1", "nodes")
 async def on_node(type: str, name: str, body: kopf.Body, memo: kopf.Memo,
                   logger: logging.Logger, node_jobs: kopf.Index, unschedulable_jobs: kopf.Index,
-                  gpu_health: kopf.Index, children: kopf.Index, held_gpus: kopf.Index,
-                  **_: Any) -> None:
+                  **indices: Any) -> None:
     """Reconcile the jobs placed on a node when what they read of it changes (labels, GPU
     capacity, cordons, schedulability), and the jobs too few nodes fit; other node updates
     (heartbeats, conditions) are ignored, and so is an event older than an API read of the
@@ -194,33 +190,27 @@ async def on_node(type: str, name: str, body: kopf.Body, memo: kopf.Memo,
     if not memo.nodes.deliver(name, None if type == "DELETED" else body):
         return
     for key in set(node_jobs.get(name, ())) | set(unschedulable_jobs):
-        await _reconcile_soon(memo, key, logger,
-                              observe.Indices(gpu_health, children, held_gpus))
+        await _reconcile_soon(memo, key, logger, _indices(indices))
 
 
 @kopf.on.event("", "v1", "pods", labels=JOBS_OWN)
 async def on_pod(type: str, namespace: str, name: str, labels: kopf.Labels,
                  status: kopf.Status, memo: kopf.Memo, logger: logging.Logger,
-                 gpu_health: kopf.Index, children: kopf.Index, held_gpus: kopf.Index,
-                 **_: Any) -> None:
+                 **indices: Any) -> None:
     """Reconcile a job when one of its pods gets an address (the rendezvous: generation 1
     can be published), ends, or disappears."""
     facts = None if type == "DELETED" else (status.get("phase"), status.get("podIP"))
     if memo.seen.changed(("Pod", namespace, name), facts):
-        await _reconcile_soon(memo, (namespace, labels[JOB_LABEL]), logger,
-                              observe.Indices(gpu_health, children, held_gpus))
+        await _reconcile_soon(memo, (namespace, labels[JOB_LABEL]), logger, _indices(indices))
 
 
 @kopf.on.event("", "v1", "configmaps", labels=JOBS_OWN,
                when=lambda name, **_: str(name).endswith("-progress"))
 async def on_progress(namespace: str, labels: kopf.Labels, memo: kopf.Memo,
-                      logger: logging.Logger, gpu_health: kopf.Index, children: kopf.Index,
-                      held_gpus: kopf.Index,
-                      **_: Any) -> None:
+                      logger: logging.Logger, **indices: Any) -> None:
     """A node agent reported: the job's phase, step and goodput follow (and a progress
     ConfigMap changed or deleted by someone converges back)."""
-    await _reconcile_soon(memo, (namespace, labels[JOB_LABEL]), logger,
-                          observe.Indices(gpu_health, children, held_gpus))
+    await _reconcile_soon(memo, (namespace, labels[JOB_LABEL]), logger, _indices(indices))
 
 
 def _changed(type: str | None, **_: Any) -> bool:
@@ -233,33 +223,27 @@ def _changed(type: str | None, **_: Any) -> bool:
 @kopf.on.event(RBAC, "v1", "roles", labels=JOBS_OWN, when=_changed)
 @kopf.on.event(RBAC, "v1", "rolebindings", labels=JOBS_OWN, when=_changed)
 async def on_identity(namespace: str, labels: kopf.Labels, memo: kopf.Memo,
-                      logger: logging.Logger, gpu_health: kopf.Index, children: kopf.Index,
-                      held_gpus: kopf.Index,
-                      **_: Any) -> None:
+                      logger: logging.Logger, **indices: Any) -> None:
     """One of the trainer identity's objects changed or went: the job's reconcile compares it
     with the one wanted (its own writes compare equal) and applies it back if it differs."""
-    await _reconcile_soon(memo, (namespace, labels[JOB_LABEL]), logger,
-                          observe.Indices(gpu_health, children, held_gpus))
+    await _reconcile_soon(memo, (namespace, labels[JOB_LABEL]), logger, _indices(indices))
 
 
 @kopf.on.event(GROUP, VERSION, "gpuhealths")
 async def on_gpu_health(type: str, name: str, status: kopf.Status, memo: kopf.Memo,
-                        logger: logging.Logger, node_jobs: kopf.Index, gpu_health: kopf.Index,
-                        children: kopf.Index, **_: Any) -> None:
+                        logger: logging.Logger, node_jobs: kopf.Index, **indices: Any) -> None:
     """Reconcile the jobs on a node when a GPU's state or XIDs change in its GPUHealth (not on
     the periodic refresh that only says the object is current)."""
     facts = None if type == "DELETED" else [(g.get("index"), g.get("state"), g.get("xids"))
                                             for g in status.get("gpus") or []]
     if memo.seen.changed(("GPUHealth", name), facts):
         for key in set(node_jobs.get(name, ())):
-            await _reconcile_soon(memo, key, logger,
-                                  observe.Indices(gpu_health, children, held_gpus))
+            await _reconcile_soon(memo, key, logger, _indices(indices))
 
 
 @kopf.on.event(GROUP, VERSION, api.POWER_TARGET_PLURAL)
 async def on_power_target(type: str | None, name: str, labels: kopf.Labels, memo: kopf.Memo,
-                          logger: logging.Logger, job_keys: kopf.Index, gpu_health: kopf.Index,
-                          children: kopf.Index, **_: Any) -> None:
+                          logger: logging.Logger, job_keys: kopf.Index, **indices: Any) -> None:
     """Reconcile the job of a target whose raise waits for cuts, when an agent reports one in
     effect; and a job whose target someone else deleted. Our own writes trigger nothing more.
     A target whose job is gone is deleted."""
@@ -274,8 +258,12 @@ async def on_power_target(type: str | None, name: str, labels: kopf.Labels, memo
         logger.info(f"deleted power target {name}: its job (uid {uid}) is gone")
     for key in keys:
         if type == "DELETED" or memo.queue.holds(key):
-            await _reconcile_soon(memo, key, logger,
-                                  observe.Indices(gpu_health, children, held_gpus))
+            await _reconcile_soon(memo, key, logger, _indices(indices))
+
+
+def _indices(given: Mapping[str, Any]) -> observe.Indices:
+    """What a reconcile reads of kopf's indices, from those kopf passes every handler."""
+    return observe.Indices(given["gpu_health"], given["children"], given["held_gpus"])
 
 
 async def _reconcile_soon(memo: kopf.Memo, key: JobKey, logger: logging.Logger,
