@@ -79,6 +79,45 @@ def connect(rendezvous: Rendezvous) -> dist.TCPStore:
     return dist.TCPStore(rendezvous.host, rendezvous.port, is_master=False)
 
 
+# How often a rank waiting for the rest of its generation looks whether that generation ended:
+# a few store requests a second per waiting rank, and a death there known within this long.
+ARRIVAL_POLL_S = 0.1
+
+
+class RendezvousEnded(RuntimeError):
+    """A generation ended before all of its ranks came to its rendezvous: a process it counts
+    on died (or never started), so it will never form."""
+
+    def __init__(self, generation: int, reason: EndReason) -> None:
+        super().__init__(f"generation {generation} ended before its rendezvous: {reason}")
+        self.generation = generation
+        self.reason = reason
+
+
+def arrival_key(generation: int) -> str:
+    """How many of `generation`'s ranks have come to its rendezvous (a counter)."""
+    return f"gen{generation}/arrived"
+
+
+def arrive(store: dist.Store, generation: int, world_size: int) -> None:
+    """Wait until all `world_size` ranks of `generation` have come to its rendezvous; raises
+    `RendezvousEnded` when the generation ends first. Process-group creation cannot be
+    interrupted and would wait for a dead peer until the rendezvous timeout (600 s): only
+    ranks that all arrived start it."""
+    everyone = f"gen{generation}/all-arrived"
+    if store.add(arrival_key(generation), 1) == world_size:
+        store.set(everyone, "1")
+    while True:
+        try:
+            store.wait([everyone], timedelta(seconds=ARRIVAL_POLL_S))
+            return
+        except dist.DistStoreError:
+            pass  # not everyone yet
+        if store.check([end_key(generation)]):
+            raise RendezvousEnded(
+                generation, EndReason.decode(store.get(end_key(generation)).decode()))
+
+
 def init_distributed(
     device: str,
     store: dist.Store,
@@ -86,8 +125,10 @@ def init_distributed(
     world_size: int,
     generation: int,
 ) -> None:
-    """Join `generation`'s default group; each generation rendezvouses under its own store
-    prefix, so survivors re-form groups on the same store after a failure."""
+    """Join `generation`'s default group, once every rank has arrived (`arrive`); each
+    generation rendezvouses under its own store prefix, so survivors re-form groups on the
+    same store after a failure."""
+    arrive(store, generation, world_size)
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
     # The default group only rendezvouses (and may wait for slow survivors); the job's

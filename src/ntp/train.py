@@ -33,6 +33,7 @@ from ntp.distributed import (
     End,
     EndReason,
     FailureWatch,
+    RendezvousEnded,
     abort_in_flight,
     collective_timeout,
     connect,
@@ -250,6 +251,34 @@ class Trainer:
             self.rendezvous, target.generation, self._abort_in_flight, self.wake.set
         )
 
+    def join_formed(
+        self, target: Assignment, rank: int, origin: Sequence[int | None]
+    ) -> tuple[Assignment, tuple[int | None, ...]] | None:
+        """Join `target` as `rank`; while the generation to join ends before it forms (a
+        process it counts on died first), the next one instead, where this process has a place.
+        `origin[d]`: the rank, in the layout this process holds, of the process that becomes
+        `target`'s rank d. Returns the generation joined and its origin in that held layout
+        (through every generation that never formed); None when this process has no place."""
+        while True:
+            try:
+                self.join(target, rank)
+                return target, tuple(origin)
+            except RendezvousEnded as exc:
+                print(f"rank {rank} of generation {target.generation}: {exc}", file=sys.stderr,
+                      flush=True)
+                following = wait_for(self.source, target.generation + 1,
+                                     self.reconfigure_timeout_s)
+                if following is None:
+                    raise RuntimeError(
+                        f"{exc}; no generation {target.generation + 1} appeared within "
+                        f"{self.reconfigure_timeout_s:.0f} s") from None
+                if following.origin is None:
+                    raise PlanError(f"generation {following.generation} has no origin") from None
+            if rank not in following.origin:
+                return None
+            origin = tuple(None if o is None else origin[o] for o in following.origin)
+            target, rank = following, following.origin.index(rank)
+
     def _abort_in_flight(self) -> None:
         abort_in_flight(self.config.device, self.rendezvous.port)
 
@@ -447,8 +476,11 @@ class Trainer:
         leave_process_groups()
         if not stays:
             return False
-        self.join(following, following.origin.index(old_rank))
-        self._adopt(following.layout, old.layout, old.shard, state, following.origin)
+        joined = self.join_formed(following, following.origin.index(old_rank), following.origin)
+        if joined is None:
+            return False
+        following, origin = joined
+        self._adopt(following.layout, old.layout, old.shard, state, origin)
         self.event(EventKind.RECONFIGURED)
         return True
 
@@ -675,6 +707,7 @@ def log_step(trainer: Trainer) -> None:
         tokens=cur.layout.global_batch * cur.args.max_seq_len,
         compute_s=times.compute_s[-1] + times.optimizer_s[-1],
         tp_degrees=trainer.layout.tp_degrees,
+        time=trainer.step_ends[trainer.step],
     )
     print(record.to_line(), flush=True)
 
@@ -791,7 +824,7 @@ def main(
         carried=carried,
     )
     # 2. Join it: build this rank's shard, or receive it from the survivors.
-    trainer.join(first, int(os.environ["RANK"]))
+    rank = int(os.environ["RANK"])
     if invocation.join:
         if first.origin is None:
             raise PlanError(
@@ -800,8 +833,12 @@ def main(
         previous = source.get(first.generation - 1)
         if previous is None:
             raise FileNotFoundError(f"--join: generation {first.generation - 1} is not published")
-        trainer.receive(first.layout, assignment(previous).layout, first.origin)
+        joined = trainer.join_formed(first, rank, first.origin)
+        if joined is None:
+            return 0  # the generation it came for never formed, and the next has no place
+        trainer.receive(joined[0].layout, assignment(previous).layout, joined[1])
     else:
+        trainer.join(first, rank)
         trainer.materialize(first.layout, start_from)
     if opts.out is not None:
         opts.out.mkdir(parents=True, exist_ok=True)

@@ -54,6 +54,8 @@ class StepRecord:
     # replicas: what the operator's closed boost loop compares. None: not measured.
     compute_s: float | None = None
     tp_degrees: tuple[int, ...] = ()  # of every replica, in replica order
+    # Wall clock when the step ended, Unix seconds: a log read later still times the job.
+    time: float | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "tp_degrees", tuple(self.tp_degrees))
@@ -64,8 +66,9 @@ class StepRecord:
                                "step_s": self.step_s}
         if self.compute_s is not None:
             out["compute_s"] = self.compute_s
-        return out | {"samples": self.samples, "tokens": self.tokens,
-                      "tp_degrees": list(self.tp_degrees), "generation": self.generation}
+        out |= {"samples": self.samples, "tokens": self.tokens,
+                "tp_degrees": list(self.tp_degrees), "generation": self.generation}
+        return out if self.time is None else out | {"time": self.time}
 
     def to_line(self) -> str:
         return json.dumps(self.to_dict())
@@ -73,11 +76,12 @@ class StepRecord:
     @classmethod
     def from_dict(cls, record: Mapping[str, Any]) -> StepRecord:
         d = _check_step(record)
-        compute = d.get("compute_s")
+        compute, ended = d.get("compute_s"), d.get("time")
         return cls(step=d["step"], rank=d["rank"], generation=d["generation"],
                    loss=float(d["loss"]), step_s=float(d["step_s"]), samples=d["samples"],
                    tokens=d.get("tokens", 0), compute_s=None if compute is None else float(compute),
-                   tp_degrees=tuple(d.get("tp_degrees", ())))
+                   tp_degrees=tuple(d.get("tp_degrees", ())),
+                   time=None if ended is None else float(ended))
 
 
 @dataclass(frozen=True)
@@ -162,8 +166,9 @@ def _check_step(d: Mapping[str, Any]) -> Mapping[str, Any]:
     _count(d, "tokens")
     _number(d, "loss", seconds=False)
     _number(d, "step_s")
-    if d.get("compute_s") is not None:
-        _number(d, "compute_s")
+    for key in ("compute_s", "time"):
+        if d.get(key) is not None:
+            _number(d, key)
     _degrees(d, required=False)
     return d
 

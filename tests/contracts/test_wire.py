@@ -188,7 +188,10 @@ EVENTS = [
 ]
 
 
-@pytest.mark.parametrize("record", [STEP, StepRecord(1, 0, 0, 1.0, 0.1, 8), *EVENTS])
+TIMED = StepRecord(1, 0, 0, 1.0, 0.1, 8, time=1_700_000_003.25)
+
+
+@pytest.mark.parametrize("record", [STEP, StepRecord(1, 0, 0, 1.0, 0.1, 8), TIMED, *EVENTS])
 def test_a_rank_record_reads_back_as_printed(record: StepRecord | RankEvent) -> None:
     line = record.to_line()
     assert "\n" not in line and line.startswith("{")
@@ -204,6 +207,7 @@ def test_the_lines_keep_the_form_every_reader_of_the_logs_knows() -> None:
         "event": "restoring", "generation": 3, "step": 6, "tp_degrees": [4, 4],
         "time": 1_700_000_001.0, "checkpoint": None, "why": "no survivor", "rank": 0}
     assert "checkpoint" not in json.loads(EVENTS[0].to_line())
+    assert json.loads(TIMED.to_line())["time"] == 1_700_000_003.25  # when the step ended
 
 
 def test_a_diverged_loss_is_a_step_all_the_same() -> None:
@@ -245,6 +249,7 @@ _DROP = object()
     (STEP, {"loss": 10**400}, "loss"),
     (STEP, {"step_s": -0.1}, "step_s"),
     (STEP, {"step_s": _DROP}, "step_s"),
+    (STEP, {"time": "now"}, "time"),
     (STEP, {"compute_s": math.inf}, "compute_s"),
     (STEP, {"tp_degrees": [4, 0]}, "tp_degrees"),
     (STEP, {"tp_degrees": "4,3"}, "tp_degrees"),

@@ -11,13 +11,16 @@ from __future__ import annotations
 
 import json
 import shutil
+import threading
 import time
 from dataclasses import replace
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch.distributed as dist
 
+from ntp.distributed import End, EndReason, arrival_key, end_generation, end_key
 from ntp.launch import LaunchReport, launch_local
 from ntp.model import FLAVORS
 from ntp.train import parse_args
@@ -149,6 +152,51 @@ def test_a_killed_rank_reconfigures_live_at_the_default_timeout(tmp_path, capsys
             f"\nkilled rank -> first step on TP4+TP3: {live_s:.2f} s; checkpoint restart: "
             f"{restart_s:.2f} s; ratio {live_s / restart_s:.2f}"
         )
+
+
+@pytest.mark.recovery
+def test_a_death_before_a_planned_switch_does_not_wait_for_the_rendezvous_timeout(
+        tmp_path, capsys):
+    # Generation 2 (a cordon of gpu-node-0/3 after step 5) is published when the process on
+    # gpu-node-1/2 dies at step 3, and still counts on it. The survivors recover into it and
+    # wait at its rendezvous; its node agent ends it, and the operator publishes generation 3
+    # from it without the dead GPU. The survivors go straight on to generation 3, moving their
+    # units from the layout they hold (generation 1's), instead of waiting out the 600 s
+    # rendezvous timeout for a process that will never come.
+    store = new_store()
+    first = first_generation(store, NODE0, NODE1)
+    planned = next_generation(first, (NODE0[:3], NODE1), at_step=5)
+    publish(tmp_path / "live", planned)
+    survivors = len(planned.gpus) - 1
+
+    def agent_and_operator() -> None:
+        store.wait([end_key(1)], timedelta(seconds=150))
+        while store.add(arrival_key(2), 0) < survivors:
+            time.sleep(0.05)
+        end_generation(store, 2, EndReason(End.FAILED, f"no process on {LOST} to carry on"))
+        publish(tmp_path / "live", next_generation(planned, (NODE0[:3], NODE1_LEFT), lost={LOST}))
+
+    helper = threading.Thread(target=agent_and_operator, daemon=True)
+    helper.start()
+    live, report = train(first, store, tmp_path / "live", steps=6, faults={6: 3}, may_fail={6})
+    helper.join()
+    [(killed, killed_at, code)] = report.deaths
+    assert (killed, code) == (6, -9)
+    [switch] = events(live, "reconfigured")
+    assert (switch["generation"], switch["step"], switch["tp_degrees"]) == (3, 3, [3, 3])
+    # Six processes finish, as ranks 0-5 of generation 3; the cordoned one left the job.
+    assert sorted(p.name for p in (tmp_path / "live").glob("rank*.json")) == [
+        f"rank{r}.json" for r in range(6)]
+    # The same layouts switched by plan at step 3: equal losses, so every unit came from
+    # the process that held it in generation 1.
+    plan_store = new_store()
+    plan_first = first_generation(plan_store, NODE0, NODE1)
+    publish(tmp_path / "plan", next_generation(plan_first, (NODE0[:3], NODE1_LEFT), at_step=3))
+    plan, _ = train(plan_first, plan_store, tmp_path / "plan", steps=6)
+    assert live["losses"] == plan["losses"]
+    with capsys.disabled():
+        print(f"\ndeath before a planned switch -> first step on generation 3: "
+              f"{live['step_ends']['4'] - killed_at:.2f} s")
 
 
 def test_a_resumed_job_switches_after_the_checkpoint_it_started_from_is_pruned(tmp_path):
