@@ -24,7 +24,7 @@ COMMANDS: Commands = {
                   "stop a simulated node: heartbeat and pods"),
     "demo": ("tessera_dev.demo", "run the local demo end to end"),
     "simulate": ("tessera_sim.cli", "simulate a large job under GPU failures"),
-    "bench": ("", "benchmarks: `tessera-dev bench ntp|sim|operator|training`"),
+    "bench": ("", "benchmarks: `tessera-dev bench ntp|sim|operator|training|recovery`"),
     "lock": ("tessera_dev.lock",
              "pin each image's whole environment (constraints/) from pyproject.toml's pins"),
     "image-sizes": ("tessera_dev.imagesize",
@@ -38,6 +38,7 @@ BENCHES: dict[str, str] = {
     "sim": "tessera_sim.bench",
     "operator": "tessera_dev.opbench",
     "training": "tessera_dev.trainbench",
+    "recovery": "tessera_dev.recoverybench",
 }
 
 

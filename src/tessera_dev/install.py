@@ -12,6 +12,7 @@ from pathlib import Path
 from kubernetes import client
 
 from tessera_dev import paths, probes
+from tessera_operator.leader import LEASE_NAME
 
 LOCAL_OVERLAY = paths.repo_root() / "manifests" / "local"
 SYSTEM_NS, OPERATOR = "tessera-system", "tessera-operator"
@@ -57,3 +58,25 @@ def wait(api: client.ApiClient, nodes: int, timeout: float = INSTALL_TIMEOUT_S,
     """Until `missing` says nothing is; TimeoutError naming what still was."""
     probes.wait_for("Tessera ready", lambda: missing(api, nodes, namespace),
                     lambda left: left is None, timeout=timeout)
+
+
+def leader_node(api: client.ApiClient, namespace: str = SYSTEM_NS) -> str | None:
+    """The node of the operator replica holding the Lease; None while nobody does."""
+    lease = client.CoordinationV1Api(api).read_namespaced_lease(LEASE_NAME, namespace)
+    if not lease.spec.holder_identity:
+        return None
+    return client.CoreV1Api(api).read_namespaced_pod(lease.spec.holder_identity,
+                                                     namespace).spec.node_name
+
+
+def leader_off(api: client.ApiClient, node: str, timeout: float = INSTALL_TIMEOUT_S,
+               namespace: str = SYSTEM_NS) -> None:
+    """The operator's leader on another node than `node`: a leader there is deleted (it lets
+    the Lease go on SIGTERM) and the standby, on another node, takes over. A test that stops
+    `node` whole keeps the operator out of it, as a real cluster keeps it off GPU nodes."""
+    if leader_node(api, namespace) != node:
+        return
+    lease = client.CoordinationV1Api(api).read_namespaced_lease(LEASE_NAME, namespace)
+    client.CoreV1Api(api).delete_namespaced_pod(lease.spec.holder_identity, namespace)
+    probes.wait_for(f"the operator's leader off {node}", lambda: leader_node(api, namespace),
+                    lambda leader: leader not in (None, node), timeout=timeout)

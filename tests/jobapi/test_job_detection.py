@@ -29,9 +29,9 @@ from kubernetes import client
 
 from tessera_contracts.api import ROLE_LABEL
 from tessera_contracts.progress import NodeReport, progress_configmap, report_key
+from tessera_dev import install
 from tessera_dev.controlplane.launcher import NODE_MONITOR_GRACE
 from tessera_dev.simnode import faults
-from tessera_operator.leader import LEASE_NAME
 
 pytestmark = [pytest.mark.jobapi, pytest.mark.recovery]
 
@@ -39,7 +39,6 @@ JOB = "frozen"
 STEPS = 5000  # never reached: the test ends while the job trains
 BOUND_S = 2.0  # issue 20: survivors learn of a loss in under 2 s
 GRACE_S = float(NODE_MONITOR_GRACE.removesuffix("s"))
-SYSTEM = "tessera-system"
 
 
 class Follow:
@@ -101,26 +100,6 @@ def _node_of(pods: list[dict[str, Any]], role: str) -> str:
     return node
 
 
-def _leader_node(api: client.ApiClient) -> str | None:
-    """The node of the operator replica holding the Lease; None while nobody does."""
-    holder = client.CoordinationV1Api(api).read_namespaced_lease(LEASE_NAME, SYSTEM)
-    if not holder.spec.holder_identity:
-        return None
-    pod = client.CoreV1Api(api).read_namespaced_pod(holder.spec.holder_identity, SYSTEM)
-    return pod.spec.node_name
-
-
-def _leader_off(flow: JobFlow, node: str) -> None:
-    """The operator's leader on another node than `node`: a leader there is deleted (it lets
-    the Lease go on SIGTERM) and the standby, on the other node, takes over."""
-    if _leader_node(flow.api) != node:
-        return
-    holder = client.CoordinationV1Api(flow.api).read_namespaced_lease(LEASE_NAME, SYSTEM)
-    client.CoreV1Api(flow.api).delete_namespaced_pod(holder.spec.holder_identity, SYSTEM)
-    flow.wait(f"the operator's leader off {node}", lambda: _leader_node(flow.api),
-              lambda leader: leader not in (None, node))
-
-
 def _report(flow: JobFlow, node: str) -> NodeReport | None:
     data = client.CoreV1Api(flow.api).read_namespaced_config_map(
         progress_configmap(JOB), flow.namespace).data or {}
@@ -141,7 +120,7 @@ def test_a_node_frozen_whole_is_left_within_seconds(flow, tmp_path, capsys):
                 if p["metadata"]["labels"].get(ROLE_LABEL) == "trainer"}
     [frozen] = [n for n in trainers if n != rendezvous]
     [survivor] = [n for n in trainers if n != frozen]
-    _leader_off(flow, frozen)
+    install.leader_off(flow.api, frozen, HANG_S)
     follow = Follow(flow, trainers[survivor])
     try:
         _, _, line = follow.first("a step", lambda text: (_step(text) or {}).get("step", 0) >= 3)

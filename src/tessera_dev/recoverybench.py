@@ -1,0 +1,526 @@
+"""`tessera-dev bench recovery`: every failure policy on the same job and the same faults.
+
+A local cluster of its own (3 simulated nodes x 2 GPUs, Tessera installed from manifests/local)
+runs one job shape (the example's model, TP2 x DP2, 6 GPUs so that one node is spare,
+checkpointing every `--interval` steps on shared storage) once per policy: NTP, NTP-PW, DROP,
+SPARE and CKPT-RESTART, with the product's timeouts (heartbeat, rendezvous, restart) as shipped.
+Into each run it injects one scripted sequence, each fault once the job trains again after the
+one before: a GPU of the layout falls off the bus (XID 79), that GPU comes back, a GPU of the
+layout is cordoned, a node of the layout freezes whole (its node process and every process of
+its pods SIGSTOPped; the node holding the job's rendezvous is never the one).
+
+It reads what the job did from its trainer pods' logs (each step's end time, samples and
+layout; the node agents' notices of a failure) and reports, per policy and fault, detection,
+pause, steps redone (`tessera_dev.recovery_figures`), and per policy the throughput while
+degraded against healthy, goodput in time and step form, and energy per sample from the
+simulated GPUs' energy counters. A table on stdout; `recovery.json` (`tessera.recovery/v1`, what
+`tessera-dev simulate --pauses` reads) and `recovery.png` (steps over time per policy, faults
+marked) in `--out`. The machine's load average is printed beside each run: on two shared cores
+every figure includes the contention of the control plane, the nodes and the ranks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import yaml
+from kubernetes import client
+
+from tessera_agents.power.sim_backend import SimBackend
+from tessera_cli import cordon
+from tessera_contracts.api import (
+    ATTEMPT_LABEL,
+    GROUP,
+    JOB_LABEL,
+    JOB_PLURAL,
+    ROLE_LABEL,
+    VERSION,
+)
+from tessera_contracts.generation import LAYOUT_KEY, Generation, Gpu, layout_configmap
+from tessera_contracts.model_shape import ModelShape
+from tessera_contracts.rank_events import RecordError, StepRecord, parse_line
+from tessera_dev import demo_data, install, paths, probes
+from tessera_dev.controlplane import cluster, launcher
+from tessera_dev.demo import EXAMPLE
+from tessera_dev.recovery_figures import (
+    Fault,
+    FaultFigures,
+    FiguresError,
+    RunFigures,
+    Step,
+    fault_figures,
+    run_figures,
+    step_time,
+)
+from tessera_dev.simnode import faults
+from tessera_sim.pauses import FORMAT
+
+NODES, GPUS, TP, DP = 3, 2, 2, 2
+# The job's failure policy -> the simulator's name for it (tessera_sim.policies).
+POLICIES = {"NTP": "ntp", "NTP-PW": "ntp-pw", "DROP": "dp-drop", "SPARE": "spares",
+            "CKPT-RESTART": "ckpt-restart"}
+SEQUENCE = ("gpu-lost", "gpu-returned", "gpu-cordoned", "node-lost")
+DETECTED = frozenset({"gpu-lost", "node-lost"})  # the others the job is told of
+# A node agent's notice that a generation failed (`%(asctime)s` first, this host's local time).
+NOTICE = re.compile(r"generation \d+ (ended: )?failed")
+# Guards against a hang, not bounds on how fast anything recovers.
+HANG_S = 300.0
+# A fault after which the job trains this long on the same layout changed nothing for it.
+QUIET_S = 20.0
+
+
+def job_manifest(policy: str, claim: str, interval: int) -> dict[str, Any]:
+    """The example job on this cluster: TP2 x DP2 on 6 GPUs, checkpoints on `claim`."""
+    job = demo_data.without_dataset(yaml.safe_load(EXAMPLE.read_text()))
+    job["metadata"] = {"name": "bench"}
+    spec = job["spec"]
+    spec |= {"tensorParallelSize": TP, "dataParallelReplicas": DP, "gpusPerNode": GPUS,
+             "totalGPUs": NODES * GPUS, "steps": 10_000_000,
+             "checkpointPolicy": {"path": "/checkpoints/run", "intervalSteps": interval}}
+    spec["failurePolicy"] = {"mode": policy, "minTensorParallelSize": 1}
+    if policy == "NTP-PW":
+        spec["powerPolicy"]["rackBudgetWatts"] = GPUS * spec["powerPolicy"]["baseCapWatts"] + 200
+    else:
+        del spec["powerPolicy"]
+    pod = spec["template"]["spec"]
+    pod["volumes"] = [{"name": "checkpoints", "persistentVolumeClaim": {"claimName": claim}}]
+    pod["containers"][0]["volumeMounts"] = [{"name": "checkpoints", "mountPath": "/checkpoints"}]
+    return job
+
+
+@dataclass
+class Watch:
+    """What the job's trainer pods log: steps (one per layout and step) and failure notices."""
+
+    api: client.ApiClient
+    namespace: str
+    job: str
+    steps: dict[tuple[int, int, int], Step] = field(default_factory=dict)
+    notices: list[float] = field(default_factory=list)
+    changed: threading.Condition = field(default_factory=threading.Condition)
+    stopped: threading.Event = field(default_factory=threading.Event)
+    _followed: set[str] = field(default_factory=set)
+
+    def start(self) -> None:
+        threading.Thread(target=self._pods, daemon=True).start()
+
+    def _pods(self) -> None:
+        core = client.CoreV1Api(self.api)
+        while not self.stopped.wait(0.5):
+            try:
+                pods = core.list_namespaced_pod(
+                    self.namespace, label_selector=f"{JOB_LABEL}={self.job},{ROLE_LABEL}=trainer",
+                    _request_timeout=10).items
+            except (client.ApiException, OSError):
+                continue  # the next look
+            for pod in pods:
+                if pod.metadata.name in self._followed or pod.status.phase != "Running":
+                    continue
+                self._followed.add(pod.metadata.name)
+                attempt = int(pod.metadata.labels.get(ATTEMPT_LABEL, "0"))
+                threading.Thread(target=self._follow, args=(pod.metadata.name, attempt),
+                                 daemon=True).start()
+
+    def _follow(self, pod: str, attempt: int) -> None:
+        try:
+            stream = client.CoreV1Api(self.api).read_namespaced_pod_log(
+                pod, self.namespace, container="trainer", follow=True, _preload_content=False)
+            for raw in stream:
+                self._line(raw.decode(errors="replace").rstrip("\n"), attempt)
+        except (client.ApiException, OSError, ValueError):
+            return  # the pod went; what it logged is in
+
+    def _line(self, line: str, attempt: int) -> None:
+        if NOTICE.search(line):
+            try:
+                at = datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+            except ValueError:
+                return
+            with self.changed:
+                self.notices.append(at)
+                self.changed.notify_all()
+            return
+        try:
+            record = parse_line(line)
+        except RecordError:
+            return
+        if not isinstance(record, StepRecord) or record.time is None:
+            return
+        key = (attempt, record.generation, record.step)
+        with self.changed:
+            if key not in self.steps:
+                self.steps[key] = Step(record.time, record.step, record.samples,
+                                       (attempt, record.generation))
+                self.changed.notify_all()
+
+    def snapshot(self) -> list[Step]:
+        with self.changed:
+            return sorted(self.steps.values(), key=lambda s: s.time)
+
+    def until(self, what: str, done: Callable[[list[Step]], bool]) -> list[Step]:
+        deadline = time.monotonic() + HANG_S
+        with self.changed:
+            while True:
+                steps = sorted(self.steps.values(), key=lambda s: s.time)
+                if done(steps):
+                    return steps
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"{what} not seen in {HANG_S:.0f} s; last step "
+                                       f"{steps[-1] if steps else None}")
+                self.changed.wait(min(left, 1.0))
+
+    def first_notice(self, after: float) -> float | None:
+        with self.changed:
+            return min((t for t in self.notices if t > after), default=None)
+
+
+def recovered(at: float, settle: int) -> Callable[[list[Step]], bool]:
+    """The job trains again after a fault at `at`: `settle` steps on a layout other than the
+    one before it, or QUIET_S of steps on the same one (the fault changed nothing for it)."""
+    def done(steps: list[Step]) -> bool:
+        before = [s for s in steps if s.time <= at]
+        after = [s for s in steps if s.time > at]
+        if not before or not after:
+            return False
+        changed = [s for s in after if s.layout != before[-1].layout]
+        if changed:
+            return len([s for s in changed if s.layout == changed[-1].layout]) >= settle
+        return time.time() - at > QUIET_S
+    return done
+
+
+def energy_mj(data_dir: Path) -> float:
+    """Every simulated GPU's energy counter, summed (mJ)."""
+    total = 0.0
+    for name in cluster_nodes():
+        state = faults.node_dir(data_dir, name) / faults.GPU_STATE
+        total += sum(g.energy_mj for g in SimBackend(state_path=state).snapshot())
+    return total
+
+
+def cluster_nodes() -> list[str]:
+    return [spec.name for spec in cluster.node_specs(NODES, GPUS)]
+
+
+def layout(api: client.ApiClient, namespace: str, job: str) -> Generation:
+    data = client.CoreV1Api(api).read_namespaced_config_map(
+        layout_configmap(job), namespace).data or {}
+    return Generation.from_dict(json.loads(data[LAYOUT_KEY]))
+
+
+@dataclass
+class Run:
+    """One policy's run on the cluster: the job, its watch and the faults injected."""
+
+    plane: launcher.ControlPlane
+    running: cluster.Cluster
+    api: client.ApiClient
+    policy: str
+    interval: int
+    settle: int
+    namespace: str = field(default_factory=lambda: f"recovery-{uuid.uuid4().hex[:6]}")
+    faults: list[Fault] = field(default_factory=list)
+    lost: Gpu | None = None
+    cordoned: Gpu | None = None
+    frozen: str | None = None
+
+    def _fault_args(self, *argv: str) -> list[str]:
+        return [*argv, "--data-dir", str(self.plane.data_dir)]
+
+    def inject(self, kind: str) -> None:
+        current = layout(self.api, self.namespace, "bench")
+        if kind == "gpu-lost":
+            self.lost = current.replicas[0][-1]
+            at = time.time()
+            _check(faults.fail_gpu(self._fault_args(self.lost.node, str(self.lost.index))))
+        elif kind == "gpu-returned":
+            assert self.lost is not None, "a GPU returns after one was lost"
+            at = time.time()
+            _check(faults.restore_gpu(self._fault_args(self.lost.node, str(self.lost.index))))
+            self.lost = None
+        elif kind == "gpu-cordoned":
+            self.cordoned = next(g for g in reversed(current.gpus) if g != self.lost)
+            at = time.time()
+            _check(cordon.main([self.cordoned.node, str(self.cordoned.index),
+                                "--kubeconfig", str(self.plane.kubeconfig)]))
+        else:
+            self.frozen = self._freezable(current)
+            at = time.time()
+            _check(faults.fail_node(self._fault_args(self.frozen, "--freeze")))
+        self.faults.append(Fault(kind, at, None))
+
+    def _freezable(self, current: Generation) -> str:
+        """A node of the layout without the job's rendezvous, and with the operator's leader
+        moved off it (on a real cluster neither shares a GPU node)."""
+        pods = client.CoreV1Api(self.api).list_namespaced_pod(
+            self.namespace, label_selector=f"{JOB_LABEL}=bench,{ROLE_LABEL}=rendezvous").items
+        rendezvous = {p.spec.node_name for p in pods}
+        candidates = [n for n in dict.fromkeys(g.node for g in current.gpus)
+                      if n not in rendezvous]
+        if not candidates:
+            raise RuntimeError(f"every node of the layout holds the rendezvous: {rendezvous}")
+        free = [n for n in candidates if n != install.leader_node(self.api)]
+        if free:
+            return free[0]
+        install.leader_off(self.api, candidates[0], HANG_S)
+        return candidates[0]
+
+    def undo(self) -> None:
+        """Every fault still in force taken back: the node thawed, the cordon lifted, the GPU
+        restored."""
+        if self.frozen is not None:
+            faults.fail_node(self._fault_args(self.frozen, "--thaw"))
+        if self.cordoned is not None:
+            cordon.run([self.cordoned.node, str(self.cordoned.index), "--kubeconfig",
+                        str(self.plane.kubeconfig)], cordon=False)
+        if self.lost is not None:
+            faults.restore_gpu(self._fault_args(self.lost.node, str(self.lost.index)))
+
+    @contextmanager
+    def job(self) -> Iterator[Watch]:
+        core = client.CoreV1Api(self.api)
+        core.create_namespace({"metadata": {"name": self.namespace}})
+        try:
+            probes.poll_until(lambda: core.list_namespaced_service_account(
+                self.namespace, field_selector="metadata.name=default").items, timeout=60,
+                error=lambda _: TimeoutError(f"no default service account in {self.namespace}"))
+            claim = self.running.shared_volume(self.api, "checkpoints", self.namespace, "1Gi")
+            client.CustomObjectsApi(self.api).create_namespaced_custom_object(
+                GROUP, VERSION, self.namespace, JOB_PLURAL,
+                job_manifest(self.policy, claim, self.interval))
+            watch = Watch(self.api, self.namespace, "bench")
+            watch.start()
+            try:
+                yield watch
+            finally:
+                watch.stopped.set()
+                self.undo()
+        finally:
+            core.delete_namespace(self.namespace)
+            probes.poll_until(lambda: core.list_namespaced_pod(self.namespace).items,
+                              lambda pods: not pods, timeout=HANG_S, interval=0.5,
+                              error=lambda last: TimeoutError(f"pods of {self.namespace} left"))
+
+    def status(self) -> dict[str, Any]:
+        job = client.CustomObjectsApi(self.api).get_namespaced_custom_object(
+            GROUP, VERSION, self.namespace, JOB_PLURAL, "bench")
+        return job.get("status") or {}
+
+
+def _check(code: int) -> None:
+    if code != 0:
+        raise RuntimeError(f"a fault could not be injected (exit {code})")
+
+
+@dataclass
+class Result:
+    policy: str
+    steps: list[Step]
+    faults: list[Fault]
+    figures: list[FaultFigures]
+    run: RunFigures
+    status_goodput: float | None
+    load: tuple[float, float]  # 1-minute load average before and after
+
+
+def bench_policy(plane: launcher.ControlPlane, running: cluster.Cluster, api: client.ApiClient,
+                 policy: str, sequence: tuple[str, ...], interval: int, warmup: int,
+                 settle: int) -> Result:
+    load_before = os.getloadavg()[0]
+    run = Run(plane, running, api, policy, interval, settle)
+    with run.job() as watch:
+        watch.until("the job's first steps", lambda s: len(s) >= warmup + settle)
+        start_mj, start_at = energy_mj(plane.data_dir), time.time()
+        for kind in sequence:
+            run.inject(kind)
+            watch.until(f"training after the {kind}", recovered(run.faults[-1].at, settle))
+        stop_at = time.time()
+        run.undo()
+        run.frozen = run.cordoned = None
+        energy_j = (energy_mj(plane.data_dir) - start_mj) / 1e3
+        status = run.status()
+        steps = watch.snapshot()
+    noticed = [Fault(f.kind, f.at, watch.first_notice(f.at) if f.kind in DETECTED else None)
+               for f in run.faults]
+    ends = [f.at for f in noticed[1:]] + [stop_at]
+    figures = [fault_figures(steps, f, until) for f, until in zip(noticed, ends, strict=True)]
+    inside = [s for s in steps if s.time <= stop_at]
+    # energy from the start snapshot to the end one, per unique sample done between them
+    window = [s for s in inside if s.time >= start_at]
+    per_sample = run_figures(window, noticed, figures, 0, energy_j).energy_j_per_sample
+    figures_run = run_figures(inside, noticed, figures, warmup, None)
+    figures_run = RunFigures(**(vars(figures_run) | {"energy_j_per_sample": per_sample}))
+    return Result(policy, steps, noticed, figures, figures_run, status.get("goodput"),
+                  (load_before, os.getloadavg()[0]))
+
+
+def document(results: list[Result], interval: int, warmup: int) -> dict[str, Any]:
+    """The bench's file: `tessera.recovery/v1` (tessera_sim.pauses) with each run's figures."""
+    shape = ModelShape.from_spec(yaml.safe_load(EXAMPLE.read_text())["spec"]["model"])
+    first = results[0]
+    step_s = step_time(first.steps[warmup:], first.steps[warmup].time, first.faults[0].at
+                       if first.faults else first.steps[-1].time)
+    return {
+        "format": FORMAT,
+        "note": f"measured by `tessera-dev bench recovery` on {os.cpu_count()} cores; the "
+                f"checkpoint interval is {interval} steps (the product's default, 1000, would "
+                "take the bench's job minutes to reach)",
+        "job": {"gpus": TP * DP, "nodes": NODES, "gpus_per_node": GPUS, "tp": TP, "pp": 1,
+                "dp": DP, "parameters": parameters(shape), "step_seconds": round(step_s, 4),
+                "checkpoint_interval_steps": interval,
+                "checkpoint_interval_seconds": round(interval * step_s, 3)},
+        "policies": {POLICIES[r.policy]: {"faults": [_rounded(f.to_dict()) for f in r.figures]}
+                     for r in results},
+        "runs": {POLICIES[r.policy]: _rounded(r.run.to_dict() | {
+            "status_goodput": r.status_goodput, "load_before": r.load[0],
+            "load_after": r.load[1]}) for r in results},
+    }
+
+
+def parameters(shape: ModelShape) -> int:
+    """The dense model's parameter count (embedding, every layer's units and norms, output)."""
+    from ntp.model import ModelArgs, parameter_shapes  # torch: only when the bench reports
+
+    return sum(math.prod(dims) for dims in parameter_shapes(ModelArgs.of_shape(shape)).values())
+
+
+def _rounded(values: dict[str, Any]) -> dict[str, Any]:
+    return {k: round(v, 4) if isinstance(v, float) else v for k, v in values.items()}
+
+
+def table(results: list[Result]) -> str:
+    rows = ["| policy | fault | detection s | pause s | steps redone | relaid |",
+            "| --- | --- | --- | --- | --- | --- |"]
+    for r in results:
+        for f in r.figures:
+            detection = "-" if f.detection_s is None else f"{f.detection_s:.2f}"
+            rows.append(f"| {r.policy} | {f.kind} | {detection} | {f.pause_s:.2f} | "
+                        f"{f.steps_redone} | {'yes' if f.relaid else 'no'} |")
+    rows += ["", "| policy | healthy samples/s | degraded / healthy | goodput time | goodput "
+             "step | status goodput | J / sample | load 1-min before / after |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in results:
+        g = r.run
+        degraded = "-" if g.degraded_over_healthy is None else f"{g.degraded_over_healthy:.3f}"
+        energy = "-" if g.energy_j_per_sample is None else f"{g.energy_j_per_sample:.1f}"
+        status = "-" if r.status_goodput is None else f"{r.status_goodput:.3f}"
+        rows.append(f"| {r.policy} | {g.healthy_samples_per_s:.1f} | {degraded} | "
+                    f"{g.goodput_time:.3f} | {g.goodput_step:.3f} | {status} | {energy} | "
+                    f"{r.load[0]:.1f} / {r.load[1]:.1f} |")
+    return "\n".join(rows)
+
+
+def ratios(results: list[Result]) -> list[str]:
+    """NTP's pause against checkpoint-restart's per fault, and NTP's steps redone."""
+    by = {r.policy: r for r in results}
+    out = []
+    if "NTP" in by and "CKPT-RESTART" in by:
+        for ntp, ckpt in zip(by["NTP"].figures, by["CKPT-RESTART"].figures, strict=False):
+            if ntp.kind == ckpt.kind and ckpt.pause_s > 0:
+                out.append(f"{ntp.kind}: NTP pause / CKPT-RESTART pause = "
+                           f"{ntp.pause_s / ckpt.pause_s:.3f} (target <= 0.1)")
+    if "NTP" in by:
+        out.append(f"NTP steps redone: {sum(f.steps_redone for f in by['NTP'].figures)} "
+                   "(target 0)")
+    return out
+
+
+def plot(results: list[Result], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(results), 1, figsize=(9, 2.2 * len(results)), sharex=True,
+                             squeeze=False)
+    for ax, r in zip(axes[:, 0], results, strict=True):
+        t0 = r.steps[0].time
+        ax.plot([s.time - t0 for s in r.steps], [s.step for s in r.steps], ".", markersize=2)
+        for f in r.faults:
+            ax.axvline(f.at - t0, color="red", linewidth=0.8)
+            ax.annotate(f.kind, (f.at - t0, 0), rotation=90, fontsize=7, color="red",
+                        xytext=(2, 2), textcoords="offset points")
+        ax.set_ylabel(f"{r.policy}\nstep")
+    axes[-1, 0].set_xlabel("seconds since the job's first step")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="tessera-dev bench recovery", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--policies", default=",".join(POLICIES),
+                        help="comma-separated failure policies (default: all five)")
+    parser.add_argument("--faults", default=",".join(SEQUENCE),
+                        help=f"the fault sequence, in order (default: {','.join(SEQUENCE)})")
+    parser.add_argument("--interval", type=int, default=50, help="checkpoint every N steps")
+    parser.add_argument("--warmup", type=int, default=5,
+                        help="steps left out of the healthy rate")
+    parser.add_argument("--settle", type=int, default=8,
+                        help="steps on a new layout before the next fault")
+    parser.add_argument("--out", type=Path, default=paths.default_data_dir().parent / "bench",
+                        help="where recovery.json and recovery.png go (default: %(default)s)")
+    opts = parser.parse_args(argv)
+    opts.policies = [p for p in opts.policies.split(",") if p]
+    opts.faults = tuple(f for f in opts.faults.split(",") if f)
+    unknown = [p for p in opts.policies if p not in POLICIES]
+    if unknown or not opts.policies:
+        parser.error(f"--policies: one or more of {', '.join(POLICIES)}; got {unknown}")
+    bad = [f for f in opts.faults if f not in SEQUENCE]
+    if bad or not opts.faults:
+        parser.error(f"--faults: one or more of {', '.join(SEQUENCE)}; got {bad}")
+    if "gpu-returned" in opts.faults and "gpu-lost" not in opts.faults[
+            :opts.faults.index("gpu-returned")]:
+        parser.error("--faults: gpu-returned needs a gpu-lost before it")
+    return opts
+
+
+def main(argv: list[str]) -> int:
+    opts = parse_args(argv)
+    opts.out.mkdir(parents=True, exist_ok=True)
+    results = []
+    started = time.monotonic()
+    with launcher.ControlPlane.start(bin_dir=launcher.prebuilt()) as plane:
+        running = cluster.Cluster.start(plane, cluster.node_specs(NODES, GPUS))
+        try:
+            install.apply(plane.kubeconfig)
+            with plane.api_client() as api:
+                install.wait(api, NODES, timeout=HANG_S)
+                for policy in opts.policies:
+                    print(f"{policy}: running {', '.join(opts.faults)} ...", flush=True)
+                    try:
+                        results.append(bench_policy(plane, running, api, policy, opts.faults,
+                                                    opts.interval, opts.warmup, opts.settle))
+                    except (FiguresError, TimeoutError, RuntimeError) as exc:
+                        print(f"{policy}: no figures: {exc}", flush=True)
+        finally:
+            running.stop()
+    if not results:
+        print("tessera-dev bench recovery: no policy ran to the end")
+        return 1
+    doc = document(results, opts.interval, opts.warmup)
+    (opts.out / "recovery.json").write_text(json.dumps(doc, indent=1) + "\n")
+    plot(results, opts.out / "recovery.png")
+    print(table(results))
+    print("\n".join(ratios(results)))
+    print(f"{len(results)} policies in {time.monotonic() - started:.0f} s on "
+          f"{os.cpu_count()} cores; the load averages above are the machine's while each ran "
+          "(the control plane, 3 nodes and the job's ranks share these cores, so every time "
+          "includes their contention)")
+    print(f"wrote {opts.out / 'recovery.json'} and {opts.out / 'recovery.png'}")
+    return 0 if len(results) == len(opts.policies) else 1
