@@ -61,7 +61,12 @@ from ntp.sources import (
     wait_for,
 )
 from tessera_contracts.generation import Rendezvous
-from tessera_contracts.invocation import InvocationError, RankInvocation, rank_help
+from tessera_contracts.invocation import (
+    STRANDED_EXIT,
+    InvocationError,
+    RankInvocation,
+    rank_help,
+)
 from tessera_contracts.model_shape import PlanError
 from tessera_contracts.rank_events import EventKind, RankEvent, StepRecord
 from tessera_core.plan import JobLayout, RankShard, ReplicaLayout, reshard_moves
@@ -137,6 +142,11 @@ def model_args(
 
 class GenerationEnded(RuntimeError):
     """The generation this work belonged to is over; the thread doing it was abandoned."""
+
+
+class Stranded(RuntimeError):
+    """A generation failed and no later one was published in time: nobody plans the job's next
+    layout (the rank exits with STRANDED_EXIT)."""
 
 
 @dataclass
@@ -269,7 +279,7 @@ class Trainer:
                 following = wait_for(self.source, target.generation + 1,
                                      self.reconfigure_timeout_s)
                 if following is None:
-                    raise RuntimeError(
+                    raise Stranded(
                         f"{exc}; no generation {target.generation + 1} appeared within "
                         f"{self.reconfigure_timeout_s:.0f} s") from None
                 if following.origin is None:
@@ -448,7 +458,7 @@ class Trainer:
         self.watch.join()  # its abort has failed whatever was still in flight
         following = wait_for(self.source, self.generation + 1, self.reconfigure_timeout_s)
         if following is None:
-            raise RuntimeError(
+            raise Stranded(
                 f"generation {self.generation} failed and no generation {self.generation + 1} "
                 f"appeared within {self.reconfigure_timeout_s:.0f} s: {error}"
             )
@@ -792,8 +802,17 @@ def main(
     argv: list[str] | None = None, before_step: Callable[[Trainer], None] | None = None
 ) -> int:
     """Run one rank (RANK, WORLD_SIZE; MASTER_ADDR/PORT for explicit layouts). `before_step`
-    runs at every step boundary: failure drills hook in there, outside the training loop."""
-    invocation, opts = parse_args(sys.argv[1:] if argv is None else argv)
+    runs at every step boundary: failure drills hook in there, outside the training loop. A
+    rank left with no generation to go on in exits with STRANDED_EXIT."""
+    try:
+        return _run_rank(sys.argv[1:] if argv is None else argv, before_step)
+    except Stranded as exc:
+        print(f"ntp.train: {exc}", file=sys.stderr, flush=True)
+        return STRANDED_EXIT
+
+
+def _run_rank(argv: list[str], before_step: Callable[[Trainer], None] | None) -> int:
+    invocation, opts = parse_args(argv)
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1 PID` prints every thread's stack
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     # 1. The generation this process starts in, and where later ones appear.

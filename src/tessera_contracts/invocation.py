@@ -26,6 +26,10 @@ from typing import NoReturn
 METRICS_PORT = 9300
 # What a rank runs when given neither --steps nor --until-step.
 DEFAULT_RANK_STEPS = 10
+# A rank's exit status when its generation failed and no later one was published within its
+# reconfiguration timeout: the job cannot go on live, and its node agent fails the pod (so the
+# operator restarts the job from its checkpoint) rather than wait for a generation nobody plans.
+STRANDED_EXIT = 3
 # The trainer options the agent sets for each rank itself: refused after the agent's `--`.
 RANK_OPTIONS = ("--layout", "--layout-dir", "--steps", "--until-step", "--join")
 

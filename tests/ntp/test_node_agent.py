@@ -130,7 +130,7 @@ class Job:
         return self.tmp / "out"
 
     @classmethod
-    def start(cls, tmp: Path, port: int) -> Job:
+    def start(cls, tmp: Path, port: int, reconfigure_timeout_s: float = PHASE_S) -> Job:
         (tmp / "generations").mkdir()
         devices = {node: tmp / "dev" / node for node in NODES}
         for directory in devices.values():
@@ -143,7 +143,8 @@ class Job:
             [sys.executable, "-m", "ntp.nodeagent", "--node", node, "--until-step", str(STEPS),
              "--generations", str(tmp / "generations"), "--work-dir", str(tmp / "work" / node),
              "--metrics-port", "0",
-             "--", "--out", str(tmp / "out"), "--reconfigure-timeout", str(PHASE_S)],
+             "--", "--out", str(tmp / "out"), "--reconfigure-timeout",
+             str(reconfigure_timeout_s)],
             logs[node],
             {"TESSERA_SIM_DEVICES": str(devices[node]), "NVIDIA_VISIBLE_DEVICES": "0,1",
              "OMP_NUM_THREADS": "1"},
@@ -333,6 +334,25 @@ def test_a_node_lost_whole_is_left_by_the_others_as_soon_as_the_next_generation_
     losses = by_step(rank[0])
     assert sorted(losses) == list(range(1, STEPS + 1))
     assert losses == pytest.approx(failure_free, abs=1e-4)
+
+
+@pytest.mark.recovery
+def test_ranks_nobody_plans_a_next_generation_for_fail_their_pods_with_the_reason(
+        tmp_path, rendezvous):
+    # A rank dies on a GPU its health signals call good (a bug, an OOM kill): no generation
+    # follows, as none would from the operator. The survivors give up after their
+    # reconfiguration timeout (3 s here) and each agent stops with the reason: the pod fails,
+    # which the operator restarts from the checkpoint, instead of both waiting forever.
+    job = Job.start(tmp_path, rendezvous, reconfigure_timeout_s=3)
+    probes.poll_until(lambda: last_step(job.logs[NODES[0]]), lambda step: step >= 1,
+                      timeout=PHASE_S, error=lambda _: AssertionError("no step"))
+    job.fail(LOST)
+    for node, agent in job.agents.items():
+        assert agent.wait(timeout=PHASE_S) == 1, job.logs[node].read_text()[-3000:]
+        assert "no later one was published within its reconfiguration timeout" in \
+            job.logs[node].read_text()
+    for node, report in job.reports().items():
+        assert report.state is State.FAILED and "cannot go on live" in report.message, node
 
 
 def test_a_malformed_generation_is_logged_and_waited_out(tmp_path, caplog):

@@ -14,7 +14,9 @@ the current generation lists:
   (the agent's `--until-step`, which it gives each rank), whatever step it starts at. The
   command lines are `tessera_contracts.invocation`'s;
 - a rank that dies (its GPU failed) ends the generation it was in on the job's store (the
-  failure notice every survivor watches); the other ranks keep running;
+  failure notice every survivor watches); the other ranks keep running. A rank stranded after a
+  failure (no later generation within its reconfiguration timeout: nobody plans one) stops the
+  agent with that reason, so the pod fails and the job restarts from its checkpoint;
 - each rank holds its GPU: `CUDA_VISIBLE_DEVICES` on a real node; on the local cluster's
   simulated nodes the device file `$TESSERA_SIM_DEVICES/nvidia<INDEX>`, open for the rank's
   lifetime as a CUDA process holds /dev/nvidia<INDEX>, so `tessera-dev fail-gpu` kills exactly it.
@@ -74,6 +76,7 @@ from ntp.nodeagent.progress import RELAY_GRACE_S, NodeProgress, Reporter
 from ntp.sources import FileGenerationSource
 from tessera_contracts.generation import Generation, GenerationError, Gpu, Rendezvous
 from tessera_contracts.invocation import (
+    STRANDED_EXIT,
     RankInvocation,
 )
 from tessera_contracts.progress import Device, NodeReport
@@ -556,6 +559,10 @@ class NodeAgent:
         if self.finished:
             self.failed_after_finish.append(f"pid {pid} on {process.gpu} {why}")
             return
+        if code == STRANDED_EXIT:
+            raise AgentError(
+                f"pid {pid} on {process.gpu}: its generation failed and no later one was "
+                "published within its reconfiguration timeout; the job cannot go on live")
         assert self.store is not None
         self.progress.interrupted(f"pid {pid} on {process.gpu} {why}")
         # Ranks record the generation they are in under this host's name (register_process).
