@@ -122,9 +122,11 @@ def unique_samples(steps: Sequence[Step], start: float) -> int:
 
 
 def run_figures(steps: Sequence[Step], faults: Sequence[Fault], figures: Sequence[FaultFigures],
-                warmup: int, energy_j: float | None) -> RunFigures:
+                warmup: int, energy_j: float | None, energy_since: float | None = None
+                ) -> RunFigures:
     """The run's figures; `figures` are `faults`' figures in the same order, `warmup` the steps left
-    out of the healthy rate, `energy_j` the GPUs' energy from the first step to the last."""
+    out of the healthy rate, `energy_j` the GPUs' energy from `energy_since` (the first counted
+    step, if not given) to the last step."""
     if len(faults) != len(figures):
         raise FiguresError(f"{len(faults)} faults, figures for {len(figures)}")
     steps = ordered(steps)
@@ -147,10 +149,11 @@ def run_figures(steps: Sequence[Step], faults: Sequence[Fault], figures: Sequenc
     lost = sum(max(0.0, f.pause_s - healthy_step) + f.steps_redone * healthy_step
                for f in figures)
     done = unique_samples(steps, start)
+    metered = done if energy_since is None else unique_samples(steps, energy_since)
     return RunFigures(
         healthy_samples_per_s=healthy,
         degraded_over_healthy=degraded,
         goodput_time=max(0.0, 1 - lost / window),
         goodput_step=done / (healthy * window),
-        energy_j_per_sample=None if energy_j is None or done == 0 else energy_j / done,
+        energy_j_per_sample=None if energy_j is None or metered == 0 else energy_j / metered,
     )

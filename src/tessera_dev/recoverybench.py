@@ -359,11 +359,7 @@ def bench_policy(plane: launcher.ControlPlane, running: cluster.Cluster, api: cl
     ends = [f.at for f in noticed[1:]] + [stop_at]
     figures = [fault_figures(steps, f, until) for f, until in zip(noticed, ends, strict=True)]
     inside = [s for s in steps if s.time <= stop_at]
-    # energy from the start snapshot to the end one, per unique sample done between them
-    window = [s for s in inside if s.time >= start_at]
-    per_sample = run_figures(window, noticed, figures, 0, energy_j).energy_j_per_sample
-    figures_run = run_figures(inside, noticed, figures, warmup, None)
-    figures_run = RunFigures(**(vars(figures_run) | {"energy_j_per_sample": per_sample}))
+    figures_run = run_figures(inside, noticed, figures, warmup, energy_j, start_at)
     return Result(policy, steps, noticed, figures, figures_run, status.get("goodput"),
                   (load_before, os.getloadavg()[0]))
 

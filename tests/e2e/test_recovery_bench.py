@@ -66,6 +66,9 @@ def test_the_run_figures_follow_their_definitions():
     # steps 4..40 done once each, against the healthy pace over the same window
     assert live.goodput_step == pytest.approx(37 * BATCH / (BATCH / T * window))
     assert live.energy_j_per_sample == pytest.approx(400.0 / (37 * BATCH))
+    # energy metered from just before the fault, when no step had ended since: steps 21..40
+    metered = run_figures(LIVE, [LOST], [fault_figures(LIVE, LOST)], 2, 400.0, 10.1)
+    assert metered.energy_j_per_sample == pytest.approx(400.0 / (20 * BATCH))
     restart = run_figures(RESTART, [LOST], [fault_figures(RESTART, LOST)], 2, None)
     window = (30.0 + 29 * T) - 1.5
     assert restart.goodput_time == pytest.approx(1 - ((20.0 - T) + 5 * T) / window)

@@ -66,7 +66,8 @@ def test_unknown_subcommand_fails_with_usage(command):
 
 def test_bench_names_its_benchmarks_and_refuses_unknown_ones():
     shown = tessera("bench", "--help")
-    assert shown.returncode == 0 and "{ntp,sim,operator,training,recovery}" in shown.stdout, shown.stderr
+    names = "{ntp,sim,operator,training,recovery}"
+    assert shown.returncode == 0 and names in shown.stdout, shown.stderr
     wrong = tessera("bench", "frobnicate")
     assert wrong.returncode == 2
     assert "unknown benchmark 'frobnicate'" in wrong.stderr
