@@ -381,10 +381,13 @@ def render_measured(
     scaled: pauses.ScaledPauses, rows: list[dict[str, Any]], console: Console
 ) -> None:
     job, f = scaled.job, scaled.factors
+    m = f.model
     table = Table(
         title=f"Goodput with the measured pauses (--pauses: a {job.gpus}-GPU, {job.nodes}-node "
-        f"bench of {job.parameters:,} parameters; parts scaled x{f.bytes_per_gpu:.3g} by "
-        f"parameters per GPU, restart x{f.restart:.3g} for {f.sim_nodes:,} nodes)",
+        f"bench of {job.parameters:,} parameters; rest scaled x{f.restart:.3g} for "
+        f"{f.sim_nodes:,} nodes against {f.bench_nodes}; {f.shard_bytes / pauses.GB:.3g} GB "
+        f"per GPU moved at {m.storage_gbps:g} GB/s from storage, {m.scale_out_gbps:g} GB/s "
+        f"scale-out, {m.scale_up_gbps:g} GB/s scale-up)",
         box=box.SIMPLE_HEAD,
         pad_edge=False,
     )

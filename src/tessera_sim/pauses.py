@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from tessera_sim.config import MAX_DAYS, SimConfig
@@ -19,6 +19,17 @@ FAILURE_KINDS: tuple[str, ...] = ("gpu-lost", "gpu-cordoned", "node-lost")
 REPAIR_KIND = "gpu-returned"
 # The one policy that restarts the job; every other one relays its groups out live.
 RESTART_POLICY = "ckpt-restart"
+# Where a recovering GPU's state comes from, by policy, as the ScalingModel bandwidth it moves
+# at: a restart reads its shard from checkpoint storage; a spare or a regrouped data-parallel
+# group copies a whole shard from a peer replica over the scale-out network; an NTP survivor
+# takes a share of the lost GPU's units over the scale-up domain (NVLink).
+LINKS: dict[str, str] = {
+    RESTART_POLICY: "storage_gbps",
+    "spares": "scale_out_gbps", "dp-drop": "scale_out_gbps", "dp-drop-unpacked": "scale_out_gbps",
+    "ntp": "scale_up_gbps", "ntp-pw": "scale_up_gbps", "tessera": "scale_up_gbps",
+}  # fmt: skip
+# Bytes per GB of the bandwidths: decimal, as link and storage speeds are quoted.
+GB = 1e9
 # A scaled pause must fit the simulator's clock, as --reconfigure-seconds must.
 MAX_PAUSE_S = 86_400 * MAX_DAYS
 
@@ -64,7 +75,8 @@ class MeasuredFault:
 
     @property
     def rest_s(self) -> float:
-        """The pause less detection and checkpoint load: restart or live relayout."""
+        """The pause less detection and checkpoint load: pod replacement, process start,
+        planning, rendezvous and communicator set-up (README "Measured pauses")."""
         return self.pause_s - (self.detection_s or 0.0) - self.checkpoint_load_s
 
 
@@ -77,22 +89,43 @@ class MeasuredPauses:
 
 @dataclass(frozen=True)
 class ScalingModel:
-    """The knobs of the scaling model (README "Measured pauses")."""
+    """The knobs of the scaling model (README "Measured pauses"): assumptions about the simulated
+    cluster, to change for one's own hardware."""
 
     # GPUs per node of the simulated cluster (an HGX node), for its node count.
     gpus_per_node: int = 8
+    # What the checkpoint holds per parameter: the fp32 weight and AdamW's two fp32 moments.
+    bytes_per_parameter: float = 12.0
+    # Per GPU, GB/s: a parallel file system's share of its read bandwidth.
+    storage_gbps: float = 2.0
+    # Per GPU, GB/s: one 400 Gb/s NIC per GPU, as in an HGX H100/H200 node.
+    scale_out_gbps: float = 50.0
+    # Per GPU, GB/s: NVLink 4's 900 GB/s bidirectional, one direction.
+    scale_up_gbps: float = 450.0
+
+    def __post_init__(self) -> None:
+        # A zero knob would divide by zero deep in the scaling; name it here instead.
+        for knob in fields(self):
+            value = getattr(self, knob.name)
+            if not value > 0:
+                raise ValueError(f"ScalingModel.{knob.name} must be > 0, got {value!r}")
 
 
 @dataclass(frozen=True)
 class Factors:
-    """What each part of a measured pause is multiplied by, bench job -> simulated job."""
+    """How the parts of a measured pause grow from the bench's job to the simulated one."""
 
-    # Checkpoint load and live relayout: parameters per GPU, parameters / (tp x pp).
-    bytes_per_gpu: float
-    # Restart (pod replacement, process start, rendezvous): log2(2 x nodes).
+    # Everything but detection, checkpoint load and transfer: log2(2 x sim nodes) over the bench's.
     restart: float
     bench_nodes: int
     sim_nodes: int
+    # The simulated job's state per GPU: parameters / (tp x pp) x bytes per parameter.
+    shard_bytes: float
+    # Policy -> {"failure": s, "repair": s}: the bytes a recovering GPU receives on the simulated
+    # job over the link its policy uses; the bench's job is too small to show them.
+    transfer_s: dict[str, dict[str, float]]
+    # The assumptions the transfers were computed with, for the record.
+    model: ScalingModel
 
 
 @dataclass(frozen=True)
@@ -157,20 +190,26 @@ def parameters(cfg: SimConfig) -> int:
 def factors(job: BenchJob, cfg: SimConfig, model: ScalingModel = ScalingModel()) -> Factors:
     """The scale factors from the bench's job to `cfg`'s."""
     sim_nodes = math.ceil(cfg.gpus / model.gpus_per_node)
+    shard = parameters(cfg) / (cfg.tp * cfg.pp) * model.bytes_per_parameter
     return Factors(
-        bytes_per_gpu=(parameters(cfg) / (cfg.tp * cfg.pp)) / (job.parameters / (job.tp * job.pp)),
         restart=math.log2(2 * sim_nodes) / math.log2(2 * job.nodes),
         bench_nodes=job.nodes,
         sim_nodes=sim_nodes,
+        shard_bytes=shard,
+        transfer_s={name: _transfers(name, shard, cfg.tp, model) for name in POLICY_NAMES},
+        model=model,
     )
 
 
 def scale_fault(fault: MeasuredFault, policy: str, f: Factors) -> float:
-    """The fault's pause on the simulated job: detection held, checkpoint load by the bytes per
-    GPU, the rest by the restart factor (ckpt-restart) or the bytes per GPU (live relayout)."""
-    rest = f.restart if policy == RESTART_POLICY else f.bytes_per_gpu
+    """The fault's pause on the simulated job: detection and checkpoint load held, the rest by the
+    restart factor, plus the policy's transfer of the simulated job's bytes."""
+    which = "repair" if fault.kind == REPAIR_KIND else "failure"
     return (
-        (fault.detection_s or 0.0) + fault.checkpoint_load_s * f.bytes_per_gpu + fault.rest_s * rest
+        (fault.detection_s or 0.0)
+        + fault.checkpoint_load_s
+        + fault.rest_s * f.restart
+        + f.transfer_s[policy][which]
     )
 
 
@@ -220,6 +259,16 @@ def apply(policies: Sequence[Policy], scaled: ScaledPauses) -> tuple[Policy, ...
         charged = {k: getattr(s, k) for k in stalls if s and getattr(s, k) is not None}
         out.append(replace(p, **charged))
     return tuple(out)
+
+
+def _transfers(policy: str, shard: float, tp: int, model: ScalingModel) -> dict[str, float]:
+    """Seconds for a recovering GPU to receive its bytes under `policy`, on failure and repair:
+    a whole shard, except an NTP survivor's share of a lost GPU's, shard / (tp - 1)."""
+    link = LINKS[policy]
+    whole = shard / (getattr(model, link) * GB)
+    # With TP1 there is no survivor to share the lost units among: the whole shard moves.
+    survivors = max(tp - 1, 1) if link == "scale_up_gbps" else 1
+    return {"failure": whole / survivors, "repair": whole}
 
 
 def _object(doc: dict[str, Any], key: str) -> dict[str, Any]:

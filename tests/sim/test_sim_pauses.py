@@ -48,25 +48,30 @@ def test_the_paper_model_has_its_487b_parameters() -> None:
 
 
 def test_scaled_pauses_are_the_documented_model(paper_config: SimConfig) -> None:
-    # The README's model, written out: detection held; checkpoint load and live relayout times
-    # the parameters per GPU, P / (tp x pp), sim over bench; a restart's rest times
-    # log2(2 x nodes), sim (gpus / 8 per node) over bench; a restart also loses half the
-    # simulated checkpoint interval. Per policy the mean over the failure kinds present.
+    # The README's model, written out: detection and checkpoint load held; the rest times
+    # R = log2(2 x nodes), sim (32,768 GPUs / 8 per node) over bench; plus the simulated shard,
+    # P / (tp x pp) x 12 bytes, over the policy's link: from storage at 2 GB/s (a restart), from
+    # a peer over 50 GB/s scale-out (spares, DP regrouping), or, for an NTP survivor, 1/(tp - 1)
+    # of it over 450 GB/s NVLink (the whole shard for a returned GPU). A restart also loses half
+    # the simulated checkpoint interval. Per policy the mean over the failure kinds present.
     doc = sample()
     job = doc["job"]
-    b = (model_parameters(paper_config) / (32 * 8)) / (job["parameters"] / (job["tp"] * job["pp"]))
     r = math.log2(2 * 32_768 / 8) / math.log2(2 * job["nodes"])
+    shard = model_parameters(paper_config) / (32 * 8) * 12
+    storage, scale_out = shard / 2e9, shard / 50e9
+    survivor, returned = shard / 31 / 450e9, shard / 450e9
     restart = [
-        3.0 + 2.5 * b + (31.0 - 3.0 - 2.5) * r,  # gpu-lost
-        3.5 + 2.5 * b + (36.0 - 3.5 - 2.5) * r,  # node-lost
-        0.0 + 2.4 * b + (24.0 - 2.4) * r,  # gpu-cordoned: announced, not detected
+        3.0 + 2.5 + (31.0 - 3.0 - 2.5) * r + storage,  # gpu-lost
+        3.5 + 2.5 + (36.0 - 3.5 - 2.5) * r + storage,  # node-lost
+        0.0 + 2.4 + (24.0 - 2.4) * r + storage,  # gpu-cordoned: announced, not detected
     ]
     expected = {
         "ckpt-restart": (sum(restart) / 3 + 60 * 30 / 2, 0.0),
-        "ntp": (((3.0 + (4.2 - 3.0) * b) + 0.9 * b) / 2, 1.1 * b),
-        "dp-drop": (3.0 + (4.6 - 3.0) * b, 1.2 * b),
+        "ntp": (((3.0 + (4.2 - 3.0) * r) + 0.9 * r) / 2 + survivor, 1.1 * r + returned),
+        "ntp-pw": (((3.0 + (4.3 - 3.0) * r) + 1.0 * r) / 2 + survivor, 1.1 * r + returned),
+        "dp-drop": (3.0 + (4.6 - 3.0) * r + scale_out, 1.2 * r + scale_out),
         # No repair measured: the assumed one (none) stays.
-        "spares": (3.0 + (6.0 - 3.0) * b, 0.0),
+        "spares": (3.0 + (6.0 - 3.0) * r + scale_out, 0.0),
     }
     assumed = {p.name: p for p in build_policies(paper_config)}
     scaled = pauses.scale(pauses.parse(doc), paper_config)
@@ -76,9 +81,67 @@ def test_scaled_pauses_are_the_documented_model(paper_config: SimConfig) -> None
         assert charged[name].repair_stall_s == pytest.approx(repair, rel=1e-12), name
     for name in ("dp-drop-unpacked", "tessera"):
         assert charged[name] == assumed[name]
+    # The factors study.json carries: R = 13 / 2 for 4,096 nodes against 2; a 22.9 GB shard.
+    f = scaled.factors
+    assert (f.restart, f.bench_nodes, f.sim_nodes) == (6.5, 2, 4096)
+    assert f.shard_bytes == pytest.approx(shard, rel=1e-12)
+    links = {"ckpt-restart": (storage, storage), "spares": (scale_out, scale_out),
+             "dp-drop": (scale_out, scale_out), "dp-drop-unpacked": (scale_out, scale_out),
+             "ntp": (survivor, returned), "ntp-pw": (survivor, returned),
+             "tessera": (survivor, returned)}  # fmt: skip
+    assert set(f.transfer_s) == set(links) == set(POLICY_NAMES)
+    for name, (failure, repair) in links.items():
+        assert f.transfer_s[name]["failure"] == pytest.approx(failure, rel=1e-12), name
+        assert f.transfer_s[name]["repair"] == pytest.approx(repair, rel=1e-12), name
     # The measured pauses replace the assumed 25-min restart and 60 s reconfiguration.
     assert assumed["ckpt-restart"].failure_stall_s == 1500.0
     assert assumed["ntp"].failure_stall_s == assumed["ntp"].repair_stall_s == 60.0
+
+
+def test_a_live_relayout_moves_far_fewer_bytes_than_a_restart(paper_config: SimConfig) -> None:
+    # The same measured pause under NTP and under a restart: both keep detection and grow the
+    # rest alike, but an NTP survivor receives 1/31 of a shard over NVLink where a restarted GPU
+    # reads the whole 22.9 GB shard from storage.
+    doc = sample()
+    fault = {"kind": "gpu-lost", "detection_s": 3.0, "pause_s": 3.5, "steps_redone": 0}
+    doc["policies"] = {"ntp": {"faults": [fault]}, "ckpt-restart": {"faults": [fault]}}
+    scaled = pauses.scale(pauses.parse(doc), paper_config)
+    shard = model_parameters(paper_config) / (32 * 8) * 12
+    r = 13 / 2
+    ntp = scaled.policies["ntp"].faults[0].scaled_s
+    restart = scaled.policies["ckpt-restart"].faults[0].scaled_s
+    assert ntp == pytest.approx(3.0 + 0.5 * r + shard / 31 / 450e9, rel=1e-12)
+    assert restart == pytest.approx(3.0 + 0.5 * r + shard / 2e9, rel=1e-12)
+    assert restart > 2.5 * ntp
+    transfer = scaled.factors.transfer_s
+    assert transfer["ntp"]["failure"] < transfer["ckpt-restart"]["failure"] / 5000
+
+
+def test_the_transfer_follows_the_scaling_models_bandwidths(paper_config: SimConfig) -> None:
+    measured = pauses.parse(sample())
+    default = pauses.scale(measured, paper_config).factors.transfer_s
+    model = pauses.ScalingModel(
+        bytes_per_parameter=2.0, storage_gbps=4.0, scale_out_gbps=10.0, scale_up_gbps=900.0
+    )
+    changed = pauses.scale(measured, paper_config, model).factors.transfer_s
+    # Bytes 12 -> 2 (a sixth), each link's bandwidth changed by its own ratio.
+    ratios = {"ckpt-restart": 4.0 / 2.0, "spares": 10.0 / 50.0, "ntp": 900.0 / 450.0}
+    for name, ratio in ratios.items():
+        for which in ("failure", "repair"):
+            want = default[name][which] / 6 / ratio
+            assert changed[name][which] == pytest.approx(want, rel=1e-12), (name, which)
+    # TP1 has no NTP survivor to share a lost GPU's units among: the whole shard moves.
+    tp1 = SimConfig(gpus=1024, domain_size=8, tp=1, pp=4, dp=256).validate()
+    whole = model_parameters(tp1) / 4 * 12 / 450e9
+    transfer = pauses.factors(measured.job, tp1).transfer_s["ntp"]
+    assert transfer == pytest.approx({"failure": whole, "repair": whole}, rel=1e-12)
+    # A storage slow enough pushes the restart past the simulator's clock: refused, named.
+    slow = pauses.ScalingModel(storage_gbps=1e-9)
+    with pytest.raises(pauses.PausesError, match=r"policies\.ckpt-restart: the failure pause "
+                       r"scales to 2\.29e\+10 s"):  # fmt: skip
+        pauses.scale(measured, paper_config, slow)
+    with pytest.raises(ValueError, match="ScalingModel.scale_up_gbps must be > 0, got 0"):
+        pauses.ScalingModel(scale_up_gbps=0)
 
 
 def test_shorter_measured_pauses_raise_goodput_and_absent_policies_keep_theirs() -> None:
@@ -155,9 +218,9 @@ def _mutate(path: str, value: Any) -> dict[str, Any]:
          "must be at least detection_s + checkpoint_load_s = 5, got 4.2"),
         (_mutate("policies.ntp.faults[0].pause_seconds", 4.2), "policies.ntp.faults[0]."
          "pause_seconds: unknown key"),
-        # A one-parameter bench scales a 2.5 s checkpoint load past the simulator's clock.
-        (_mutate("job.parameters", 1), "policies.ckpt-restart: the failure pause scales to "
-         "7.52e+10 s"),
+        # A repair within the clock, 2e9 s, grows x4 (128 nodes against 2) past its 4.32e9 s.
+        (_mutate("policies.ntp.faults[2].pause_s", 2e9), "policies.ntp: the repair pause scales "
+         "to 8e+09 s"),
     ],
 )  # fmt: skip
 def test_a_malformed_pauses_file_exits_2_with_one_line_and_writes_nothing(
@@ -208,13 +271,21 @@ def test_the_command_writes_both_goodputs_into_study_json(tmp_path: Path) -> Non
     for name in sample()["policies"]:
         assert rows[name]["pauses"] == "measured"
         assert 0.0 < rows[name]["goodput_mean_measured"] <= 1.0
-    # The pauses charged are the scaled ones: ntp's repair is its 1.1 s bench relayout times the
-    # parameters per GPU, 1,024-GPU TP8 x PP4 job over the bench's TP2.
-    b = (model_parameters(SimConfig()) / 32) / (124_439_808 / 2)
-    assert rows["ntp"]["repair_stall_s"] == pytest.approx(1.1 * b, rel=1e-12)
+    # The pauses charged are the scaled ones: on the 1,024-GPU TP8 x PP4 job (128 nodes against
+    # the bench's 2, R = 8 / 2), ntp's repair is its 1.1 s bench pause times R plus a whole
+    # 12-byte-per-parameter shard over 450 GB/s NVLink; a cordon moves a seventh of a shard.
+    shard = model_parameters(SimConfig()) / 32 * 12
+    assert rows["ntp"]["repair_stall_s"] == pytest.approx(1.1 * 4 + shard / 450e9, rel=1e-12)
     assert rows["tessera"]["failure_stall_s"] == rows["tessera"]["failure_stall_s_assumed"] == 60
     scaled = {f["kind"]: f["scaled_pause_s"] for f in section["faults"]["ntp"]}
-    assert scaled["gpu-cordoned"] == pytest.approx(0.9 * b, rel=1e-12)
+    assert scaled["gpu-cordoned"] == pytest.approx(0.9 * 4 + shard / 7 / 450e9, rel=1e-12)
+    factors = section["factors"]
+    assert (factors["restart"], factors["bench_nodes"], factors["sim_nodes"]) == (4.0, 2, 128)
+    assert factors["shard_bytes"] == pytest.approx(shard, rel=1e-12)
+    assert factors["transfer_s"]["ckpt-restart"]["failure"] == pytest.approx(shard / 2e9)
+    assert factors["model"] == {"gpus_per_node": 8, "bytes_per_parameter": 12.0,
+                                "storage_gbps": 2.0, "scale_out_gbps": 50.0,
+                                "scale_up_gbps": 450.0}  # fmt: skip
     assert (out / "goodput_measured_pauses.csv").read_text().startswith("policy,pauses,")
 
 
