@@ -1,13 +1,14 @@
 """`tessera-dev bench recovery`: every failure policy on the same job and the same faults.
 
-A local cluster of its own (3 simulated nodes x 2 GPUs, Tessera installed from manifests/local)
-runs one job shape (the example's model, TP2 x DP2, 6 GPUs so that one node is spare,
-checkpointing every `--interval` steps on shared storage) once per policy: NTP, NTP-PW, DROP,
-SPARE and CKPT-RESTART, with the product's timeouts (heartbeat, rendezvous, restart) as shipped.
-Into each run it injects one scripted sequence, each fault once the job trains again after the
-one before: a GPU of the layout falls off the bus (XID 79), that GPU comes back, a GPU of the
-layout is cordoned, a node of the layout freezes whole (its node process and every process of
-its pods SIGSTOPped; the node holding the job's rendezvous is never the one).
+A local cluster of its own per policy (3 simulated nodes x 2 GPUs, Tessera installed from
+manifests/local; fresh for each, so no policy meets a node another one froze) runs one job shape
+(the example's model, TP2 x DP2, 6 GPUs so that one node is spare, checkpointing every `--interval`
+steps on shared storage) once per policy: NTP, NTP-PW, DROP, SPARE and CKPT-RESTART, with the
+product's timeouts (heartbeat, rendezvous, restart) as shipped. Into each run it injects one
+scripted sequence, each fault once the job trains again after the one before: a GPU of the layout
+falls off the bus (XID 79), that GPU comes back, a GPU of the layout is cordoned, a node of the
+layout freezes whole (its node process and every process of its pods SIGSTOPped; the node holding
+the job's rendezvous is never the one).
 
 It reads what the job did from its trainer pods' logs (each step's end time, samples and
 layout; the node agents' notices of a failure) and reports, per policy and fault, detection,
@@ -486,26 +487,32 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return opts
 
 
-def main(argv: list[str]) -> int:
-    opts = parse_args(argv)
-    opts.out.mkdir(parents=True, exist_ok=True)
-    results = []
-    started = time.monotonic()
+def on_own_cluster(policy: str, opts: argparse.Namespace) -> Result:
+    """`policy`'s run on a local cluster started for it: a frozen and thawed node, a GPU
+    restored, are not left for the next policy to meet."""
     with launcher.ControlPlane.start(bin_dir=launcher.prebuilt()) as plane:
         running = cluster.Cluster.start(plane, cluster.node_specs(NODES, GPUS))
         try:
             install.apply(plane.kubeconfig)
             with plane.api_client() as api:
                 install.wait(api, NODES, timeout=HANG_S)
-                for policy in opts.policies:
-                    print(f"{policy}: running {', '.join(opts.faults)} ...", flush=True)
-                    try:
-                        results.append(bench_policy(plane, running, api, policy, opts.faults,
-                                                    opts.interval, opts.warmup, opts.settle))
-                    except (FiguresError, TimeoutError, RuntimeError) as exc:
-                        print(f"{policy}: no figures: {exc}", flush=True)
+                return bench_policy(plane, running, api, policy, opts.faults, opts.interval,
+                                    opts.warmup, opts.settle)
         finally:
             running.stop()
+
+
+def main(argv: list[str]) -> int:
+    opts = parse_args(argv)
+    opts.out.mkdir(parents=True, exist_ok=True)
+    results = []
+    started = time.monotonic()
+    for policy in opts.policies:
+        print(f"{policy}: running {', '.join(opts.faults)} ...", flush=True)
+        try:
+            results.append(on_own_cluster(policy, opts))
+        except (FiguresError, TimeoutError, RuntimeError) as exc:
+            print(f"{policy}: no figures: {exc}", flush=True)
     if not results:
         print("tessera-dev bench recovery: no policy ran to the end")
         return 1
