@@ -231,13 +231,15 @@ async def on_identity(namespace: str, labels: kopf.Labels, memo: kopf.Memo,
 
 @kopf.on.event(GROUP, VERSION, "gpuhealths")
 async def on_gpu_health(type: str, name: str, status: kopf.Status, memo: kopf.Memo,
-                        logger: logging.Logger, node_jobs: kopf.Index, **indices: Any) -> None:
+                        logger: logging.Logger, node_jobs: kopf.Index,
+                        unschedulable_jobs: kopf.Index, **indices: Any) -> None:
     """Reconcile the jobs on a node when a GPU's state or XIDs change in its GPUHealth (not on
-    the periodic refresh that only says the object is current)."""
+    the periodic refresh that only says the object is current), and the jobs too few nodes fit:
+    a GPU healthy again may make its node one (CKPT-RESTART places only on healthy nodes)."""
     facts = None if type == "DELETED" else [(g.get("index"), g.get("state"), g.get("xids"))
                                             for g in status.get("gpus") or []]
     if memo.seen.changed(("GPUHealth", name), facts):
-        for key in set(node_jobs.get(name, ())):
+        for key in set(node_jobs.get(name, ())) | set(unschedulable_jobs):
             await _reconcile_soon(memo, key, logger, _indices(indices))
 
 

@@ -25,7 +25,7 @@ from tessera_contracts.api import CORDON_ANNOTATION
 from tessera_contracts.powertarget import format_time, parse_object
 from tessera_core.perf_model import PAPER
 from tessera_dev import simnodes
-from tessera_operator import cache, handlers, observe, power_targets
+from tessera_operator import cache, handlers, observe, power_targets, workload
 from tessera_operator.health import GPU_HEALTH_STALE_AFTER_S
 
 pytestmark = pytest.mark.operator
@@ -251,6 +251,39 @@ def test_a_gpu_lost_under_its_process_is_planned_at_the_limit_its_agent_reports(
         assert cordon.main([node_a, "5", "--kubeconfig", str(op.admin_kubeconfig)]) == 0
         watts = op.wait(lambda: _watts(op, node_a), lambda w: w.get(5) == 200, "5 drained")
         assert watts[3] == last
+    finally:
+        for node in (node_a, node_b):
+            client.CustomObjectsApi(op.admin).delete_cluster_custom_object(
+                "tessera.dev", "v1alpha1", "gpuhealths", node)
+
+
+def test_a_restart_waiting_for_a_healthy_node_is_placed_when_a_gpu_is_healthy_again(
+        running_operator: RunningOperator) -> None:
+    """CKPT-RESTART places an attempt only on nodes none of whose GPUs fail: with one of its two
+    nodes failed by DCGM the job waits, Unschedulable. The GPU reported healthy again changes
+    no node object, only that node's GPUHealth, and no pod of the job is on it: that event alone
+    places the job."""
+    op, job = running_operator, "ckpt-waits"
+    node_a, node_b = op.create_nodes(job, 2)
+    now = datetime.now(UTC)
+    _publish_health(op, node_a, {3: {"xids": [79]}}, now)
+    _publish_health(op, node_b, {}, now)
+    body = _example(job)
+    body["spec"]["failurePolicy"] = {"mode": "CKPT-RESTART"}
+    del body["spec"]["powerPolicy"]
+    try:
+        op.create_job(body)
+        ready = op.wait(lambda: _condition(op.status(job), "Ready") if op.status(job) else {},
+                        lambda c: c.get("reason") == "Unschedulable", "waiting for a node")
+        assert "a node with a failed or cordoned GPU is no candidate (1 such)" in \
+            ready["message"], ready
+        assert not _children(op, job).get("pods")
+        _publish_health(op, node_a, {}, datetime.now(UTC))
+        pods = op.wait(lambda: client.CoreV1Api(op.admin).list_namespaced_pod(
+            op.namespace, label_selector=f"tessera.dev/job={job},tessera.dev/role=trainer").items,
+            lambda found: len(found) == 2, "both trainer pods placed")
+        assert {workload.pod_node(op.admin.sanitize_for_serialization(p)) for p in pods} \
+            == {node_a, node_b}
     finally:
         for node in (node_a, node_b):
             client.CustomObjectsApi(op.admin).delete_cluster_custom_object(
