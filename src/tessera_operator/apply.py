@@ -108,11 +108,15 @@ def _create_pod(api: client.ApiClient, pod: Mapping[str, Any], dry_run: bool = F
 
 def leftovers(api: client.ApiClient, job: Mapping[str, Any], wanted: Desired) -> None:
     """Delete what an earlier attempt or a finished job leaves behind: pods (each stops within
-    its grace period), then ConfigMaps. One already gone is no error."""
+    its grace period; those on a node that stopped reporting at once), then ConfigMaps. One
+    already gone is no error."""
     namespace = job["metadata"]["namespace"]
     core = client.CoreV1Api(api)
     for name in wanted.delete_pods:
         _gone(lambda n=name: core.delete_namespaced_pod(n, namespace,
+                                                        _request_timeout=API_TIMEOUT_S))
+    for name in wanted.force_delete_pods:
+        _gone(lambda n=name: core.delete_namespaced_pod(n, namespace, grace_period_seconds=0,
                                                         _request_timeout=API_TIMEOUT_S))
     for name in wanted.delete_configmaps:
         _gone(lambda n=name: core.delete_namespaced_config_map(n, namespace,

@@ -78,6 +78,8 @@ class Desired:
     events: tuple[Event, ...] = ()
     # What an earlier attempt or a finished job leaves behind: pods and ConfigMaps by name.
     delete_pods: tuple[str, ...] = ()
+    # Pods being deleted on a node that stopped reporting: deleted at once (grace 0).
+    force_delete_pods: tuple[str, ...] = ()
     delete_configmaps: tuple[str, ...] = ()
     ended: bool = False  # an attempt ends: the status (its account) is written before the rest
     delete_job: bool = False  # ttlSecondsAfterFinished has passed
@@ -329,10 +331,22 @@ def _stopped(observed: Observed, now: datetime, life: Lifecycle,
             f"GPU {gpus} of attempt {previous.get('attempt', 0)}'s layout lost: "
             f"failurePolicy.mode CKPT-RESTART ends the attempt; {then}")), *events)
     return Desired(status=status, events=events,
-                   delete_pods=life.delete_pods,
+                   delete_pods=life.delete_pods, force_delete_pods=unconfirmable(observed),
                    delete_configmaps=() if finished else tuple(observed.configmap_attempts),
                    ended=life.ended, delete_job=ttl is not None and ttl <= 0,
                    requeue_after=ttl if ttl is not None and ttl > 0 else None)
+
+
+def unconfirmable(observed: Observed) -> tuple[str, ...]:
+    """The job's pods being deleted on a node that stopped reporting (Ready Unknown): no kubelet
+    will confirm their end, and the next attempt must not wait for one (Kubernetes' own pod
+    garbage collector takes those of nodes deleted from the API). Deleting them at once is
+    safe for a job: their processes are fenced by the attempt (its own rendezvous and layout),
+    and a kubelet that comes back stops what runs for a pod the API no longer has."""
+    lost = {n["metadata"]["name"] for n in observed.nodes if health.node_lost(n)}
+    return tuple(sorted(
+        pod["metadata"]["name"] for pod in observed.pods
+        if pod["metadata"].get("deletionTimestamp") and workload.pod_node(pod) in lost))
 
 
 def _outdated(observed: Observed) -> list[str]:

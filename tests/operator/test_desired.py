@@ -375,3 +375,22 @@ def test_a_report_that_disagrees_with_its_pods_is_refused(forged: NodeReport) ->
     ready = next(c for c in status["conditions"] if c["type"] == "Ready")
     assert f"node {B}'s progress report refused" in ready["message"]
     assert status["step"] == 118 and status["phase"] == "Reconfiguring"
+
+
+def test_a_restart_does_not_wait_for_pods_on_a_node_that_stopped_reporting() -> None:
+    """Attempt 0's pods are being deleted; node A's kubelet went silent, so no one will confirm
+    its pod's end: that pod is deleted at once, the others end within their grace period."""
+    stopping = JOB | {"status": {"attempt": 1, "restarts": 1,
+                                 "restartingSince": format_time(NOW)}}
+    deleted = tuple(pod | {"metadata": pod["metadata"] | {"deletionTimestamp": format_time(NOW)}}
+                    for pod in _pods(JOB, IP))
+    silent = _node(A)
+    silent["status"]["conditions"] = [{"type": "Ready", "status": "Unknown",
+                                       "reason": "NodeStatusUnknown"}]
+    observed = Observed(stopping, pods=deleted, nodes=(silent, _node(B)))
+    wanted = _desired(observed, NOW)
+    assert wanted.status["phase"] == "Restarting"
+    assert wanted.force_delete_pods == ("llama-node-0",)
+    assert _desired(replace(observed, nodes=(_node(A), _node(B))), NOW).force_delete_pods == ()
+    # a pod not being deleted is not taken from a silent node: the restart deletes it first
+    assert _desired(replace(observed, pods=_pods(JOB, IP)), NOW).force_delete_pods == ()
