@@ -15,6 +15,10 @@ throughput while degraded against it (after a GPU is lost, until the next fault)
 form (the share of the run not lost to pauses and redone steps, past one step's time per pause)
 and in step form (unique samples done against what the healthy rate does in the same time), and
 energy per sample (the GPUs' energy over the run per unique sample done).
+
+The bench injects a fault once the job `recovered` from the one before: it trains settled on the
+layout the operator published in answer, or it trained on, unmoved, for QUIET_S after the fault
+(steps that stop right after it are a restart under way, not a fault that changed nothing).
 """
 
 from __future__ import annotations
@@ -22,6 +26,9 @@ from __future__ import annotations
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+# A fault after which the job trains this long on the same layout changed nothing for it.
+QUIET_S = 20.0
 
 
 @dataclass(frozen=True)
@@ -34,7 +41,7 @@ class Step:
 
 @dataclass(frozen=True)
 class Fault:
-    kind: str  # gpu-lost, gpu-cordoned, node-lost, gpu-returned (tessera_sim.pauses)
+    kind: str  # gpu-lost, gpu-cordoned, node-lost, gpu-returned, ... (tessera_sim.pauses)
     at: float  # Unix seconds when it was injected
     noticed: float | None  # when the job itself first knew; None: told (cordon, return)
 
@@ -157,3 +164,19 @@ def run_figures(steps: Sequence[Step], faults: Sequence[Fault], figures: Sequenc
         goodput_step=done / (healthy * window),
         energy_j_per_sample=None if energy_j is None or metered == 0 else energy_j / metered,
     )
+
+
+def recovered(steps: Sequence[Step], at: float, settle: int,
+              published: tuple[int, int] | None, since: float) -> bool:
+    """Whether the job trains again after a fault at `at` (for a fault its health source takes
+    time to agree with, such as a GPU back from XID 79, from when it does). `published` is the
+    layout the operator publishes now, (attempt, generation) (None between CKPT-RESTART's
+    attempts), first seen at `since`. Published after the fault: the operator answered it, and
+    the job trains again once `settle` steps ran on it (a planned switch comes at its step).
+    Published before: the fault changed nothing once the job trained on it for QUIET_S since."""
+    if published is None:
+        return False
+    on = [s for s in steps if s.time > at and s.layout == published]
+    if since > at:
+        return len(on) >= settle
+    return bool(on) and on[-1].time - at > QUIET_S

@@ -6,9 +6,11 @@ manifests/local; fresh for each, so no policy meets a node another one froze) ru
 steps on shared storage) once per policy: NTP, NTP-PW, DROP, SPARE and CKPT-RESTART, with the
 product's timeouts (heartbeat, rendezvous, restart) as shipped. Into each run it injects one
 scripted sequence, each fault once the job trains again after the one before: a GPU of the layout
-falls off the bus (XID 79), that GPU comes back, a GPU of the layout is cordoned, a node of the
-layout freezes whole (its node process and every process of its pods SIGSTOPped; the node holding
-the job's rendezvous is never the one).
+falls off the bus (XID 79), that GPU comes back, a GPU of the layout is cordoned, the cordon is
+lifted, a node of the layout freezes whole (its node process and every process of its pods
+SIGSTOPped; the node holding the job's rendezvous is never the one). Each fault meets the job
+whole, so every policy has a layout of two nodes to lose one of (DROP, which keeps to its own
+nodes, would otherwise have none left to train on).
 
 It reads what the job did from its trainer pods' logs (each step's end time, samples and
 layout; the node agents' notices of a failure) and reports, per policy and fault, detection,
@@ -44,6 +46,7 @@ from tessera_agents.power.sim_backend import SimBackend
 from tessera_cli import cordon
 from tessera_contracts.api import (
     ATTEMPT_LABEL,
+    GPU_HEALTH_PLURAL,
     GROUP,
     JOB_LABEL,
     JOB_PLURAL,
@@ -51,6 +54,7 @@ from tessera_contracts.api import (
     VERSION,
 )
 from tessera_contracts.generation import LAYOUT_KEY, Generation, Gpu, layout_configmap
+from tessera_contracts.gpuhealth import STATE_NAMES, State
 from tessera_contracts.model_shape import ModelShape
 from tessera_contracts.rank_events import RecordError, StepRecord, parse_line
 from tessera_dev import demo_data, install, paths, probes
@@ -63,6 +67,7 @@ from tessera_dev.recovery_figures import (
     RunFigures,
     Step,
     fault_figures,
+    recovered,
     run_figures,
     step_time,
 )
@@ -73,14 +78,14 @@ NODES, GPUS, TP, DP = 3, 2, 2, 2
 # The job's failure policy -> the simulator's name for it (tessera_sim.policies).
 POLICIES = {"NTP": "ntp", "NTP-PW": "ntp-pw", "DROP": "dp-drop", "SPARE": "spares",
             "CKPT-RESTART": "ckpt-restart"}
-SEQUENCE = ("gpu-lost", "gpu-returned", "gpu-cordoned", "node-lost")
+SEQUENCE = ("gpu-lost", "gpu-returned", "gpu-cordoned", "gpu-uncordoned", "node-lost")
+# A fault that takes back the one before it in the sequence.
+UNDOES = {"gpu-returned": "gpu-lost", "gpu-uncordoned": "gpu-cordoned"}
 DETECTED = frozenset({"gpu-lost", "node-lost"})  # the others the job is told of
 # A node agent's notice that a generation failed (`%(asctime)s` first, this host's local time).
 NOTICE = re.compile(r"generation \d+ (ended: )?failed")
 # Guards against a hang, not bounds on how fast anything recovers.
 HANG_S = 300.0
-# A fault after which the job trains this long on the same layout changed nothing for it.
-QUIET_S = 20.0
 
 
 def job_manifest(policy: str, claim: str, interval: int) -> dict[str, Any]:
@@ -104,19 +109,43 @@ def job_manifest(policy: str, claim: str, interval: int) -> dict[str, Any]:
 
 @dataclass
 class Watch:
-    """What the job's trainer pods log: steps (one per layout and step) and failure notices."""
+    """What the job's trainer pods log: steps (one per layout and step) and failure notices;
+    and the layout the operator publishes, (attempt, generation), with when it was first seen."""
 
     api: client.ApiClient
     namespace: str
     job: str
     steps: dict[tuple[int, int, int], Step] = field(default_factory=dict)
     notices: list[float] = field(default_factory=list)
+    published: tuple[int, int] | None = None
+    since: float = 0.0
     changed: threading.Condition = field(default_factory=threading.Condition)
     stopped: threading.Event = field(default_factory=threading.Event)
-    _followed: set[str] = field(default_factory=set)
+    _followed: set[str] = field(default_factory=set)  # pod uids
 
     def start(self) -> None:
         threading.Thread(target=self._pods, daemon=True).start()
+        threading.Thread(target=self._layouts, daemon=True).start()
+
+    def _layouts(self) -> None:
+        core = client.CoreV1Api(self.api)
+        while not self.stopped.wait(0.5):
+            try:
+                cm = core.read_namespaced_config_map(layout_configmap(self.job), self.namespace,
+                                                     _request_timeout=10)
+                attempt = int((cm.metadata.labels or {}).get(ATTEMPT_LABEL, "0"))
+                now = (attempt, Generation.from_dict(
+                    json.loads((cm.data or {})[LAYOUT_KEY])).generation)
+            except client.ApiException as exc:
+                if exc.status != 404:
+                    continue  # the next look
+                now = None
+            except (OSError, KeyError, ValueError):
+                continue
+            with self.changed:
+                if now != self.published:
+                    self.published, self.since = now, time.time()
+                    self.changed.notify_all()
 
     def _pods(self) -> None:
         core = client.CoreV1Api(self.api)
@@ -128,9 +157,10 @@ class Watch:
             except (client.ApiException, OSError):
                 continue  # the next look
             for pod in pods:
-                if pod.metadata.name in self._followed or pod.status.phase != "Running":
+                # By uid: a restarted attempt's pods take the names of the attempt before.
+                if pod.metadata.uid in self._followed or pod.status.phase != "Running":
                     continue
-                self._followed.add(pod.metadata.name)
+                self._followed.add(pod.metadata.uid)
                 attempt = int(pod.metadata.labels.get(ATTEMPT_LABEL, "0"))
                 threading.Thread(target=self._follow, args=(pod.metadata.name, attempt),
                                  daemon=True).start()
@@ -189,21 +219,6 @@ class Watch:
             return min((t for t in self.notices if t > after), default=None)
 
 
-def recovered(at: float, settle: int) -> Callable[[list[Step]], bool]:
-    """The job trains again after a fault at `at`: `settle` steps on a layout other than the
-    one before it, or QUIET_S of steps on the same one (the fault changed nothing for it)."""
-    def done(steps: list[Step]) -> bool:
-        before = [s for s in steps if s.time <= at]
-        after = [s for s in steps if s.time > at]
-        if not before or not after:
-            return False
-        changed = [s for s in after if s.layout != before[-1].layout]
-        if changed:
-            return len([s for s in changed if s.layout == changed[-1].layout]) >= settle
-        return time.time() - at > QUIET_S
-    return done
-
-
 def energy_mj(data_dir: Path) -> float:
     """Every simulated GPU's energy counter, summed (mJ)."""
     total = 0.0
@@ -218,9 +233,23 @@ def cluster_nodes() -> list[str]:
 
 
 def layout(api: client.ApiClient, namespace: str, job: str) -> Generation:
-    data = client.CoreV1Api(api).read_namespaced_config_map(
-        layout_configmap(job), namespace).data or {}
-    return Generation.from_dict(json.loads(data[LAYOUT_KEY]))
+    """The generation in force; waited for while there is none (between CKPT-RESTART's
+    attempts the operator has not published the next one yet)."""
+    core = client.CoreV1Api(api)
+
+    def read() -> Generation | None:
+        try:
+            data = core.read_namespaced_config_map(layout_configmap(job), namespace).data or {}
+        except client.ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+        return Generation.from_dict(json.loads(data[LAYOUT_KEY])) if LAYOUT_KEY in data else None
+
+    found = probes.poll_until(read, timeout=HANG_S, interval=0.5, error=lambda _: TimeoutError(
+        f"no layout published for {namespace}/{job} in {HANG_S:.0f} s"))
+    assert found is not None
+    return found
 
 
 @dataclass
@@ -242,8 +271,11 @@ class Run:
     def _fault_args(self, *argv: str) -> list[str]:
         return [*argv, "--data-dir", str(self.plane.data_dir)]
 
-    def inject(self, kind: str) -> None:
+    def inject(self, kind: str) -> float:
+        """Inject `kind`; the time from which the job's health sources can tell it (a GPU
+        back from XID 79 reads as failed in its GPUHealth for a while after it returns)."""
         current = layout(self.api, self.namespace, "bench")
+        ready = None
         if kind == "gpu-lost":
             self.lost = current.replicas[0][-1]
             at = time.time()
@@ -252,17 +284,40 @@ class Run:
             assert self.lost is not None, "a GPU returns after one was lost"
             at = time.time()
             _check(faults.restore_gpu(self._fault_args(self.lost.node, str(self.lost.index))))
+            ready = self._healthy(self.lost)
             self.lost = None
         elif kind == "gpu-cordoned":
             self.cordoned = next(g for g in reversed(current.gpus) if g != self.lost)
             at = time.time()
             _check(cordon.main([self.cordoned.node, str(self.cordoned.index),
                                 "--kubeconfig", str(self.plane.kubeconfig)]))
+        elif kind == "gpu-uncordoned":
+            assert self.cordoned is not None, "a cordon is lifted after one was set"
+            at = time.time()
+            _check(cordon.run([self.cordoned.node, str(self.cordoned.index), "--kubeconfig",
+                               str(self.plane.kubeconfig)], cordon=False))
+            self.cordoned = None
         else:
             self.frozen = self._freezable(current)
             at = time.time()
             _check(faults.fail_node(self._fault_args(self.frozen, "--freeze")))
         self.faults.append(Fault(kind, at, None))
+        return ready or at
+
+    def _healthy(self, gpu: Gpu) -> float:
+        """When `gpu`'s GPUHealth first reads it Healthy."""
+        objects = client.CustomObjectsApi(self.api)
+
+        def state() -> str | None:
+            found = objects.get_cluster_custom_object(GROUP, VERSION, GPU_HEALTH_PLURAL, gpu.node)
+            return next((g.get("state") for g in (found.get("status") or {}).get("gpus") or []
+                         if g.get("index") == gpu.index), None)
+
+        healthy = STATE_NAMES[State.HEALTHY]
+        probes.poll_until(state, lambda s: s == healthy, timeout=HANG_S, interval=0.5,
+                          error=lambda s: TimeoutError(f"{gpu} not healthy in its GPUHealth in "
+                                                       f"{HANG_S:.0f} s (state {s})"))
+        return time.time()
 
     def _freezable(self, current: Generation) -> str:
         """A node of the layout without the job's rendezvous, and with the operator's leader
@@ -316,6 +371,15 @@ class Run:
                               lambda pods: not pods, timeout=HANG_S, interval=0.5,
                               error=lambda last: TimeoutError(f"pods of {self.namespace} left"))
 
+    def situation(self) -> str:
+        """The job's phase, its Ready condition and those true, for a run that stalled."""
+        status = self.status()
+        true = [f"{c.get('type')} {c.get('status')} ({c.get('reason')}: {c.get('message')})"
+                for c in status.get("conditions", [])
+                if c.get("status") == "True" or c.get("type") == "Ready"]
+        return (f"phase {status.get('phase')}, attempt {status.get('attempt', 0)}; "
+                f"{'; '.join(true) or 'no condition true'}")
+
     def status(self) -> dict[str, Any]:
         job = client.CustomObjectsApi(self.api).get_namespaced_custom_object(
             GROUP, VERSION, self.namespace, JOB_PLURAL, "bench")
@@ -347,8 +411,16 @@ def bench_policy(plane: launcher.ControlPlane, running: cluster.Cluster, api: cl
         watch.until("the job's first steps", lambda s: len(s) >= warmup + settle)
         start_mj, start_at = energy_mj(plane.data_dir), time.time()
         for kind in sequence:
-            run.inject(kind)
-            watch.until(f"training after the {kind}", recovered(run.faults[-1].at, settle))
+            ready = run.inject(kind)
+            try:
+                after = watch.until(
+                    f"training after the {kind}", lambda steps, ready=ready: recovered(
+                        steps, ready, settle, watch.published, watch.since))
+            except TimeoutError as exc:
+                raise TimeoutError(f"{exc}; the job then: {run.situation()}") from exc
+            print(f"  {kind}: training at step {after[-1].step} on (attempt, generation) "
+                  f"{after[-1].layout}, {after[-1].time - run.faults[-1].at:.1f} s after it",
+                  flush=True)
         stop_at = time.time()
         run.undo()
         run.frozen = run.cordoned = None
@@ -481,9 +553,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     bad = [f for f in opts.faults if f not in SEQUENCE]
     if bad or not opts.faults:
         parser.error(f"--faults: one or more of {', '.join(SEQUENCE)}; got {bad}")
-    if "gpu-returned" in opts.faults and "gpu-lost" not in opts.faults[
-            :opts.faults.index("gpu-returned")]:
-        parser.error("--faults: gpu-returned needs a gpu-lost before it")
+    for undo, fault in UNDOES.items():
+        if undo in opts.faults and fault not in opts.faults[:opts.faults.index(undo)]:
+            parser.error(f"--faults: {undo} needs a {fault} before it")
     return opts
 
 

@@ -16,7 +16,8 @@ from tessera_sim.policies import POLICY_NAMES, Policy
 
 FORMAT = "tessera.recovery/v1"
 FAILURE_KINDS: tuple[str, ...] = ("gpu-lost", "gpu-cordoned", "node-lost")
-REPAIR_KIND = "gpu-returned"
+# A GPU back to the job: off the bus and returned, or its cordon lifted.
+REPAIR_KINDS: tuple[str, ...] = ("gpu-returned", "gpu-uncordoned")
 # The one policy that restarts the job; every other one relays its groups out live.
 RESTART_POLICY = "ckpt-restart"
 # Where a recovering GPU's state comes from, by policy, as the ScalingModel bandwidth it moves
@@ -204,7 +205,7 @@ def factors(job: BenchJob, cfg: SimConfig, model: ScalingModel = ScalingModel())
 def scale_fault(fault: MeasuredFault, policy: str, f: Factors) -> float:
     """The fault's pause on the simulated job: detection and checkpoint load held, the rest by the
     restart factor, plus the policy's transfer of the simulated job's bytes."""
-    which = "repair" if fault.kind == REPAIR_KIND else "failure"
+    which = "repair" if fault.kind in REPAIR_KINDS else "failure"
     return (
         (fault.detection_s or 0.0)
         + fault.checkpoint_load_s
@@ -217,7 +218,8 @@ def scale(
     measured: MeasuredPauses, cfg: SimConfig, model: ScalingModel = ScalingModel()
 ) -> ScaledPauses:
     """Per policy in the file: its pauses on `cfg`'s job. A failure stall is the mean over the
-    failure kinds present of each kind's mean; a restart also loses half the checkpoint interval.
+    failure kinds present of each kind's mean (a repair stall likewise over the repair kinds); a
+    restart also loses half the checkpoint interval.
     PausesError when a scaled pause exceeds the simulator's clock."""
     f = factors(measured.job, cfg, model)
     lost_work = cfg.policy.lost_work_s
@@ -229,10 +231,11 @@ def scale(
             by_kind.setdefault(row.fault.kind, []).append(row.scaled_s)
         means = {kind: sum(v) / len(v) for kind, v in by_kind.items()}
         failures = [means[k] for k in FAILURE_KINDS if k in means]
+        repairs = [means[k] for k in REPAIR_KINDS if k in means]
         lost = lost_work if name == RESTART_POLICY else 0.0
         result = PolicyPauses(
             failure_stall_s=sum(failures) / len(failures) + lost if failures else None,
-            repair_stall_s=means.get(REPAIR_KIND),
+            repair_stall_s=sum(repairs) / len(repairs) if repairs else None,
             lost_work_s=lost,
             faults=rows,
         )
@@ -334,7 +337,7 @@ def _parse_fault(entry: Any, path: str) -> MeasuredFault:
     if not isinstance(entry, dict):
         raise PausesError(path, "must be an object")
     _no_other_keys(entry, _FAULT_KEYS, path)
-    kinds = (*FAILURE_KINDS, REPAIR_KIND)
+    kinds = (*FAILURE_KINDS, *REPAIR_KINDS)
     if entry.get("kind") not in kinds:
         raise PausesError(f"{path}.kind", f"must be one of {', '.join(kinds)}, got "
                           f"{entry.get('kind')!r}")  # fmt: skip

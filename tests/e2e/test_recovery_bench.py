@@ -9,11 +9,14 @@ import sys
 
 import pytest
 
+from tessera_dev import recoverybench
 from tessera_dev.recovery_figures import (
+    QUIET_S,
     Fault,
     FiguresError,
     Step,
     fault_figures,
+    recovered,
     run_figures,
 )
 from tessera_sim import pauses
@@ -81,22 +84,56 @@ def test_a_fault_before_any_step_has_no_figures():
         fault_figures(LIVE, Fault("gpu-lost", 0.1, None))
 
 
+def test_the_next_fault_waits_until_the_job_settles_on_the_layout_that_answers_it():
+    def done(until: float, published: tuple[int, int] | None, since: float) -> bool:
+        return recovered([s for s in LIVE if s.time <= until], LOST.at, 3, published, since)
+    assert not done(12.0, (0, 1), 0.0)  # generation 2 not yet published
+    assert not done(12.0 + 0.75, (0, 2), 11.0)  # two steps on it
+    assert done(12.0 + 1.5, (0, 2), 11.0)
+    # between a restart's attempts nothing is published, whatever the steps say
+    assert not done(40.0, None, 11.0)
+    # generation 2 published for a planned switch: the steps of generation 1 that go on until
+    # the switch do not count
+    assert not recovered(steps(1, 80, T, T, (0, 1)), LOST.at, 3, (0, 2), 11.0)
+
+
+def test_a_fault_that_changes_nothing_is_over_once_the_job_trained_on_for_the_quiet_time():
+    unmoved = steps(1, 80, T, T, (0, 1))
+    assert not recovered([s for s in unmoved if s.time <= LOST.at + QUIET_S], LOST.at, 3,
+                         (0, 1), 0.0)
+    assert recovered(unmoved, LOST.at, 3, (0, 1), 0.0)
+    # a job that stopped right after the fault (a restart under way) has not recovered, however
+    # long nothing follows
+    assert not recovered([s for s in unmoved if s.time <= LOST.at + 1], LOST.at, 3, (0, 1), 0.0)
+
+
+@pytest.mark.parametrize(("faults", "why"), [
+    ("gpu-uncordoned,gpu-cordoned", "gpu-uncordoned needs a gpu-cordoned before it"),
+    ("gpu-returned", "gpu-returned needs a gpu-lost before it"),
+    ("gpu-melted", "--faults: one or more of"),
+])
+def test_the_bench_refuses_a_sequence_it_cannot_inject(faults, why, capsys):
+    with pytest.raises(SystemExit):
+        recoverybench.parse_args(["--faults", faults])
+    assert why in capsys.readouterr().err
+
+
 @pytest.mark.e2e
 def test_the_bench_runs_a_short_sequence_and_writes_what_the_simulator_reads(tmp_path, capsys):
     done = subprocess.run(
         [sys.executable, "-m", "tessera_dev.cli", "bench", "recovery", "--policies", "NTP",
-         "--faults", "gpu-lost,gpu-returned", "--settle", "3", "--warmup", "3",
+         "--faults", "gpu-lost,gpu-cordoned", "--settle", "3", "--warmup", "3",
          "--out", str(tmp_path)], capture_output=True, text=True, timeout=1200)
     with capsys.disabled():
         print("\n" + done.stdout[-3000:])
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     doc = json.loads((tmp_path / "recovery.json").read_text())
     measured = pauses.parse(doc)  # the simulator's own validation
-    lost, back = measured.policies["ntp"]
-    assert (lost.kind, back.kind) == ("gpu-lost", "gpu-returned")
+    lost, cordoned = measured.policies["ntp"]
+    assert (lost.kind, cordoned.kind) == ("gpu-lost", "gpu-cordoned")
     # NTP goes on live: the job knew of the loss from its own agents, in seconds, and redid
     # no step it had done
     assert lost.detection_s is not None and lost.detection_s < 2.0
-    assert lost.steps_redone == 0 and back.steps_redone == 0
+    assert lost.steps_redone == 0 and cordoned.steps_redone == 0
     assert 0 < doc["runs"]["ntp"]["goodput_time"] <= 1
     assert (tmp_path / "recovery.png").stat().st_size > 0

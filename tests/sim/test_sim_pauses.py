@@ -213,7 +213,7 @@ def _mutate(path: str, value: Any) -> dict[str, Any]:
         (_mutate("policies.ntp.faults[0].steps_redone", 1.5), "policies.ntp.faults[0].steps_"
          "redone: must be an integer >= 0, got 1.5"),
         (_mutate("policies.dp-drop.faults[0].kind", "gpu-melted"), "policies.dp-drop.faults[0]."
-         "kind: must be one of gpu-lost, gpu-cordoned, node-lost, gpu-returned"),
+         "kind: must be one of gpu-lost, gpu-cordoned, node-lost, gpu-returned, gpu-uncordoned"),
         (_mutate("policies.ntp.faults[0].detection_s", 5.0), "policies.ntp.faults[0].pause_s: "
          "must be at least detection_s + checkpoint_load_s = 5, got 4.2"),
         (_mutate("policies.ntp.faults[0].pause_seconds", 4.2), "policies.ntp.faults[0]."
