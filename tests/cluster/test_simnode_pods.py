@@ -67,7 +67,7 @@ for fd in os.listdir("/proc/self/fd"):
     if target.startswith(devices + "/"):
         held.append(os.path.basename(target))
 print(json.dumps({"env": dict(os.environ), "argv": sys.argv[1:], "bound": bound,
-                  "held": sorted(held)}))
+                  "held": sorted(held), "hostname": socket.gethostname()}))
 """
 
 
@@ -109,7 +109,8 @@ def test_process_sees_env_pod_ip_and_gpus(control_plane: launcher.ControlPlane,
     # downward API, references, $(VAR) expansion, the API server's real address
     assert seen["argv"] == [f"hello from {node.name}"]
     assert seen["env"]["POD_NS"] == namespace and seen["env"]["TOKEN"] == "s3cret"
-    assert seen["env"]["HOSTNAME"] == "sees"
+    # the pod's host name, as the process itself asks for it (a kubelet gives each pod one)
+    assert seen["env"]["HOSTNAME"] == seen["hostname"] == "sees"
     server = urlsplit(control_plane.server)
     assert (seen["env"]["KUBERNETES_SERVICE_HOST"], seen["env"]["KUBERNETES_SERVICE_PORT"]) \
         == (server.hostname, str(server.port))

@@ -51,7 +51,7 @@ class Process:
     @classmethod
     def start(cls, *, run_dir: Path, log: Path, argv: Sequence[str], env: Mapping[str, str],
               cwd: str, mounts: Sequence[Mapping[str, Any]], devices: Sequence[Path],
-              wake: threading.Event) -> Process:
+              hostname: str, wake: threading.Event) -> Process:
         """Start argv in a fresh container; `wake` is set when it exits."""
         run_dir.mkdir(parents=True, exist_ok=True)
         log.parent.mkdir(parents=True, exist_ok=True)
@@ -61,8 +61,9 @@ class Process:
         specfile.write_text(json.dumps({
             "argv": list(argv), "cwd": cwd, "mounts": list(mounts),
             "devices": [str(d) for d in devices], "pidfile": str(pidfile),
-            "errorfile": str(errorfile)}))
-        command = [unshare_binary(), "--mount", "--propagation", "private", "--pid", "--fork",
+            "errorfile": str(errorfile), "hostname": hostname}))
+        command = [unshare_binary(), "--mount", "--propagation", "private", "--pid", "--uts",
+                   "--fork",
                    "--kill-child=SIGKILL", "--", sys.executable, "-I", "-m", shim.__name__,
                    str(specfile)]
         with open(log, "ab") as out:

@@ -403,7 +403,7 @@ class PodWorker:
             run_dir=self.dir / "run" / run, log=self.dir / "logs" / f"{run}.log", argv=argv,
             env=container.env, cwd=spec.get("workingDir") or "/", mounts=self._mounts(spec),
             devices=[faults.device_file(self.node.node_dir, i) for i in container.gpus],
-            wake=self._wake)
+            hostname=self._hostname(), wake=self._wake)
         container.container_id = self._container_id(container)
         container.state = {"running": {"startedAt": container.proc.started_at}}
         self._event("Normal", "Started", f"Started container {container.name}", container.name)
@@ -510,11 +510,17 @@ class PodWorker:
         finite = [t for t in times if t != float("inf")]
         return max(0.0, min(finite) - time.monotonic()) if finite else None
 
+    def _hostname(self) -> str:
+        """The container's host name, as a kubelet gives it: the node's on the host network,
+        else the pod's `hostname` or name (processes tell each other apart by host and PID)."""
+        spec = self.pod["spec"]
+        return self.node.name if spec.get("hostNetwork") else \
+            spec.get("hostname") or self.pod["metadata"]["name"]
+
     def _env(self, container: ContainerState) -> dict[str, str]:
         meta, spec = self.pod["metadata"], self.pod["spec"]
         base = dict(self.node.base_env)
-        base["HOSTNAME"] = self.node.name if spec.get("hostNetwork") else \
-            spec.get("hostname") or meta["name"]
+        base["HOSTNAME"] = self._hostname()
         namespace = meta["namespace"]
 
         def lookup(kind: str, name: str, optional: bool) -> Mapping[str, str] | None:

@@ -1,13 +1,15 @@
 """Process 1 of a simulated container: bind its volumes, run its command, pass signals on.
 
-The node starts it as `unshare --mount --propagation private --pid --fork --kill-child -- python
--m tessera_dev.simnode.shim SPEC`: a mount namespace of its own makes the bind mounts
+The node starts it as `unshare --mount --propagation private --pid --uts --fork --kill-child --
+python -m tessera_dev.simnode.shim SPEC`: a mount namespace of its own makes the bind mounts
 private to the container, a PID namespace makes the kernel kill every process of the container
-when this one dies. As PID 1 it would ignore SIGTERM without a handler, so it forwards SIGTERM
-and SIGINT to the command (as tini or `docker --init` do) and exits with the command's status.
+when this one dies, a UTS namespace gives it the pod's host name (as a real pod has: two pods'
+processes are then never the same host and PID). As PID 1 it would ignore SIGTERM without a
+handler, so it forwards SIGTERM and SIGINT to the command (as tini or `docker --init` do) and
+exits with the command's status.
 
 SPEC is a JSON file: {"argv": [...], "cwd": "/", "mounts": [{"source", "target", "readOnly"}],
-"devices": [paths the command holds open], "pidfile": path, "errorfile": path}.
+"devices": [paths the command holds open], "pidfile": path, "errorfile": path, "hostname": name}.
 An argv that cannot be executed writes the reason to errorfile and exits 128.
 """
 
@@ -17,6 +19,7 @@ import ctypes
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -53,6 +56,7 @@ def main(argv: list[str]) -> int:
     Path(spec["pidfile"]).write_text(os.readlink("/proc/self"))
     libc = ctypes.CDLL(None, use_errno=True)
     try:
+        socket.sethostname(spec["hostname"])
         # parents before children, so a volume mounted inside another lands on top of it
         for mount in sorted(spec["mounts"], key=lambda m: len(Path(m["target"]).parts)):
             _bind(libc, Path(mount["source"]), Path(mount["target"]), mount["readOnly"])
