@@ -67,7 +67,8 @@ for fd in os.listdir("/proc/self/fd"):
     if target.startswith(devices + "/"):
         held.append(os.path.basename(target))
 print(json.dumps({"env": dict(os.environ), "argv": sys.argv[1:], "bound": bound,
-                  "held": sorted(held), "hostname": socket.gethostname()}))
+                  "held": sorted(held), "hostname": socket.gethostname(),
+                  "resolved": socket.gethostbyname(socket.gethostname())}))
 """
 
 
@@ -104,6 +105,7 @@ def test_process_sees_env_pod_ip_and_gpus(control_plane: launcher.ControlPlane,
     # a pod IP of its own in the node's /24, which the process can bind
     pod_ip = done["status"]["podIP"]
     assert seen["env"]["POD_IP"] == seen["bound"] == pod_ip
+    assert seen["resolved"] == pod_ip  # its host name, through the kubelet's hosts file
     assert pod_ip.startswith(node.pod_ip_prefix()) and pod_ip != node.address
     assert done["status"]["hostIP"] == node.address
     # downward API, references, $(VAR) expansion, the API server's real address

@@ -544,6 +544,14 @@ class PodWorker:
     def _mounts(self, spec: Mapping[str, Any]) -> list[dict[str, Any]]:
         assert self._volumes is not None
         mounts = []
+        if not self.pod["spec"].get("hostNetwork"):
+            # The kubelet's hosts file: the pod's host name resolves to its own address, which
+            # is what a process binding by host name (Gloo, for one) then listens on.
+            hosts = self.dir / "etc-hosts"
+            hosts.write_text("# Kubernetes-managed hosts file.\n127.0.0.1\tlocalhost\n"
+                             f"::1\tlocalhost ip6-localhost ip6-loopback\n"
+                             f"{self._pod_ip}\t{self._hostname()}\n")
+            mounts.append({"source": str(hosts), "target": "/etc/hosts", "readOnly": True})
         for mount in spec.get("volumeMounts") or []:
             source = self._volumes.paths[mount["name"]]
             if mount.get("subPath"):
