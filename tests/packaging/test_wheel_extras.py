@@ -14,6 +14,7 @@ import subprocess
 import sys
 import tomllib
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -81,20 +82,30 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return built
 
 
-@pytest.fixture(scope="module", params=sorted(COMMANDS))
-def venv(request: pytest.FixtureRequest, wheel: Path,
-         tmp_path_factory: pytest.TempPathFactory) -> Iterator[Venv]:
-    """A fresh virtual environment with what the extra's image installs: the wheel, the extra,
-    its constraints (from PyPI; pip's cache makes reruns fast)."""
-    extra: str = request.param
-    made = Venv(extra, tmp_path_factory.mktemp(f"venv-{extra}"))
-    added, _ = imagesize.install(made.root, wheel, extra)
-    installed = sorted(imagesize.check(made.run(made.bin / "python", "-m", "pip", "list",
-                                                "--format=freeze")).split())
-    print(f"\n[{extra}] installed: {added / 1e6:.1f} MB, "
-          f"{len(installed)} distributions: {' '.join(installed)}")
-    yield made
-    shutil.rmtree(made.root)
+@pytest.fixture(scope="module")
+def venvs(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Venv]]:
+    """A fresh virtual environment per extra with what its image installs: the wheel, the extra,
+    its constraints (from PyPI; pip's cache makes reruns fast). Installed side by side: pip
+    waits on the index and the disk as much as on a core."""
+    def made(extra: str) -> Venv:
+        env = Venv(extra, tmp_path_factory.mktemp(f"venv-{extra}"))
+        added, _ = imagesize.install(env.root, wheel, extra)
+        installed = sorted(imagesize.check(env.run(env.bin / "python", "-m", "pip", "list",
+                                                   "--format=freeze")).split())
+        print(f"\n[{extra}] installed: {added / 1e6:.1f} MB, "
+              f"{len(installed)} distributions: {' '.join(installed)}")
+        return env
+
+    with ThreadPoolExecutor(len(COMMANDS)) as pool:
+        built = dict(zip(sorted(COMMANDS), pool.map(made, sorted(COMMANDS)), strict=True))
+    yield built
+    for env in built.values():
+        shutil.rmtree(env.root)
+
+
+@pytest.fixture(params=sorted(COMMANDS))
+def venv(request: pytest.FixtureRequest, venvs: dict[str, Venv]) -> Venv:
+    return venvs[request.param]
 
 
 def test_torch_and_the_simulators_libraries_are_absent(venv: Venv) -> None:

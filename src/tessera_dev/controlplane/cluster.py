@@ -63,12 +63,14 @@ DCGM_GENERATIONS = GENERATIONS
 DISCOVERY_RBAC = paths.repo_root() / "manifests" / "local" / "discovery-rbac.yaml"
 DISCOVERY_USER = "tessera-discovery"
 GPU_OPERATOR = paths.repo_root() / "manifests" / "local-gpu-operator" / "dcgm-exporter.yaml"
-EXPORTER_READY_TIMEOUT_S = 90.0
+# Guards against a hang, not bounds on startup: on two cores beside other clusters a node takes
+# minutes to come up.
+EXPORTER_READY_TIMEOUT_S = 300.0
 ALERT_RULES = paths.repo_root() / "manifests" / "monitoring" / "alerts.yaml"
-NODE_READY_TIMEOUT_S = 60.0
+NODE_READY_TIMEOUT_S = 300.0
 NFS_DIR = "nfs"  # under the data dir: the exports of the NFS server every node mounts
 NFS_SERVER = "nfs.tessera.local"
-BIND_TIMEOUT_S = 60.0
+BIND_TIMEOUT_S = 300.0
 # The interpreter of this command: nodes run pods with this environment's tools.
 PYTHON = sys.executable
 

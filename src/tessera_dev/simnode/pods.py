@@ -547,6 +547,7 @@ class PodWorker:
         if not self.pod["spec"].get("hostNetwork"):
             # The kubelet's hosts file: the pod's host name resolves to its own address, which
             # is what a process binding by host name (Gloo, for one) then listens on.
+            self.dir.mkdir(parents=True, exist_ok=True)
             hosts = self.dir / "etc-hosts"
             hosts.write_text("# Kubernetes-managed hosts file.\n127.0.0.1\tlocalhost\n"
                              f"::1\tlocalhost ip6-localhost ip6-loopback\n"
