@@ -72,7 +72,7 @@ from tessera_dev.recovery_figures import (
     step_time,
 )
 from tessera_dev.simnode import faults
-from tessera_sim.pauses import FORMAT
+from tessera_sim.pauses import FAILURE_KINDS, FORMAT
 
 NODES, GPUS, TP, DP = 3, 2, 2, 2
 # The job's failure policy -> the simulator's name for it (tessera_sim.policies).
@@ -494,12 +494,13 @@ def table(results: list[Result]) -> str:
 
 
 def ratios(results: list[Result]) -> list[str]:
-    """NTP's pause against checkpoint-restart's per fault, and NTP's steps redone."""
+    """NTP's pause against checkpoint-restart's per failure (a repair the restart does not take
+    back until its next attempt has no pause to compare), and NTP's steps redone."""
     by = {r.policy: r for r in results}
     out = []
     if "NTP" in by and "CKPT-RESTART" in by:
         for ntp, ckpt in zip(by["NTP"].figures, by["CKPT-RESTART"].figures, strict=False):
-            if ntp.kind == ckpt.kind and ckpt.pause_s > 0:
+            if ntp.kind == ckpt.kind and ntp.kind in FAILURE_KINDS and ckpt.pause_s > 0:
                 out.append(f"{ntp.kind}: NTP pause / CKPT-RESTART pause = "
                            f"{ntp.pause_s / ckpt.pause_s:.3f} (target <= 0.1)")
     if "NTP" in by:

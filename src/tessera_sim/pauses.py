@@ -266,12 +266,14 @@ def apply(policies: Sequence[Policy], scaled: ScaledPauses) -> tuple[Policy, ...
 
 def _transfers(policy: str, shard: float, tp: int, model: ScalingModel) -> dict[str, float]:
     """Seconds for a recovering GPU to receive its bytes under `policy`, on failure and repair:
-    a whole shard, except an NTP survivor's share of a lost GPU's, shard / (tp - 1)."""
+    a whole shard, except an NTP survivor's share of a lost GPU's, shard / (tp - 1); none on a
+    restart's repair (a restarted job takes a returned GPU only at its next attempt, whose
+    restart pays the load)."""
     link = LINKS[policy]
     whole = shard / (getattr(model, link) * GB)
     # With TP1 there is no survivor to share the lost units among: the whole shard moves.
     survivors = max(tp - 1, 1) if link == "scale_up_gbps" else 1
-    return {"failure": whole / survivors, "repair": whole}
+    return {"failure": whole / survivors, "repair": 0.0 if policy == RESTART_POLICY else whole}
 
 
 def _object(doc: dict[str, Any], key: str) -> dict[str, Any]:

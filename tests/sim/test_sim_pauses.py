@@ -22,6 +22,8 @@ from tessera_sim.policies import POLICY_NAMES, build_policies
 pytestmark = [pytest.mark.sim, pytest.mark.recovery]
 
 SAMPLE = Path(__file__).parent / "data" / "recovery-sample.json"
+# `tessera-dev bench recovery`'s file as it wrote it (the README's "Measured on this machine")
+MEASURED = Path(__file__).parent / "data" / "recovery-measured.json"
 TESSERA_DEV = Path(sys.executable).with_name("tessera-dev")
 # A 1,024-GPU job (TP8 x PP4 x DP32) of the paper's model: a run takes well under a second.
 SMALL = ["--gpus", "1024", "--domain-size", "8", "--tp", "8", "--pp", "4", "--days", "3"]
@@ -85,7 +87,8 @@ def test_scaled_pauses_are_the_documented_model(paper_config: SimConfig) -> None
     f = scaled.factors
     assert (f.restart, f.bench_nodes, f.sim_nodes) == (6.5, 2, 4096)
     assert f.shard_bytes == pytest.approx(shard, rel=1e-12)
-    links = {"ckpt-restart": (storage, storage), "spares": (scale_out, scale_out),
+    # a restart takes a returned GPU only at its next attempt: nothing moves on a repair
+    links = {"ckpt-restart": (storage, 0.0), "spares": (scale_out, scale_out),
              "dp-drop": (scale_out, scale_out), "dp-drop-unpacked": (scale_out, scale_out),
              "ntp": (survivor, returned), "ntp-pw": (survivor, returned),
              "tessera": (survivor, returned)}  # fmt: skip
@@ -130,6 +133,8 @@ def test_the_transfer_follows_the_scaling_models_bandwidths(paper_config: SimCon
         for which in ("failure", "repair"):
             want = default[name][which] / 6 / ratio
             assert changed[name][which] == pytest.approx(want, rel=1e-12), (name, which)
+    # A restart moves nothing when a GPU returns: the job takes it at its next attempt.
+    assert default["ckpt-restart"]["repair"] == changed["ckpt-restart"]["repair"] == 0.0
     # TP1 has no NTP survivor to share a lost GPU's units among: the whole shard moves.
     tp1 = SimConfig(gpus=1024, domain_size=8, tp=1, pp=4, dp=256).validate()
     whole = model_parameters(tp1) / 4 * 12 / 450e9
@@ -173,6 +178,22 @@ def test_shorter_measured_pauses_raise_goodput_and_absent_policies_keep_theirs()
         assert rows[name]["pauses"] == "assumed"
         assert rows[name]["goodput_mean_measured"] == rows[name]["goodput_mean_assumed"], name
         assert rows[name]["failure_stall_s"] == rows[name]["failure_stall_s_assumed"], name
+
+
+def test_the_benchs_own_file_charges_every_policy_its_measured_pauses(
+        paper_config: SimConfig) -> None:
+    """What the bench writes is what the simulator reads, all of it: every policy it runs and
+    every fault kind it injects, the repairs (a GPU back, a cordon lifted) included."""
+    measured = pauses.parse(json.loads(MEASURED.read_text()))
+    assert set(measured.policies) == {"ntp", "ntp-pw", "dp-drop", "spares", "ckpt-restart"}
+    for faults in measured.policies.values():
+        assert {f.kind for f in faults} == {*pauses.FAILURE_KINDS, *pauses.REPAIR_KINDS}
+    scaled = pauses.scale(measured, paper_config)
+    for name, charged in scaled.policies.items():
+        assert charged.failure_stall_s is not None and charged.repair_stall_s is not None, name
+    # the claim the bench exists for: a live relayout against the restart everyone runs
+    assert scaled.policies["ntp"].failure_stall_s < \
+        0.1 * scaled.policies["ckpt-restart"].failure_stall_s
 
 
 def _mutate(path: str, value: Any) -> dict[str, Any]:
