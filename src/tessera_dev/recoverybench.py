@@ -131,17 +131,10 @@ class Watch:
         core = client.CoreV1Api(self.api)
         while not self.stopped.wait(0.5):
             try:
-                cm = core.read_namespaced_config_map(layout_configmap(self.job), self.namespace,
-                                                     _request_timeout=10)
-                attempt = int((cm.metadata.labels or {}).get(ATTEMPT_LABEL, "0"))
-                now = (attempt, Generation.from_dict(
-                    json.loads((cm.data or {})[LAYOUT_KEY])).generation)
-            except client.ApiException as exc:
-                if exc.status != 404:
-                    continue  # the next look
-                now = None
-            except (OSError, KeyError, ValueError):
-                continue
+                found = published_layout(core, self.namespace, self.job)
+            except (client.ApiException, OSError, ValueError):
+                continue  # the next look
+            now = None if found is None else (found[0], found[1].generation)
             with self.changed:
                 if now != self.published:
                     self.published, self.since = now, time.time()
@@ -232,24 +225,32 @@ def cluster_nodes() -> list[str]:
     return [spec.name for spec in cluster.node_specs(NODES, GPUS)]
 
 
+def published_layout(core: client.CoreV1Api, namespace: str, job: str
+                     ) -> tuple[int, Generation] | None:
+    """The attempt and generation the job's layout ConfigMap holds; None while it holds none
+    (between CKPT-RESTART's attempts the operator has not published the next one yet)."""
+    try:
+        cm = core.read_namespaced_config_map(layout_configmap(job), namespace,
+                                             _request_timeout=10)
+    except client.ApiException as exc:
+        if exc.status == 404:
+            return None
+        raise
+    data = cm.data or {}
+    if LAYOUT_KEY not in data:
+        return None
+    attempt = int((cm.metadata.labels or {}).get(ATTEMPT_LABEL, "0"))
+    return attempt, Generation.from_dict(json.loads(data[LAYOUT_KEY]))
+
+
 def layout(api: client.ApiClient, namespace: str, job: str) -> Generation:
-    """The generation in force; waited for while there is none (between CKPT-RESTART's
-    attempts the operator has not published the next one yet)."""
+    """The generation in force; waited for while there is none."""
     core = client.CoreV1Api(api)
-
-    def read() -> Generation | None:
-        try:
-            data = core.read_namespaced_config_map(layout_configmap(job), namespace).data or {}
-        except client.ApiException as exc:
-            if exc.status == 404:
-                return None
-            raise
-        return Generation.from_dict(json.loads(data[LAYOUT_KEY])) if LAYOUT_KEY in data else None
-
-    found = probes.poll_until(read, timeout=HANG_S, interval=0.5, error=lambda _: TimeoutError(
-        f"no layout published for {namespace}/{job} in {HANG_S:.0f} s"))
+    found = probes.poll_until(lambda: published_layout(core, namespace, job), timeout=HANG_S,
+                              interval=0.5, error=lambda _: TimeoutError(
+                                  f"no layout published for {namespace}/{job} in {HANG_S:.0f} s"))
     assert found is not None
-    return found
+    return found[1]
 
 
 @dataclass
