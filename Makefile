@@ -4,7 +4,8 @@ PY      ?= python3
 VENV    ?= .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.tessera-installed
-UV_VERSION := 0.13.9
+# the uv the dev extra pins: it bootstraps the install
+UV_VERSION := $(shell sed -n 's/^ *"uv==\([^"]*\)",$$/\1/p' pyproject.toml)
 
 .PHONY: demo test setup deps system controlplane lint
 
@@ -18,11 +19,14 @@ setup: deps system controlplane
 
 deps: $(STAMP)
 # uv installs the same versions pip would, minutes faster (torch's CUDA wheels are GBs); pip stays
-# for the packaging tests, which build and install wheels with it as an image's build does.
-$(STAMP): pyproject.toml
+# for the packaging tests, which build the wheel with it as an image's build does. The images'
+# lock holds what they share with the tests at the versions the images get: a release on the
+# index after the lock changes neither.
+CONSTRAINTS := $(wildcard constraints/*.txt)
+$(STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip uv==$(UV_VERSION)
-	$(BIN)/uv pip install -q --python $(BIN)/python -e '.[test]'
+	$(BIN)/uv pip install -q --python $(BIN)/python $(addprefix -c ,$(CONSTRAINTS)) -e '.[test]'
 	touch $(STAMP)
 
 # Debian packages: Prometheus for the metrics tests and the demo, openssl for the control plane's
