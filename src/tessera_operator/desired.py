@@ -85,6 +85,13 @@ class Desired:
     delete_job: bool = False  # ttlSecondsAfterFinished has passed
     requeue_after: float | None = None  # seconds until the job needs a reconcile of its own
 
+    @property
+    def waits_for_nodes(self) -> bool:
+        """Too few nodes fit the job: any node change may let it be placed."""
+        ready = next((c for c in self.status.get("conditions") or []
+                      if c.get("type") == "Ready"), {})
+        return ready.get("reason") == "Unschedulable"
+
 
 class LayoutBlocked(Exception):
     """The layout document cannot be published; `reason` is the condition reason."""

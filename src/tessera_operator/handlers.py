@@ -12,9 +12,10 @@ for it, or a target someone else deleted. Watch-triggered reconciles go through 
 (`jobqueue`): one at a time per job, a storm of events covered by one.
 
 Indices (kept by kopf from its watches, complete before any handler runs): jobs by UID, the
-jobs their status says are Unschedulable, the jobs by phase (the metrics' gauge), the jobs
-placed on each node and the GPUs they hold there (from their trainer pods), each node's
-GPUHealth, and each job's children as `observed.child_view` sees them.
+jobs by phase (the metrics' gauge), the jobs placed on each node and the GPUs they hold there
+(from their trainer pods), each node's GPUHealth, and each job's children as
+`observed.child_view` sees them. The jobs too few nodes fit are the job queue's
+(`JobQueue.wait_for_nodes`), set by their reconcile before it last reads the node cache.
 Every handler is a coroutine: kopf runs a plain function in a thread, a hand-off per watch
 event that a storm of them (a thousand pods marked not ready) would pay each; only a reconcile
 and the writes it does not make go to a thread.
@@ -62,15 +63,6 @@ async def job_phases(namespace: str, name: str, status: kopf.Status, body: kopf.
                      ) -> dict[str, JobKey]:
     """Phase -> the operator's jobs in it (none written yet: Pending), for its metrics."""
     return {status.get("phase") or "Pending": (namespace, name)} if desired.ours(body) else {}
-
-
-@kopf.index(GROUP, VERSION, PLURAL)
-async def unschedulable_jobs(namespace: str, name: str, status: kopf.Status, **_: Any
-                             ) -> dict[JobKey, bool]:
-    """The jobs whose status says too few nodes fit them: any node change may let them be
-    placed."""
-    ready = next((c for c in status.get("conditions") or [] if c.get("type") == "Ready"), {})
-    return {(namespace, name): True} if ready.get("reason") == "Unschedulable" else {}
 
 
 @kopf.index("", "v1", "pods", labels=TRAINERS)
@@ -177,8 +169,7 @@ def _attempt(action: Callable[[], None], what: str, logger: logging.Logger) -> b
 
 @kopf.on.event("", "v1", "nodes")
 async def on_node(type: str, name: str, body: kopf.Body, memo: kopf.Memo,
-                  logger: logging.Logger, node_jobs: kopf.Index, unschedulable_jobs: kopf.Index,
-                  **indices: Any) -> None:
+                  logger: logging.Logger, node_jobs: kopf.Index, **indices: Any) -> None:
     """Reconcile the jobs placed on a node when what they read of it changes (labels, GPU
     capacity, cordons, schedulability), and the jobs too few nodes fit; other node updates
     (heartbeats, conditions) are ignored, and so is an event older than an API read of the
@@ -189,7 +180,7 @@ async def on_node(type: str, name: str, body: kopf.Body, memo: kopf.Memo,
     each, and a cordon behind it waits for little more than its own reconcile."""
     if not memo.nodes.deliver(name, None if type == "DELETED" else body):
         return
-    for key in set(node_jobs.get(name, ())) | set(unschedulable_jobs):
+    for key in set(node_jobs.get(name, ())) | memo.queue.waiting_for_nodes():
         await _reconcile_soon(memo, key, logger, _indices(indices))
 
 
@@ -231,15 +222,14 @@ async def on_identity(namespace: str, labels: kopf.Labels, memo: kopf.Memo,
 
 @kopf.on.event(GROUP, VERSION, "gpuhealths")
 async def on_gpu_health(type: str, name: str, status: kopf.Status, memo: kopf.Memo,
-                        logger: logging.Logger, node_jobs: kopf.Index,
-                        unschedulable_jobs: kopf.Index, **indices: Any) -> None:
+                        logger: logging.Logger, node_jobs: kopf.Index, **indices: Any) -> None:
     """Reconcile the jobs on a node when a GPU's state or XIDs change in its GPUHealth (not on
     the periodic refresh that only says the object is current), and the jobs too few nodes fit:
     a GPU healthy again may make its node one (CKPT-RESTART places only on healthy nodes)."""
     facts = None if type == "DELETED" else [(g.get("index"), g.get("state"), g.get("xids"))
                                             for g in status.get("gpus") or []]
     if memo.seen.changed(("GPUHealth", name), facts):
-        for key in set(node_jobs.get(name, ())) | set(unschedulable_jobs):
+        for key in set(node_jobs.get(name, ())) | memo.queue.waiting_for_nodes():
             await _reconcile_soon(memo, key, logger, _indices(indices))
 
 

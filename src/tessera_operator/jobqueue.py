@@ -7,8 +7,8 @@ it. kopf serialises the handlers of one object and batches that object's events,
 no queue keyed by another resource's owner: events of a job's nodes, pods and reports are
 neither coalesced per job nor serialised with the job's own handlers. This queue does both, as
 controller-runtime's work queue does (a key waiting to start is not added twice; a key runs in
-one worker at a time). It also keeps which jobs wait for their power agents' reports, the one
-kind of event that reconciles a job only while it waits.
+one worker at a time). It also keeps which jobs wait for their power agents' reports and which
+for nodes that fit them, the events that reconcile a job only while it waits.
 """
 
 from __future__ import annotations
@@ -29,13 +29,14 @@ TIMED_WORKERS = 4
 
 class JobQueue:
     """Per job: a lock, whether a watch-triggered reconcile waits to start, and whether the job
-    waits for power agents' reports. Thread-safe."""
+    waits for power agents' reports or for nodes. Thread-safe."""
 
     def __init__(self) -> None:
         self._guard = threading.Lock()
         self._locks: defaultdict[JobKey, threading.Lock] = defaultdict(threading.Lock)
         self._waiting: set[JobKey] = set()
         self._held: set[JobKey] = set()
+        self._unplaced: set[JobKey] = set()
         # key -> (sequence, run): the one timed reconcile each job waits for; the heap holds
         # (when, sequence, key), entries whose sequence is no longer the key's are stale.
         self._due: dict[JobKey, tuple[int, Callable[[], object]]] = {}
@@ -75,6 +76,21 @@ class JobQueue:
                 self._held.add(key)
             else:
                 self._held.discard(key)
+
+    def wait_for_nodes(self, key: JobKey, waiting: bool) -> None:
+        """Whether too few nodes fit the job, so that any node change reconciles it. Set by
+        its reconcile before that checks whether the node cache changed while it placed: a
+        node event delivered after the check finds the job here (the job's status, read back
+        through its watch, would come too late for an event in between)."""
+        with self._guard:
+            if waiting:
+                self._unplaced.add(key)
+            else:
+                self._unplaced.discard(key)
+
+    def waiting_for_nodes(self) -> set[JobKey]:
+        with self._guard:
+            return set(self._unplaced)
 
     def holds(self, key: JobKey) -> bool:
         with self._guard:
@@ -122,5 +138,6 @@ class JobQueue:
         with self._guard:
             self._locks.pop(key, None)
             self._held.discard(key)
+            self._unplaced.discard(key)
             self._waiting.discard(key)
             self._due.pop(key, None)

@@ -65,6 +65,7 @@ def reconcile(memo: kopf.Memo, key: JobKey, logger: logging.Logger,
             rejected = apply.children(api, observed, wanted)
             if rejected is not None:
                 wanted = desired.desired(spec, observed, now, rejected=rejected)
+        queue.wait_for_nodes(key, wanted.waits_for_nodes)
         if wanted.delete_job:
             apply.delete_job(api, job)
             return None

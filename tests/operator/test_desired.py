@@ -129,6 +129,7 @@ def test_the_desired_state_of_a_job(case: Case) -> None:
     assert [(c["kind"], c["metadata"]["name"]) for c in wanted.children] == case.children
     ready = next(c for c in wanted.status["conditions"] if c["type"] == "Ready")
     assert (ready["status"], ready["reason"]) == case.ready, ready["message"]
+    assert wanted.waits_for_nodes == (ready["reason"] == "Unschedulable")
     assert wanted.status["tpLayout"] == case.tp_layout
     if case.layout is None:
         assert wanted.layout is None

@@ -25,7 +25,7 @@ from tessera_contracts.api import CORDON_ANNOTATION
 from tessera_contracts.powertarget import format_time, parse_object
 from tessera_core.perf_model import PAPER
 from tessera_dev import simnodes
-from tessera_operator import cache, handlers, observe, power_targets, workload
+from tessera_operator import cache, handlers, jobqueue, observe, power_targets, workload
 from tessera_operator.health import GPU_HEALTH_STALE_AFTER_S
 
 pytestmark = pytest.mark.operator
@@ -672,7 +672,7 @@ def test_a_node_event_older_than_an_api_read_takes_nothing_back(admin_api: clien
     created = admin_api.sanitize_for_serialization(core.read_node(name))
     cordoned = {"metadata": {"annotations": {CORDON_ANNOTATION: "0"}}}
     core.patch_node(name, cordoned)
-    memo = kopf.Memo(nodes=cache.NodeCache())
+    memo = kopf.Memo(nodes=cache.NodeCache(), queue=jobqueue.JobQueue())
 
     def cordon_seen() -> str | None:
         (node,) = observe.nodes(admin_api, memo.nodes, [name])
@@ -681,8 +681,7 @@ def test_a_node_event_older_than_an_api_read_takes_nothing_back(admin_api: clien
     def deliver(kind: str, body: dict[str, Any]) -> None:
         asyncio.run(handlers.on_node(type=kind, name=name, body=kopf.Body(body), memo=memo,
                                      logger=logging.getLogger("test"), node_jobs={},
-                                     unschedulable_jobs={}, gpu_health={}, children={},
-                                     held_gpus={}))
+                                     gpu_health={}, children={}, held_gpus={}))
 
     try:
         assert cordon_seen() == "0"  # read from the API: not delivered yet
