@@ -427,9 +427,11 @@ def test_the_agent_process_publishes_its_nodes_gpu_health(
         probes.poll_until(
             lambda: (_read(admin_api, node) or {})["status"]["xidGPUs"] == "4", timeout=20,
             error=lambda _: AssertionError("XID 79 of GPU 4 not published"))
-        page = fetch_page(f"{own}/metrics", 5.0)
+        # the page shows what was published once the write returned, a moment after the API
+        failed = f'tessera_health_gpus{{node="{node}",state="failed"}} 1.0'
+        page = probes.poll_until(lambda: fetch_page(f"{own}/metrics", 5.0),
+                                 lambda p: failed in p, timeout=20, error=AssertionError)
         assert f'tessera_health_exporter_up{{node="{node}"}} 1.0' in page, page
-        assert f'tessera_health_gpus{{node="{node}",state="failed"}} 1.0' in page, page
         assert f'tessera_health_gpus{{node="{node}",state="healthy"}} {GPUS - 1}.0' in page
         assert f'tessera_health_read_errors_total{{node="{node}",reason="timeout"}} 0.0' in page
         promtool = subprocess.run(["promtool", "check", "metrics"], input=page, text=True,
