@@ -24,7 +24,7 @@ import yaml
 from tessera_dev import imagesize, lock
 from tessera_dev.simnode import images
 
-# pip resolves and downloads on a loaded 2-core machine: the first install takes minutes
+# the installs download from the package index on a loaded 2-core machine
 pytestmark = [pytest.mark.packaging, pytest.mark.timeout(1800)]
 
 REPO = Path(__file__).resolve().parents[2]
@@ -85,7 +85,7 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def venvs(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Venv]]:
     """A fresh virtual environment per extra with what its image installs: the wheel, the extra,
-    its constraints (from PyPI; pip's cache makes reruns fast). Installed side by side: pip
+    its constraints (from PyPI; uv's cache makes reruns fast). Installed side by side: uv
     waits on the index and the disk as much as on a core."""
     def made(extra: str) -> Venv:
         env = Venv(extra, tmp_path_factory.mktemp(f"venv-{extra}"))
