@@ -5,6 +5,7 @@ standby operator replica is Ready, and a pod Running but not Ready serves nothin
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 from pathlib import Path
@@ -60,23 +61,38 @@ def wait(api: client.ApiClient, nodes: int, timeout: float = INSTALL_TIMEOUT_S,
                     lambda left: left is None, timeout=timeout)
 
 
+def _leader(api: client.ApiClient, namespace: str) -> tuple[str, str | None] | None:
+    """(pod, node) of the operator replica holding the Lease; None while nobody does (or its
+    holder's pod is gone)."""
+    lease = client.CoordinationV1Api(api).read_namespaced_lease(LEASE_NAME, namespace)
+    if not (holder := lease.spec.holder_identity):
+        return None
+    try:
+        pod = client.CoreV1Api(api).read_namespaced_pod(holder, namespace)
+    except client.ApiException as exc:
+        if exc.status == 404:
+            return None
+        raise
+    return holder, pod.spec.node_name
+
+
 def leader_node(api: client.ApiClient, namespace: str = SYSTEM_NS) -> str | None:
     """The node of the operator replica holding the Lease; None while nobody does."""
-    lease = client.CoordinationV1Api(api).read_namespaced_lease(LEASE_NAME, namespace)
-    if not lease.spec.holder_identity:
-        return None
-    return client.CoreV1Api(api).read_namespaced_pod(lease.spec.holder_identity,
-                                                     namespace).spec.node_name
+    return None if (leader := _leader(api, namespace)) is None else leader[1]
 
 
 def leader_off(api: client.ApiClient, node: str, timeout: float = INSTALL_TIMEOUT_S,
                namespace: str = SYSTEM_NS) -> None:
     """The operator's leader on another node than `node`: a leader there is deleted (it lets
-    the Lease go on SIGTERM) and the standby, on another node, takes over. A test that stops
-    `node` whole keeps the operator out of it, as a real cluster keeps it off GPU nodes."""
-    if leader_node(api, namespace) != node:
-        return
-    lease = client.CoordinationV1Api(api).read_namespaced_lease(LEASE_NAME, namespace)
-    client.CoreV1Api(api).delete_namespaced_pod(lease.spec.holder_identity, namespace)
-    probes.wait_for(f"the operator's leader off {node}", lambda: leader_node(api, namespace),
-                    lambda leader: leader not in (None, node), timeout=timeout)
+    the Lease go on SIGTERM) until a replica on another node takes over (the Deployment's
+    replacement may land on `node` and win the Lease first). A test that stops `node` whole
+    keeps the operator out of it, as a real cluster keeps it off GPU nodes."""
+    def moved() -> str | None:
+        leader = _leader(api, namespace)
+        if leader is not None and leader[1] == node:
+            with contextlib.suppress(client.ApiException):  # already gone
+                client.CoreV1Api(api).delete_namespaced_pod(leader[0], namespace)
+        return None if leader is None else leader[1]
+
+    probes.wait_for(f"the operator's leader off {node}", moved,
+                    lambda leader: leader not in (None, node), timeout=timeout, interval=0.5)
