@@ -118,6 +118,14 @@ def arrive(store: dist.Store, generation: int, world_size: int) -> None:
                 generation, EndReason.decode(store.get(end_key(generation)).decode()))
 
 
+def ready_to_form(store: dist.Store, generation: int, joiners: int) -> bool:
+    """Whether the `joiners` processes `generation` adds have come to its rendezvous, or it
+    ended (nobody still to wait for). Survivors switching before that would wait while the
+    joiners start (a process start, its imports), stalling every replica."""
+    return (joiners == 0 or store.add(arrival_key(generation), 0) >= joiners
+            or store.check([end_key(generation)]))
+
+
 def init_distributed(
     device: str,
     store: dist.Store,

@@ -42,6 +42,7 @@ from ntp.distributed import (
     is_communication_failure,
     leave_process_groups,
     pick_device,
+    ready_to_form,
     register_process,
     rendezvous_from_env,
 )
@@ -434,7 +435,9 @@ class Trainer:
     # -- change generation ---------------------------------------------------------------------
 
     def agreed_switch(self, cur: GenerationRank) -> Assignment | None:
-        """The next generation if it is planned for this step boundary, as rank 0 read it.
+        """The next generation if it is planned for this step boundary, as rank 0 read it: at or
+        after its step (the operator plans from progress reports, which lag the ranks), once the
+        processes it adds have come to its rendezvous (until then the ranks train on).
 
         One reader decides for everyone (a broadcast on the job's world group): ranks reading
         the source themselves could disagree when it is published while they pass the boundary.
@@ -442,10 +445,11 @@ class Trainer:
         box: list = [None]
         if cur.groups.replica == 0 and cur.groups.rank == 0:
             document = self.source.get(self.generation + 1)
-            # At or after: the operator plans from progress reports, which lag the ranks.
             planned = None if document is None else at_step_of(document)
             if planned is not None and planned <= self.step:
-                box[0] = document
+                joiners = sum(o is None for o in document.get("origin") or ())
+                if ready_to_form(self.store, self.generation + 1, joiners):
+                    box[0] = document
         dist.broadcast_object_list(box, src=0, group=cur.groups.world)
         return None if box[0] is None else assignment(box[0])
 
@@ -688,6 +692,7 @@ class Trainer:
                     self.save_checkpoint(cur)
                     self.event(EventKind.CHECKPOINTED)
                 if following is not None:
+                    self.event(EventKind.SWITCHING)
                     outcome.append(("switch", following))
                     return
             outcome.append(("done", None))

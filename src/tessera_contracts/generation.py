@@ -75,8 +75,9 @@ class Generation:
     by replica. `origin[d]` is the previous generation's global rank of the process that
     becomes global rank d, None for a process that starts holding nothing (a GPU back); the
     first generation has no origin. `at_step` (planned changes) switches every rank at the first
-    step boundary at or after that step (the operator plans from reports that lag the ranks);
-    without it the generation follows a failure and ranks join it at once.
+    step boundary at or after that step (the operator plans from reports that lag the ranks)
+    where the processes it adds have come to its rendezvous; without it the generation follows
+    a failure and ranks join it at once.
     """
 
     generation: int

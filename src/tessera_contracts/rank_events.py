@@ -30,6 +30,7 @@ class RecordError(ValueError):
 class EventKind(StrEnum):
     RESTORING = "restoring"  # live resharding cannot work: a checkpoint restore begins
     RESTORED = "restored"  # the checkpoint is loaded: training resumes from the event's step
+    SWITCHING = "switching"  # the rank leaves its generation for a planned one after this step
     RECONFIGURED = "reconfigured"  # the rank runs the event's generation
     SAVING_CHECKPOINT = "saving_checkpoint"
     CHECKPOINTED = "checkpointed"

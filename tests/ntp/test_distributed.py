@@ -12,10 +12,14 @@ from ntp.distributed import (
     End,
     EndReason,
     FailureWatch,
+    RendezvousEnded,
+    arrival_key,
+    arrive,
     end_generation,
     end_key,
     is_communication_failure,
     process_key,
+    ready_to_form,
     report_death,
 )
 from tessera_contracts.generation import Rendezvous
@@ -70,6 +74,32 @@ def test_a_launcher_ends_the_generation_its_dead_child_was_in():
     assert store.get(end_key(5)).decode() == "failed: process node-a/41 exited with -9"
     # a child that never joined a generation broke the first one's rendezvous
     assert report_death(store, "node-a", 42, first_generation=1, why="exited with 1") == 1
+
+
+def test_a_planned_generation_forms_once_the_processes_it_adds_have_come():
+    """Its survivors train on until then (`ntp.train.Trainer.agreed_switch`)."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    assert ready_to_form(store, 2, joiners=0)  # a cordon adds nobody
+    assert not ready_to_form(store, 2, joiners=1)
+    left: list[RendezvousEnded] = []
+
+    def joiner() -> None:  # what a fresh process does first: come to the rendezvous and wait
+        try:
+            arrive(store, 2, world_size=3)
+        except RendezvousEnded as exc:
+            left.append(exc)
+
+    thread = threading.Thread(target=joiner, daemon=True)
+    thread.start()
+    store.wait([arrival_key(2)])
+    assert ready_to_form(store, 2, joiners=1)
+    assert not ready_to_form(store, 2, joiners=2)
+    # A generation that ended before its new processes came has nobody left to wait for: the
+    # survivors go on to it and past it (`Trainer.join_formed`).
+    end_generation(store, 2, EndReason(End.FAILED, "the joiner's GPU failed again"))
+    assert ready_to_form(store, 2, joiners=2)
+    thread.join()
+    assert [exc.generation for exc in left] == [2]
 
 
 @pytest.mark.parametrize(("reason", "aborted"), [(EndReason(End.FAILED, "x"), True),

@@ -130,22 +130,32 @@ def test_a_checkpoint_restore_after_a_failure_is_badput_of_its_own():
     assert report.productive_seconds == 2.0 and abs(balanced(report)) < 1e-9
 
 
-def test_a_planned_switch_reconfigures_after_its_step():
+@pytest.mark.parametrize("trained_on", [0, 2])
+def test_a_planned_switch_reconfigures_after_the_step_the_ranks_switch_at(trained_on):
+    """At its step, or `trained_on` steps later (the ranks train on until the ranks the
+    generation adds have come): the time until then is training, and one reconfiguration."""
     clock = Clock()
     progress = NodeProgress(NODE, STEPS, clock)
     clock.now += 2
     progress.record(step(1, 0))
     progress.entered(next_generation(FIRST, FIRST.replicas, at_step=2))
-    clock.now += 1
-    progress.record(step(2, 0))
+    last = 2 + trained_on
+    for n in range(2, last + 1):
+        clock.now += 1
+        progress.record(step(n, 0))
+        assert progress.key() == (State.TRAINING, 1)
+    for rank in (0, 1):  # every rank says so; the first line counts
+        progress.record(event("switching", last, rank))
     assert progress.key() == (State.RECONFIGURING, 1)
     clock.now += 4
-    progress.record(event("reconfigured", 2, 0, generation=2))
+    progress.record(event("reconfigured", last, 0, generation=2))
     clock.now += 1
-    progress.record(step(3, 0, generation=2))
+    progress.record(step(last + 1, 0, generation=2))
     report = progress.report()
     assert report.badput_seconds == {"startup": 1.0, "reconfiguration": 4.0}
+    assert report.productive_seconds == last + 1.0
     assert (report.state, report.generation) == (State.TRAINING, 2)
+    assert progress.ledger.account().reconfigurations == 1
 
 
 def test_a_node_whose_ranks_join_mid_job_counts_only_its_own_steps():

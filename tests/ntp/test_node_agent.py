@@ -26,7 +26,7 @@ import pytest
 import torch.distributed as dist
 from prometheus_client.parser import text_string_to_metric_families
 
-from ntp.distributed import End, EndReason, end_generation, end_key
+from ntp.distributed import End, EndReason, arrival_key, end_generation, end_key
 from ntp.launch import launch_local
 from ntp.model import FLAVORS
 from ntp.nodeagent.agent import AgentError, Devices, DirectorySource, NodeAgent
@@ -227,6 +227,11 @@ def test_agents_run_ranks_across_a_gpu_loss_and_return(tmp_path, rendezvous, fai
     second = next_generation(job.first, (GPUS[NODES[0]], GPUS[NODES[1]][:1]), lost={LOST})
     publish(job.generations, second)
     publish(job.generations, next_generation(second, job.first.replicas, at_step=back_at))
+    # The survivors switch once the joining rank's process has started and come to the
+    # rendezvous, training on until then (however long its start takes): the test lets them
+    # go once it has, so that the switch comes at the planned step, before the job's end.
+    store = dist.TCPStore("127.0.0.1", job.first.rendezvous.port, is_master=False)
+    store.wait([arrival_key(3)], timedelta(seconds=PHASE_S))
     os.kill(rank0, signal.SIGCONT)
     rank = job.finish()
     events = job.reconfigurations()

@@ -58,7 +58,6 @@ class NodeProgress:
         self.loss: float | None = None  # of the last step that counts (the metrics' gauge)
         self.step_times = StepTimes()  # of every step this node completed (the metrics')
         self.silent: tuple[str, ...] = ()  # the job's nodes whose agents went silent
-        self._switch: tuple[int, int] | None = None  # (after step, to generation): planned
         self._recent: deque[float] = deque(maxlen=RECENT_STEPS)
         # (generation, step, seconds) from every rank's step line: one generation's only, since
         # a new one changes each rank's work (and the operator boosts by what it measures)
@@ -107,10 +106,6 @@ class NodeProgress:
         self._set(State.TRAINING, "")
         if step >= self.steps:
             ledger.enter(Phase.OTHER, at=at)  # the ranks write their results and leave
-        elif self._switch is not None and self._switch[0] == step:
-            ledger.enter(Phase.RECONFIGURATION, at=at)
-            self._set(State.RECONFIGURING,
-                      f"switching to generation {self._switch[1]} after step {step}")
 
     def _computed(self, generation: int, step: int, seconds: float) -> None:
         compute = self._compute
@@ -125,7 +120,14 @@ class NodeProgress:
 
     def _event(self, record: RankEvent, at: float) -> None:
         ledger, step, kind = self.ledger, record.step, record.kind
-        if kind is EventKind.RECONFIGURED:
+        if kind is EventKind.SWITCHING and step == ledger.step \
+                and ledger.phase is not Phase.RECONFIGURATION:
+            # A planned switch: at the step its generation names, or later, once the ranks it
+            # adds have come (the ranks train on until then).
+            ledger.enter(Phase.RECONFIGURATION, at=at)
+            self._set(State.RECONFIGURING,
+                      f"switching to generation {record.generation + 1} after step {step}")
+        elif kind is EventKind.RECONFIGURED:
             self.generation = max(self.generation, record.generation)
             if ledger.phase is Phase.TRAINING:  # a change this agent did not see coming
                 ledger.enter(Phase.RECONFIGURATION, at=at)
@@ -146,9 +148,7 @@ class NodeProgress:
     def entered(self, generation: Generation) -> None:
         """The agent entered `generation` (published after the one its ranks run)."""
         with self._lock:
-            if generation.at_step is not None:
-                self._switch = (generation.at_step, generation.generation)
-            elif generation.origin is not None:  # the one after a failure
+            if generation.at_step is None and generation.origin is not None:  # after a failure
                 self._interrupt(f"generation {generation.generation} after a failure")
 
     def interrupted(self, why: str) -> None:
