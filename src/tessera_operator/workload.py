@@ -464,18 +464,23 @@ def generation_for(
 ) -> Generation | None:
     """The generation to publish for `plan`, or None when `previous` already has its layout.
 
-    `lost`: GPUs whose processes are gone (a failure, not a drain): their ranks start afresh if
-    the layout keeps the GPU, and a generation that loses one is not planned (`at_step` None):
-    its survivors are already out of their collectives. Planned changes (a cordon, a GPU back)
-    switch at the first step boundary at or after `at_step`.
+    `lost`: GPUs whose processes are gone (a failure, not a drain): a generation that loses one
+    is not planned (`at_step` None): its survivors are already out of their collectives. It keeps
+    the plan's replicas the survivors form alone, where there are any: the others (a spare, a
+    lost GPU's rank started afresh) come in the planned generation after it, so that no survivor
+    waits for a process to start. Planned changes (a cordon, a GPU back) switch at the first
+    step boundary at or after `at_step` where the processes they add have come.
     """
     replicas = replicas_of(plan)
     if previous is None:
         return Generation(1, plan.spec.shape, global_batch, plan.spec.mode, replicas, rendezvous)
+    lost = frozenset(lost) & frozenset(previous.gpus)
+    survivors = frozenset(previous.gpus) - lost
+    if lost and (formed := tuple(r for r in replicas if survivors.issuperset(r))):
+        replicas = formed
     if (previous.replicas == replicas and previous.model == plan.spec.shape
             and previous.global_batch == global_batch and previous.mode == plan.spec.mode):
         return None
-    lost = frozenset(lost) & frozenset(previous.gpus)
     successor = next_generation(previous, replicas, lost, None if lost else at_step)
     return replace(successor, model=plan.spec.shape, global_batch=global_batch,
                    mode=plan.spec.mode)

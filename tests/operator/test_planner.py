@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 
 from tessera_contracts import api
-from tessera_contracts.generation import Rendezvous
+from tessera_contracts.generation import Gpu, Rendezvous
 from tessera_contracts.jobspec import SpecError
 from tessera_contracts.model_shape import ModelShape
 from tessera_contracts.powertarget import parse_object, to_object
@@ -99,6 +99,37 @@ def test_a_new_generation_follows_the_layout_only() -> None:
     second = generation_for(hit, 16, RENDEZVOUS, first, at_step=5)
     assert second is not None and (second.generation, second.at_step) == (2, 5)
     assert hit.replicas[0].index == 0  # numbered by position
+
+
+@pytest.mark.parametrize("mode", [FailurePolicy.NTP, FailurePolicy.SPARE])
+def test_a_loss_keeps_the_replicas_its_survivors_form_and_plans_the_rest(mode) -> None:
+    """A node lost whole: its replica's stand-in on the spare needs processes that do not run
+    yet, so the generation after the loss keeps the survivors' replica alone and the spare
+    joins by a planned generation (which the ranks switch to once its processes have come)."""
+    nodes = _own_domains("a", "b", "c")
+    first = generation_for(plan(_spec(mode=mode), nodes, set()), 16, RENDEZVOUS, None)
+    assert first is not None and {g.node for g in first.gpus} == {"a", "b"}
+    lost = {("a", i) for i in range(8)}
+    hit = plan(_spec(mode=mode), nodes, lost)
+    assert hit.tp_layout == "8,8"  # the spare stands in
+    after_loss = generation_for(hit, 16, RENDEZVOUS, first, [Gpu(n, i) for n, i in lost],
+                                at_step=5)
+    assert after_loss is not None and after_loss.at_step is None
+    assert after_loss.replicas == tuple(r for r in first.replicas if r[0].node == "b")
+    assert None not in (after_loss.origin or ())  # nobody to wait for
+    joined = generation_for(hit, 16, RENDEZVOUS, after_loss, at_step=5)
+    assert joined is not None and joined.at_step == 5
+    assert {g.node for g in joined.gpus} == {"b", "c"}
+    assert sum(o is None for o in joined.origin or ()) == 8
+    # Without a replica the survivors form alone, the loss's generation takes the spare at once.
+    single = replace(_spec(mode=mode), dp=1)
+    alone = generation_for(plan(single, nodes, set()), 16, RENDEZVOUS, None)
+    assert alone is not None
+    gone = {(alone.gpus[0].node, i) for i in range(8)}
+    moved = generation_for(plan(single, nodes, gone), 16, RENDEZVOUS, alone,
+                           [Gpu(n, i) for n, i in gone])
+    assert moved is not None and moved.at_step is None and len(moved.gpus) == 8
+    assert {g.node for g in moved.gpus}.isdisjoint({n for n, _ in gone})
 
 
 def _busiest(tp: int) -> float:
