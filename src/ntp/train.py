@@ -857,6 +857,9 @@ def _run_rank(argv: list[str], before_step: Callable[[Trainer], None] | None) ->
         previous = source.get(first.generation - 1)
         if previous is None:
             raise FileNotFoundError(f"--join: generation {first.generation - 1} is not published")
+        # Building on the meta device the first time imports much of torch (about a second):
+        # done before the rendezvous, where every survivor would wait for it.
+        parameter_shapes(model_args(config.flavor, first.layout, carried))
         joined = trainer.join_formed(first, rank, first.origin)
         if joined is None:
             return 0  # the generation it came for never formed, and the next has no place
