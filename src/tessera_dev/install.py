@@ -5,7 +5,6 @@ standby operator replica is Ready, and a pod Running but not Ready serves nothin
 
 from __future__ import annotations
 
-import contextlib
 import os
 import subprocess
 from pathlib import Path
@@ -90,8 +89,11 @@ def leader_off(api: client.ApiClient, node: str, timeout: float = INSTALL_TIMEOU
     def moved() -> str | None:
         leader = _leader(api, namespace)
         if leader is not None and leader[1] == node:
-            with contextlib.suppress(client.ApiException):  # already gone
+            try:
                 client.CoreV1Api(api).delete_namespaced_pod(leader[0], namespace)
+            except client.ApiException as exc:
+                if exc.status != 404:  # 404: already gone
+                    raise
         return None if leader is None else leader[1]
 
     probes.wait_for(f"the operator's leader off {node}", moved,
