@@ -5,7 +5,10 @@ layout it trained on: the attempt and the generation) and the faults injected in
 the time it was injected and the time the job itself first knew of it). From them, per fault:
 
 - detection: from the fault to the job's first notice of it (a node agent ending its generation
-  as failed); None for a fault the job is told of (a cordon, a GPU returned);
+  as failed); None for a fault the job is told of (a cordon, a GPU returned). The fault counts
+  from its injection, or from the last step the job ended before the notice where that came
+  later: injecting takes a while on loaded cores (finding the processes holding a GPU reads all
+  of /proc), and a step that ends after the injection began shows it had not yet hit the job;
 - pause: from the last step on the layout before the change to the first step on the one after
   it; with no change of layout, the gap around the fault (a step's time);
 - steps redone: steps done before the change that the layout after it does again.
@@ -90,7 +93,10 @@ def fault_figures(steps: Sequence[Step], fault: Fault, until: float | None = Non
         raise FiguresError(f"no step ended before the {fault.kind} at {fault.at:.3f}")
     last = before[-1]
     changed = [s for s in steps if s.time > fault.at and s.layout != last.layout]
-    detection = None if fault.noticed is None else max(0.0, fault.noticed - fault.at)
+    detection = None
+    if fault.noticed is not None:
+        hit = max([fault.at] + [s.time for s in steps if s.time < fault.noticed])
+        detection = max(0.0, fault.noticed - hit)
     if not changed:
         later = [s for s in steps if s.time > fault.at]
         if not later:

@@ -49,6 +49,16 @@ def test_a_live_relayout_pauses_from_the_last_step_before_to_the_first_after_and
     assert (got.steps_redone, got.relaid) == (0, True)
 
 
+def test_a_step_ended_after_the_injection_began_delays_the_fault_for_its_detection():
+    # A loaded machine took 0.3 s to reach the processes: step 21 ended 0.2 s after the
+    # injection began, on the layout before; the pause still holds the detection.
+    late = steps(1, 21, T, T, (0, 1)) + steps(22, 40, 12.0, 0.75, (0, 2))
+    got = fault_figures(late, Fault("gpu-lost", 10.3, 10.9))
+    assert got.detection_s == pytest.approx(10.9 - 10.5)
+    assert got.pause_s == pytest.approx(12.0 - 10.5)
+    assert got.pause_s >= got.detection_s
+
+
 def test_a_restart_redoes_the_steps_since_its_checkpoint():
     got = fault_figures(RESTART, LOST)
     assert got.pause_s == pytest.approx(30.0 - 10.0)
