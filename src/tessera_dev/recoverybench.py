@@ -283,9 +283,12 @@ class Run:
             _check(faults.fail_gpu(self._fault_args(self.lost.node, str(self.lost.index))))
         elif kind == "gpu-returned":
             assert self.lost is not None, "a GPU returns after one was lost"
+            # A GPU off the bus is repaired long after DCGM names it: not before DCGM saw it
+            # (the job would read one it never saw fail as a rank's death on a healthy GPU).
+            self._reads(self.lost, State.FAILED)
             at = time.time()
             _check(faults.restore_gpu(self._fault_args(self.lost.node, str(self.lost.index))))
-            ready = self._healthy(self.lost)
+            ready = self._reads(self.lost, State.HEALTHY)
             self.lost = None
         elif kind == "gpu-cordoned":
             self.cordoned = next(g for g in reversed(current.gpus) if g != self.lost)
@@ -305,8 +308,8 @@ class Run:
         self.faults.append(Fault(kind, at, None))
         return ready or at
 
-    def _healthy(self, gpu: Gpu) -> float:
-        """When `gpu`'s GPUHealth first reads it Healthy."""
+    def _reads(self, gpu: Gpu, wanted: State) -> float:
+        """When `gpu`'s GPUHealth first reads it `wanted`."""
         objects = client.CustomObjectsApi(self.api)
 
         def state() -> str | None:
@@ -314,9 +317,9 @@ class Run:
             return next((g.get("state") for g in (found.get("status") or {}).get("gpus") or []
                          if g.get("index") == gpu.index), None)
 
-        healthy = STATE_NAMES[State.HEALTHY]
-        probes.poll_until(state, lambda s: s == healthy, timeout=HANG_S, interval=0.5,
-                          error=lambda s: TimeoutError(f"{gpu} not healthy in its GPUHealth in "
+        name = STATE_NAMES[wanted]
+        probes.poll_until(state, lambda s: s == name, timeout=HANG_S, interval=0.5,
+                          error=lambda s: TimeoutError(f"{gpu} not {name} in its GPUHealth in "
                                                        f"{HANG_S:.0f} s (state {s})"))
         return time.time()
 
