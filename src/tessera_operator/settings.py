@@ -9,6 +9,7 @@ last-seen filters of the watch predicates (`cache.LastSeen`), the job queue
 from __future__ import annotations
 
 import logging
+import re
 import threading
 from datetime import UTC, datetime
 from typing import Any
@@ -27,6 +28,22 @@ API_TIMEOUT_S = 10.0
 JOB_CHILD_KINDS = (("", "v1", "pods"), ("", "v1", "configmaps"), ("", "v1", "serviceaccounts"),
                    ("rbac.authorization.k8s.io", "v1", "roles"),
                    ("rbac.authorization.k8s.io", "v1", "rolebindings"))
+
+
+class QuietSuccess(logging.Filter):
+    """Drops kopf's "Handler '...' succeeded." lines: one per watch event of every node and pod
+    the operator sees, which bury what its handlers and reconciles say. Failures still log."""
+
+    SUCCEEDED = re.compile(r"Handler '[^']*' succeeded\.")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        # kopf writes these lines whole, with no arguments: a record with arguments is another
+        # line, and formatting it here could raise into the caller
+        return not (record.levelno == logging.INFO and not record.args
+                    and self.SUCCEEDED.fullmatch(str(record.msg)) is not None)
+
+
+QUIET_SUCCESS = QuietSuccess()  # one instance: a logger adds the same filter once
 
 
 def api_client() -> client.ApiClient:
@@ -59,6 +76,7 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
         settings.watching.label_selectors[kind] = JOB_LABEL
     # Events come from our decisions; kopf's own log lines become events only when they warn.
     settings.posting.level = logging.WARNING
+    logging.getLogger("kopf.objects").addFilter(QUIET_SUCCESS)
     memo.setdefault("api", api_client())
     memo.setdefault("clock", lambda: datetime.now(UTC))
     memo.nodes = cache.NodeCache()

@@ -6,6 +6,7 @@ before any pod holds a GPU, and a node another job holds is not shared."""
 from __future__ import annotations
 
 import copy
+import re
 import uuid
 from typing import Any
 
@@ -60,6 +61,10 @@ def test_a_job_of_a_mebibyte_is_reconciled_and_deleted_cleanly(running_operator)
     op.wait(lambda: _jobs(op), lambda names: job not in names, "the job gone")
     op.wait(lambda: power_targets.fetch(op.admin, node), lambda t: t is None,
             "its power target released")
+    # its handlers' own lines are in the log, kopf's line per handler success not
+    released = f"job {op.namespace}/{job} deleted; released its power targets"
+    text = op.wait(op.log.read_text, lambda t: released in t, "the release logged")
+    assert not re.search(r"Handler '[^']*' succeeded", text)
 
 
 def test_a_power_target_whose_job_is_gone_is_released(running_operator) -> None:
