@@ -141,7 +141,7 @@ def test_both_exporter_generations_publish_the_xid_of_a_failed_gpu(
         HEALTHY | {3: ("Failed", (79,)), 5: ("Healthy", (13,))}]
     status = written[-1][1]["status"]
     assert (status["xidGPUs"], status["failedGPUs"], status["unknownGPUs"]) == ("3,5", "3", "")
-    assert status["observedAt"] == "2023-11-14T22:13:40Z"  # T0 + 20 s
+    assert status["observedAt"] == "2023-11-14T22:13:40.000Z"  # T0 + 20 s
     assert status["exporter"] == {"url": exporter.url}
     assert written[-1][1]["metadata"] == {"name": HOST}
 
