@@ -9,7 +9,9 @@ A report describes its node since its agent started: the generation its ranks ru
 last step they completed, the node's goodput ledger (docs/goodput.md), what its ranks train on
 (`Device`; absent in reports of agents that do not say), the job's nodes whose agents it found
 silent (`silentNodes`: their heartbeat on the job's store stopped, `ntp.nodeagent.heartbeat`;
-absent when none, and in reports of agents that do not watch) and a state:
+absent when none, and in reports of agents that do not watch), the GPUs of its node whose rank
+died, with when (`rankDeaths`: GPU index -> Unix seconds, the node's clock; a GPU leaves it once
+a rank starts on it again; absent when none) and a state:
 
 | state | the node's agent |
 | --- | --- |
@@ -123,11 +125,16 @@ class NodeReport:
     device: Device | None = None  # what its ranks train on; None: not said
     # Nodes of the job whose agents its agent found silent, and still does: lost to the job.
     silent_nodes: tuple[str, ...] = ()
+    # GPU index -> when (Unix seconds) the rank on it died, for the GPUs of this node with no
+    # rank started since: the operator takes each out of the layout at once.
+    rank_deaths: Mapping[int, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         _check(self.to_dict())  # one validation, whoever builds the report
         object.__setattr__(self, "state", State(self.state))
         object.__setattr__(self, "silent_nodes", tuple(sorted(set(self.silent_nodes))))
+        object.__setattr__(self, "rank_deaths",
+                           {int(i): float(at) for i, at in sorted(self.rank_deaths.items())})
         # a category with no time is the same report with or without it
         object.__setattr__(self, "badput_seconds",
                            {c: float(s) for c, s in self.badput_seconds.items() if s})
@@ -164,6 +171,8 @@ class NodeReport:
                 out["cudaDevices"] = self.device.cuda_devices
         if self.silent_nodes:
             out["silentNodes"] = list(self.silent_nodes)
+        if self.rank_deaths:
+            out["rankDeaths"] = {str(i): at for i, at in self.rank_deaths.items()}
         return out
 
     @classmethod
@@ -189,6 +198,7 @@ class NodeReport:
             device=None if d.get("device") is None
             else Device(d["device"], d.get("cudaDevices")),
             silent_nodes=tuple(d.get("silentNodes", ())),
+            rank_deaths={int(i): at for i, at in d.get("rankDeaths", {}).items()},
         )
 
     def to_json(self) -> str:
@@ -230,6 +240,12 @@ def _check(document: object) -> Mapping[str, Any]:
         raise ReportError(f"state: one of {', '.join(State)}, got {d['state']!r}")
     if not isinstance(d.get("message", ""), str):
         raise ReportError(f"message: a string, got {d['message']!r}")
+    deaths = d.get("rankDeaths", {})
+    if not isinstance(deaths, Mapping) or not all(
+            isinstance(i, str) and i.isascii() and i.isdigit() for i in deaths):
+        raise ReportError(f"rankDeaths: an object of GPU indices, got {deaths!r}")
+    for index in deaths:
+        _seconds(deaths, index, f"rankDeaths.{index}")
     silent = d.get("silentNodes", [])
     if not isinstance(silent, list) or not all(isinstance(n, str) and n for n in silent):
         raise ReportError(f"silentNodes: a list of node names, got {silent!r}")

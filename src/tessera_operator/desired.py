@@ -202,7 +202,9 @@ def desired(spec: planner.JobSpec | planner.Problem, observed: Observed, now: da
                             f"layout generation {layout_generation}: TP {plan.tp_layout or '-'}"))
     return Desired(planned.placement, _children(job, planned.placement, life.attempt), layout,
                    observed.layout.resource_version, targets, held, status,
-                   (*events, *_condition_events(previous, status)), delete_configmaps=stale)
+                   (*events, *_condition_events(previous, status)), delete_configmaps=stale,
+                   requeue_after=None if (recheck := planned.signal.recheck_at) is None
+                   else recheck - now.timestamp())
 
 
 def _agreed(reports: Mapping[str, progress.NodeReport | None], observed: Observed
@@ -499,31 +501,39 @@ def _health(observed: Observed, spec: planner.JobSpec, placement: Mapping[int, s
     """The job's GPU health from its sources, merged (GPUs of unknown health held where the
     generation in force has them), and the part lost under their processes rather than
     drained: the GPUs of nodes that stopped reporting (their kubelet, or their node agent to
-    the job's other agents), and those DCGM failed (`now` None:
-    without DCGM's)."""
+    the job's other agents), those whose rank the node agents saw die and those DCGM failed
+    (`now` None: without the last two, which need the time)."""
     job = observed.job
     policy = job["spec"].get("failurePolicy") or {}
     sources = set(policy.get("healthSources", ("dcgm", "cordon")))
     placed = sorted(set(placement.values()))
-    silent = {node for report in progress.read_reports(observed.reports, placed).values()
-              if report is not None for node in report.silent_nodes}
+    reports = progress.read_reports(observed.reports, placed)
+    silent = {node for report in reports.values() if report is not None
+              for node in report.silent_nodes}
     lost = health.from_lost_nodes(nodes, spec.gpus_per_node, placed=placed,
                                   leaving=workload.leaving_nodes(observed.pods, job),
                                   silent=silent)
     signal = health.from_cordons(nodes, spec.gpus_per_node) if "cordon" in sources \
         else health.Health()
-    signal = signal.merge(lost)
-    if "dcgm" not in sources or now is None:
-        return signal, lost
+    if now is None:
+        return signal.merge(lost), lost
     names = sorted({n["metadata"]["name"] for n in nodes})
     objects = sorted((o for o in observed.gpu_health if o["metadata"]["name"] in set(names)),
                      key=lambda o: o["metadata"]["name"])
-    dcgm = health.from_gpu_health(objects, spec.gpus_per_node, policy.get("fatalXIDs"),
-                                  now=now.timestamp(), nodes=names)
+    dcgm = "dcgm" in sources
+    lost = lost.merge(health.from_rank_deaths(
+        reports, spec.gpus_per_node, now=now.timestamp(),
+        told_at=health.observed_at(objects) if dcgm else None, settled=spec.restarts_on_loss))
+    signal = signal.merge(lost)
+    if not dcgm:
+        return signal, lost
+    dcgm_health = health.from_gpu_health(objects, spec.gpus_per_node, policy.get("fatalXIDs"),
+                                         now=now.timestamp(), nodes=names)
     in_force = observed.layout.generation
     kept = None if in_force is None else [(g.node, g.index) for g in in_force.gpus]
     reporting = [o["metadata"]["name"] for o in objects]
-    return health.hold_unknown(signal.merge(dcgm), kept, reporting), lost.merge(dcgm)
+    return health.hold_unknown(signal.merge(dcgm_health), kept, reporting), \
+        lost.merge(dcgm_health)
 
 
 def _children(job: Mapping[str, Any], placement: Mapping[int, str], attempt: int

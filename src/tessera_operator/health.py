@@ -2,12 +2,14 @@
 
 Pure: it reads objects as the API returns them (plain dicts) and never raises on what a person
 typed into an annotation or a node published; a value it cannot use is ignored and reported with
-the reason. Every source (the administrative cordon on Nodes, DCGM through each node's GPUHealth)
-produces a `Health`, and `merge` combines them, so the planner sees one shape whatever the signal.
+the reason. Every source (the administrative cordon on Nodes, DCGM through each node's GPUHealth,
+the nodes lost, the ranks the job's node agents saw die) produces a `Health`, and `merge`
+combines them, so the planner sees one shape whatever the signal.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,11 +18,17 @@ from tessera_contracts import gpuhealth
 from tessera_contracts.api import CORDON_ANNOTATION
 from tessera_contracts.cordon import parse_indices
 from tessera_contracts.gpuhealth import REFRESH_S, STALE_REFRESHES, State, is_fatal
+from tessera_contracts.progress import NodeReport
 
 GpuId = tuple[str, int]
 
 
 GPU_HEALTH_STALE_AFTER_S = STALE_REFRESHES * REFRESH_S
+# How long a GPU whose rank died stays out of the layout when DCGM says nothing newer of it. It
+# covers DCGM's own delay on a real cluster (dcgm-exporter collects every 30 s by default, the
+# health agent reads it every few seconds): a GPU that failed is named by DCGM before it ends,
+# and one that did not comes back at most once a minute, should its new rank die again.
+RANK_DEATH_HOLD_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -33,10 +41,14 @@ class Health:
     unknown: frozenset[GpuId] = frozenset()
     # why a failed GPU is failed, where its source says more than that it is (DCGM's verdict)
     reasons: Mapping[GpuId, str] = field(default_factory=dict)
+    # when (Unix seconds) this health changes with no event to tell: a hold that ends
+    recheck_at: float | None = None
 
     def merge(self, other: Health) -> Health:
+        times = [t for t in (self.recheck_at, other.recheck_at) if t is not None]
         return Health(self.failed | other.failed, self.problems + other.problems,
-                      self.unknown | other.unknown, {**self.reasons, **other.reasons})
+                      self.unknown | other.unknown, {**self.reasons, **other.reasons},
+                      min(times, default=None))
 
 
 def from_cordons(nodes: Iterable[Mapping[str, Any]], gpus_per_node: int) -> Health:
@@ -102,6 +114,62 @@ def from_lost_nodes(nodes: Iterable[Mapping[str, Any]], gpus_per_node: int, *,
     failed = {(name, i) for name in why for i in range(gpus_per_node)}
     problems += [f"node {name}: {reason}: its GPUs are lost" for name, reason in why.items()]
     return Health(frozenset(failed), tuple(problems))
+
+
+def from_rank_deaths(reports: Mapping[str, NodeReport | None], gpus_per_node: int, *,
+                     now: float, told_at: Mapping[str, float] | None,
+                     hold_s: float = RANK_DEATH_HOLD_S, settled: bool = False) -> Health:
+    """The GPUs whose rank died, as their node's agent reports (`NodeReport.rank_deaths`):
+    failed at once, so the survivors go on without it in seconds, whatever DCGM says yet.
+
+    A death counts until DCGM's verdict on its node is newer (`told_at`: when each node's
+    GPUHealth was observed; None: DCGM is not a health source), which then decides alone: a GPU
+    that fell off the bus stays out, one a software fault killed the rank of comes back (through
+    a planned join). Without a newer verdict it counts for `hold_s` after the death. A death
+    time further than `hold_s` ahead of `now` is not believed (a clock that far off would hold
+    the GPU out for good).
+
+    `settled`: a death counts only once that wait is over instead, and from then on: a job that
+    restarts on a loss (CKPT-RESTART) places its next attempt by what DCGM says of the GPU
+    then, not on a GPU that failed before DCGM could name it (the attempt after would die on
+    it too)."""
+    failed: dict[GpuId, str] = {}
+    problems: list[str] = []
+    ends: list[float] = []
+    for node, report in sorted(reports.items()):
+        if report is None:
+            continue
+        for index, at in sorted(report.rank_deaths.items()):
+            if index >= gpus_per_node:
+                continue  # not a GPU of the job's
+            if at - now > hold_s:
+                problems.append(f"node {node}: GPU {index}'s rank died {at - now:.0f} s in the "
+                                "future by its agent's clock, ignored")
+                continue
+            waiting = now - at < hold_s and (told_at is None
+                                              or told_at.get(node, -math.inf) < at)
+            if waiting:
+                ends.append(at + hold_s)
+            if waiting != settled:
+                failed[(node, index)] = "its rank died (its node agent saw it exit)"
+    if failed and not settled:
+        problems.append(f"GPUs {', '.join(f'{n}/{i}' for n, i in sorted(failed))} out of the "
+                        f"layout: their rank died; back once DCGM calls them healthy after it, "
+                        f"or {hold_s:.0f} s after it without a newer verdict")
+    return Health(frozenset(failed), tuple(problems), reasons=failed,
+                  recheck_at=min(ends, default=None))
+
+
+def observed_at(objects: Iterable[object]) -> dict[str, float]:
+    """When each node's GPUHealth was observed (Unix seconds), for the objects that parse."""
+    found = {}
+    for obj in objects:
+        try:
+            report = gpuhealth.parse(obj)
+        except gpuhealth.MalformedHealth:
+            continue
+        found[report.node] = report.observed_at
+    return found
 
 
 def _ranges(indices: Iterable[int]) -> str:

@@ -268,7 +268,9 @@ def test_kubectl_apply_cordon_fail_and_uncordon(flow: Flow, tmp_path: Path) -> N
 
     # 4. Uncordon: TP 4 again on node 0, with a new rank on the returned GPU.
     flow.cordon("uncordon-gpu", cordoned, 3)
-    fourth = wait("generation 4", flow.generation, lambda g: g["generation"] == 4)
+    # the job's status rides along: a timeout shows what the operator made of the uncordon
+    fourth, _ = wait("generation 4", lambda: (flow.generation(), flow.status()),
+                     lambda gs: gs[0]["generation"] == 4)
     assert [len(r["gpus"]) for r in fourth["replicas"]] == [4, 3]
     wait("a rank started on the returned GPU", lambda: [
         line for line in flow.logs(pods[cordoned])

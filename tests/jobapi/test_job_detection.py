@@ -1,5 +1,6 @@
-"""A node frozen whole is known to the job in seconds, from its own node agents' heartbeats, not
-from the node controller's grace period (20 s on this cluster) or a collective's timeout.
+"""A node frozen whole, or a rank dead on a healthy GPU, is known to the job in seconds, from its
+own node agents, not from the node controller's grace period (20 s on this cluster), DCGM, or a
+collective's or the reconfiguration's timeout.
 
 On the job API's local cluster (2 nodes x 2 GPUs) a job trains (TP2 x DP2, a node each); one
 trainer node is frozen whole (`tessera-dev fail-node NODE --freeze`: the node process, its
@@ -24,7 +25,7 @@ from typing import Any
 
 import pytest
 import yaml
-from jobharness import GPUS, HANG_S, JobFlow, shared, small_job
+from jobharness import GPUS, HANG_S, NODES, JobFlow, shared, small_job
 from kubernetes import client
 
 from tessera_contracts.api import ROLE_LABEL
@@ -32,6 +33,7 @@ from tessera_contracts.progress import NodeReport, progress_configmap, report_ke
 from tessera_dev import install
 from tessera_dev.controlplane.launcher import NODE_MONITOR_GRACE
 from tessera_dev.simnode import faults
+from tessera_operator import health
 
 pytestmark = [pytest.mark.jobapi, pytest.mark.recovery]
 
@@ -162,3 +164,48 @@ def test_a_node_frozen_whole_is_left_within_seconds(flow, tmp_path, capsys):
               f"(TP {first['tp_degrees']}) trained step {first['step']} {resumed_s:.1f} s "
               f"after the freeze; {frozen}'s Ready condition then: {ready.status}")
     assert detected_s < BOUND_S
+
+
+def test_a_rank_dead_on_a_healthy_gpu_is_left_at_once_and_its_gpu_comes_back(flow, tmp_path,
+                                                                              capsys):
+    """A trainer process dies on a GPU that DCGM calls healthy (a software fault): its node's
+    agent names the GPU in its report, and the operator publishes the generation after the loss
+    at once, without it; nobody waits for the ranks' reconfiguration timeout (300 s), nor for
+    the hold that keeps the GPU out (60 s). With no newer DCGM verdict, the GPU joins again
+    when the hold ends, from the operator's own timer: no event comes to tell it."""
+    claim, _ = shared(flow, "checkpoints")
+    name = "crashed"
+    manifest = tmp_path / "job.yaml"
+    manifest.write_text(yaml.safe_dump(small_job(name, claim, steps=STEPS, interval=STEPS)))
+    flow.kubectl("apply", "-f", str(manifest))
+    pods = flow.wait("the rendezvous and both trainers placed", lambda: flow.pods(name),
+                     lambda ps: len([p for p in ps if p["spec"].get("nodeName")]) == 3)
+    trainers = {p["spec"]["nodeName"]: p["metadata"]["name"] for p in pods
+                if p["metadata"]["labels"].get(ROLE_LABEL) == "trainer"}
+    crashed, survivor = sorted(trainers)
+    follow = Follow(flow, trainers[survivor])
+    try:
+        _, _, line = follow.first("a step", lambda text: (_step(text) or {}).get("step", 0) >= 3)
+        generation = json.loads(line)["generation"]
+        device = faults.device_file(faults.node_dir(flow.plane.data_dir, crashed), 1)
+        [(pid, _)] = faults.kill_holders(device)
+        killed_at = time.time()
+        at, arrived, line = follow.first(
+            "a step without the dead rank's GPU",
+            lambda text: sum((_step(text) or {}).get("tp_degrees", [2 * GPUS])) < NODES * GPUS)
+        resumed_s = arrived - killed_at
+        without = json.loads(line)
+        assert without["generation"] > generation
+        status = flow.status(name)
+        assert f"{crashed}/1" in json.dumps(status) and "its rank died" in json.dumps(status)
+        _, _, line = follow.first(
+            "a step with the GPU back",
+            lambda text: sum((_step(text) or {}).get("tp_degrees", [])) == NODES * GPUS, at)
+        back = json.loads(line)
+    finally:
+        follow.stop()
+    with capsys.disabled():
+        print(f"\npid {pid} on {crashed}/1 killed: generation {without['generation']} (TP "
+              f"{without['tp_degrees']}) trained step {without['step']} {resumed_s:.1f} s "
+              f"later; generation {back['generation']} took the GPU back at step {back['step']}")
+    assert resumed_s < health.RANK_DEATH_HOLD_S

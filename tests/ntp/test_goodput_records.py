@@ -143,10 +143,10 @@ def test_a_planned_switch_reconfigures_after_the_step_the_ranks_switch_at(traine
     for n in range(2, last + 1):
         clock.now += 1
         progress.record(step(n, 0))
-        assert progress.key() == (State.TRAINING, 1)
+        assert progress.key()[:2] == (State.TRAINING, 1)
     for rank in (0, 1):  # every rank says so; the first line counts
         progress.record(event("switching", last, rank))
-    assert progress.key() == (State.RECONFIGURING, 1)
+    assert progress.key()[:2] == (State.RECONFIGURING, 1)
     clock.now += 4
     progress.record(event("reconfigured", last, 0, generation=2))
     clock.now += 1

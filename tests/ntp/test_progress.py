@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import time
 
 import pytest
 import torch
@@ -88,6 +89,11 @@ def test_the_json_form_leaves_out_what_is_empty():
     (report().to_dict() | {"device": ["cpu"]}, "device"),
     (report().to_dict() | {"device": "cuda", "cudaDevices": -1}, "cudaDevices"),
     (report().to_dict() | {"device": "cuda", "cudaDevices": 1.5}, "cudaDevices"),
+    (report().to_dict() | {"rankDeaths": [3]}, "rankDeaths: an object of GPU indices"),
+    (report().to_dict() | {"rankDeaths": {"-1": 5.0}}, "rankDeaths: an object of GPU indices"),
+    (report().to_dict() | {"rankDeaths": {"²": 5.0}}, "rankDeaths: an object of GPU indices"),
+    (report().to_dict() | {"rankDeaths": {"3": "now"}}, "rankDeaths.3"),
+    (report().to_dict() | {"rankDeaths": {"3": True}}, "rankDeaths.3"),
 ])
 def test_a_malformed_report_is_a_report_error_naming_the_field(document, names):
     with pytest.raises(ReportError, match=names.replace("(", r"\(")):
@@ -102,7 +108,7 @@ json_values = st.recursive(
 fields = st.sampled_from(["node", "generation", "step", "steps", "state", "message",
                           "stepSeconds", "computeSeconds", "samples", "tokens", "goodput",
                           "productiveSeconds", "wallSeconds", "badputSeconds", "device",
-                          "cudaDevices"])
+                          "cudaDevices", "rankDeaths"])
 
 
 @settings(max_examples=100, deadline=None)
@@ -113,6 +119,22 @@ def test_any_json_in_place_of_fields_is_a_valid_report_or_a_report_error(changes
     except ReportError:
         return
     assert NodeReport.from_json(parsed.to_json()) == parsed
+
+
+def test_a_report_names_the_gpus_whose_rank_died_until_a_rank_starts_there_again():
+    progress = NodeProgress("gpu-node-0", 100)
+    assert progress.report().rank_deaths == {}
+    key = progress.key()
+    progress.rank_died(3, "pid 7 on gpu-node-0/3 killed by SIGKILL")
+    died = progress.report()
+    assert list(died.rank_deaths) == [3] and died.state is State.RECONFIGURING
+    assert abs(died.rank_deaths[3] - time.time()) < 60  # Unix seconds: DCGM's clock's kind
+    assert progress.key() != key  # a report is due at once
+    assert NodeReport.from_json(died.to_json()) == died
+    assert json.loads(died.to_json())["rankDeaths"] == {"3": died.rank_deaths[3]}
+    progress.rank_started(3)
+    assert progress.report().rank_deaths == {}
+    assert "rankDeaths" not in progress.report().to_dict()
 
 
 def test_a_report_says_what_its_ranks_train_on_and_an_older_agents_report_still_reads():

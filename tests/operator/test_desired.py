@@ -12,12 +12,12 @@ from typing import Any
 import pytest
 import yaml
 
-from tessera_contracts.generation import LAYOUT_KEY, Generation
+from tessera_contracts.generation import LAYOUT_KEY, Generation, Gpu
 from tessera_contracts.jobspec import defaulted
 from tessera_contracts.powertarget import format_time
 from tessera_contracts.progress import NodeReport, State, report_key
 from tessera_dev import paths
-from tessera_operator import desired, workload
+from tessera_operator import desired, health, workload
 from tessera_operator.observed import Candidates, Layout, Observed
 
 pytestmark = pytest.mark.operator
@@ -65,9 +65,9 @@ def _report(node: str, step: int) -> tuple[str, str]:
     return report_key(node), NodeReport(node, 1, step, 1000, State.TRAINING).to_json()
 
 
-def _gpu_health(node: str, xids: dict[int, list[int]]) -> dict[str, Any]:
+def _gpu_health(node: str, xids: dict[int, list[int]], at: datetime = NOW) -> dict[str, Any]:
     return {"metadata": {"name": node},
-            "status": {"observedAt": format_time(NOW), "gpus": [
+            "status": {"observedAt": format_time(at), "gpus": [
                 {"index": i, "state": "Healthy", "xids": xids.get(i, [])} for i in range(8)]}}
 
 
@@ -395,3 +395,32 @@ def test_a_restart_does_not_wait_for_pods_on_a_node_that_stopped_reporting() -> 
     assert _desired(replace(observed, nodes=(_node(A), _node(B))), NOW).force_delete_pods == ()
     # a pod not being deleted is not taken from a silent node: the restart deletes it first
     assert _desired(replace(observed, pods=_pods(JOB, IP)), NOW).force_delete_pods == ()
+
+
+def test_a_dead_ranks_gpu_leaves_at_once_and_comes_back_on_a_later_healthy_verdict() -> None:
+    """The node agent saw the rank on A/3 die; DCGM has said nothing since (a software fault,
+    or its verdict not in yet): the survivors go on without A/3 at once, in a generation after
+    a loss, and the job asks to be reconciled when the hold ends. Once DCGM calls the GPU
+    healthy after the death, it joins again at a planned step."""
+    died = NOW.timestamp() - 0.5
+    earlier = datetime.fromtimestamp(NOW.timestamp() - 30, UTC)
+    dead = NodeReport(A, 1, 118, 1000, State.RECONFIGURING, rank_deaths={3: died})
+    observed = replace(TRAINING, reports=dict([_report(B, 120)]) | {
+        report_key(A): dead.to_json()},
+        gpu_health=(_gpu_health(A, {}, earlier), _gpu_health(B, {}, earlier)))
+    wanted = _desired(observed, NOW)
+    lost = Generation.from_dict(_document(wanted.layout))
+    assert (lost.generation, lost.at_step, lost.tp_degrees) == (2, None, (7, 8))
+    assert (A, 3) not in {(g.node, g.index) for g in lost.gpus}
+    assert wanted.requeue_after == pytest.approx(health.RANK_DEATH_HOLD_S - 0.5)
+    assert "its rank died" in json.dumps(wanted.status)
+    # DCGM's verdict after the death says healthy: A/3 comes back, planned
+    after = datetime.fromtimestamp(NOW.timestamp() + 2, UTC)
+    back = replace(observed, job=JOB | {"status": {"layoutGeneration": 2}},
+                   layout=Layout("8", generation=lost),
+                   gpu_health=(_gpu_health(A, {}, after), _gpu_health(B, {}, after)))
+    rejoined = Generation.from_dict(_document(_desired(back, after).layout))
+    assert rejoined.generation == 3 and rejoined.at_step is not None
+    assert rejoined.tp_degrees == (8, 8)
+    assert rejoined.origin is not None
+    assert rejoined.origin[rejoined.rank_of(Gpu(A, 3))] is None

@@ -13,6 +13,7 @@ from tessera_agents.health.dcgm import FlapDamper, classify
 from tessera_agents.power.sim_backend import SimBackend
 from tessera_contracts import api
 from tessera_contracts.gpuhealth import PublishedHealth, render
+from tessera_contracts.progress import NodeReport, State
 from tessera_dev.simnode import dcgm
 from tessera_operator import health
 
@@ -189,3 +190,62 @@ def test_every_node_silent_at_once_is_the_control_planes_view_not_a_loss() -> No
     assert got.failed == frozenset()
     assert got.problems == ("every node of the job (2) stopped reporting at once: taken for "
                             "the control plane's view, not as lost",)
+
+
+# -- the ranks the job's node agents saw die ----------------------------------------------------
+
+def _deaths(**by_node: dict[int, float]) -> dict[str, NodeReport | None]:
+    return {node: NodeReport(node, 2, 40, 100, State.RECONFIGURING, rank_deaths=deaths)
+            for node, deaths in by_node.items()} | {"silent-agent": None}
+
+
+def test_a_gpu_whose_rank_died_is_lost_at_once_until_dcgm_speaks_after_the_death() -> None:
+    reports = _deaths(a={3: NOW - 1.0}, b={})
+    # DCGM's verdict on node a is older than the death: the death decides, until the hold ends
+    got = health.from_rank_deaths(reports, GPUS, now=NOW, told_at={"a": NOW - 5.0})
+    assert got.failed == {("a", 3)}
+    assert "its rank died" in got.reasons[("a", 3)]
+    assert got.recheck_at == NOW - 1.0 + health.RANK_DEATH_HOLD_S
+    assert any("a/3" in line for line in got.problems)
+    # a verdict made after the death: DCGM alone decides (failed, or back through a join)
+    assert health.from_rank_deaths(reports, GPUS, now=NOW, told_at={"a": NOW}).failed == set()
+    # past the hold with nothing newer from DCGM, or without DCGM as a source, it comes back
+    later = NOW - 1.0 + health.RANK_DEATH_HOLD_S
+    assert health.from_rank_deaths(reports, GPUS, now=later, told_at={}).failed == set()
+    held = health.from_rank_deaths(reports, GPUS, now=NOW, told_at=None)
+    assert held.failed == {("a", 3)} and held.recheck_at == later
+    assert health.from_rank_deaths(reports, GPUS, now=later, told_at=None).failed == set()
+
+
+def test_a_job_that_restarts_counts_a_death_once_dcgm_has_spoken_or_the_hold_ended() -> None:
+    reports = _deaths(a={3: NOW - 1.0})
+    waiting = health.from_rank_deaths(reports, GPUS, now=NOW, told_at={"a": NOW - 5.0},
+                                      settled=True)
+    assert waiting.failed == set() and waiting.recheck_at == NOW - 1.0 + health.RANK_DEATH_HOLD_S
+    told = health.from_rank_deaths(reports, GPUS, now=NOW, told_at={"a": NOW}, settled=True)
+    assert told.failed == {("a", 3)} and told.recheck_at is None
+    later = NOW - 1.0 + health.RANK_DEATH_HOLD_S
+    assert health.from_rank_deaths(reports, GPUS, now=later, told_at=None, settled=True
+                                   ).failed == {("a", 3)}
+
+
+def test_a_death_reported_on_no_gpu_of_the_job_or_far_in_the_future_changes_nothing() -> None:
+    far = NOW + 2 * health.RANK_DEATH_HOLD_S
+    got = health.from_rank_deaths(_deaths(a={GPUS: NOW}, b={1: far}), GPUS, now=NOW,
+                                  told_at=None)
+    assert got.failed == set() and got.recheck_at is None
+    assert got.problems == (f"node b: GPU 1's rank died {far - NOW:.0f} s in the future by its "
+                            "agent's clock, ignored",)
+
+
+def test_the_soonest_recheck_survives_a_merge() -> None:
+    first = health.Health(recheck_at=NOW + 5)
+    assert first.merge(health.Health()).recheck_at == NOW + 5
+    assert health.Health().merge(first).merge(health.Health(recheck_at=NOW + 2)).recheck_at \
+        == NOW + 2
+    assert health.Health().merge(health.Health()).recheck_at is None
+
+
+def test_when_each_node_was_last_observed_skips_what_does_not_parse() -> None:
+    assert health.observed_at([published("a", at=NOW - 3), {"metadata": {"name": "b"}}, 7]) \
+        == {"a": NOW - 3}

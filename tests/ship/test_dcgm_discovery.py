@@ -108,8 +108,11 @@ def test_the_agent_finds_the_exporter_pod_and_a_failed_gpu_changes_the_layout(
     probes.poll_until(status, lambda s: s.get("tpLayout") == f"{GPUS},{GPUS - 1}",
                       timeout=HANG_S, interval=0.5, error=lambda s: AssertionError(
                           f"layout unchanged after the GPU failed: {s}"))
-    gpus = _health(api, LOST_NODE)["status"]["gpus"]
-    assert gpus[LOST_GPU]["state"] == "Failed" and 79 in gpus[LOST_GPU]["xids"], gpus
+    # the rank's death may change the layout first: DCGM's verdict follows on its read
+    gpus = probes.poll_until(lambda: _health(api, LOST_NODE)["status"]["gpus"],
+                             lambda g: g[LOST_GPU]["state"] == "Failed", timeout=HANG_S,
+                             interval=0.5, error=lambda g: AssertionError(g))
+    assert 79 in gpus[LOST_GPU]["xids"], gpus
     metrics = _agent_metrics(core, LOST_NODE)
     assert metrics[f'tessera_health_gpus{{node="{LOST_NODE}",state="failed"}}'] == 1, metrics
     assert metrics[f'tessera_health_exporter_up{{node="{LOST_NODE}"}}'] == 1.0, metrics

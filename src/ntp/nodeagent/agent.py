@@ -516,6 +516,7 @@ class NodeAgent:
                 os.close(device)  # the rank holds the GPU now, not the agent
         process = RankProcess(gpu, rank, generation.generation, proc, join)
         self.ranks[proc.pid] = process
+        self.progress.rank_started(gpu.index)
         log.info("%s: rank %d of generation %d on %s: pid %d%s", self.node, rank,
                  generation.generation, gpu, proc.pid, " (joining)" if join else "")
 
@@ -564,7 +565,7 @@ class NodeAgent:
                 f"pid {pid} on {process.gpu}: its generation failed and no later one was "
                 "published within its reconfiguration timeout; the job cannot go on live")
         assert self.store is not None
-        self.progress.interrupted(f"pid {pid} on {process.gpu} {why}")
+        self.progress.rank_died(process.gpu.index, f"pid {pid} on {process.gpu} {why}")
         # Ranks record the generation they are in under this host's name (register_process).
         number = report_death(self.store, socket.gethostname(), pid, process.generation, why)
         log.warning("%s: pid %d on %s %s: generation %d failed; %d rank(s) here carry on",

@@ -58,6 +58,7 @@ class NodeProgress:
         self.loss: float | None = None  # of the last step that counts (the metrics' gauge)
         self.step_times = StepTimes()  # of every step this node completed (the metrics')
         self.silent: tuple[str, ...] = ()  # the job's nodes whose agents went silent
+        self.deaths: dict[int, float] = {}  # GPU index -> when its rank died (Unix seconds)
         self._recent: deque[float] = deque(maxlen=RECENT_STEPS)
         # (generation, step, seconds) from every rank's step line: one generation's only, since
         # a new one changes each rank's work (and the operator boosts by what it measures)
@@ -161,6 +162,18 @@ class NodeProgress:
             self.ledger.enter(Phase.RECONFIGURATION)
         self._set(State.RECONFIGURING, why)
 
+    def rank_died(self, gpu: int, why: str) -> None:
+        """The rank on this node's GPU `gpu` died (`why`): its generation failed, and the
+        report names the GPU for the operator to take out of the layout at once."""
+        with self._lock:
+            self.deaths[gpu] = time.time()
+            self._interrupt(why)
+
+    def rank_started(self, gpu: int) -> None:
+        """A rank starts on GPU `gpu`: whatever died there before is not its state any more."""
+        with self._lock:
+            self.deaths.pop(gpu, None)
+
     def idle(self, generation: int) -> None:
         """No rank of this node runs: generation `generation` has none of its GPUs."""
         with self._lock:
@@ -193,10 +206,10 @@ class NodeProgress:
     def _set(self, state: State, message: str) -> None:
         self.state, self.message = state, message
 
-    def key(self) -> tuple[State, int]:
-        """What a report is due on as soon as it changes (and `silent`)."""
+    def key(self) -> tuple[State, int, tuple[str, ...], tuple[int, ...]]:
+        """What a report is due on as soon as it changes."""
         with self._lock:
-            return self.state, self.generation
+            return self.state, self.generation, self.silent, tuple(sorted(self.deaths))
 
     def report(self) -> NodeReport:
         a = self.ledger.account()
@@ -220,13 +233,15 @@ class NodeProgress:
                 badput_seconds={c: round(float(s), 3) for c, s in a.badput.items()},
                 device=self.device,
                 silent_nodes=self.silent,
+                rank_deaths={i: round(at, 3) for i, at in self.deaths.items()},
             )
 
 
 class Reporter:
     """Publishes the node's report from a thread of its own, so that a slow or unreachable
     API never holds up the agent's loop (which reaps ranks and reports their deaths): at once
-    when the state, the generation or the silent nodes change, otherwise every `period_s`
+    when the state, the generation, the silent nodes or the GPUs whose rank died change,
+    otherwise every `period_s`
     (`progress.report_period`). A failed write is logged; the next report retries."""
 
     def __init__(self, progress: NodeProgress, publish: Callable[[NodeReport], None] | None,
@@ -235,7 +250,8 @@ class Reporter:
         self.publish = publish
         self.clock = clock
         self.period_s = report_period(1)
-        self._sent: tuple[tuple[tuple[State, int], tuple[str, ...]], float] | None = None
+        self._sent: tuple[tuple[State, int, tuple[str, ...], tuple[int, ...]], float] | None \
+            = None
         self._pending: NodeReport | None = None
         self._closed = False
         self._error: str | None = None  # of the last write that failed
@@ -250,7 +266,7 @@ class Reporter:
 
     def due(self) -> bool:
         """Whether a report is due now; if so, it counts as sent."""
-        key, now = (self.progress.key(), self.progress.silent), self.clock()
+        key, now = self.progress.key(), self.clock()
         if self._sent is not None and self._sent[0] == key and now - self._sent[1] < self.period_s:
             return False
         self._sent = key, now
