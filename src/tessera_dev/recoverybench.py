@@ -284,8 +284,7 @@ class Run:
         elif kind == "gpu-returned":
             assert self.lost is not None, "a GPU returns after one was lost"
             # A GPU off the bus is repaired long after DCGM names it: not before DCGM saw it
-            # (restored unseen, the operator never learns of the loss, and the survivors wait
-            # for a generation nobody publishes until their reconfiguration timeout).
+            # (the job would read one it never saw fail as a rank's death on a healthy GPU).
             self._reads(self.lost, State.FAILED)
             at = time.time()
             _check(faults.restore_gpu(self._fault_args(self.lost.node, str(self.lost.index))))
