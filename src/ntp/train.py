@@ -113,7 +113,10 @@ class Checkpointing:
 
 
 @dataclass
-class StepTimes:
+class PhaseTimes:
+    """Seconds per phase of each step this rank ran, for its step lines and its `--out` record;
+    the node agent's `StepTimes` histogram counts whole steps for Prometheus."""
+
     compute_s: list[float] = field(default_factory=list)  # forward + backward (overlapped sync)
     sync_s: list[float] = field(default_factory=list)  # the sync tail after backward
     optimizer_s: list[float] = field(default_factory=list)  # the optimizer's own step
@@ -222,7 +225,7 @@ class Trainer:
         self.reconfigure_timeout_s = reconfigure_timeout_s
         self.store = connect(rendezvous)
         self.device = torch.device(config.device)
-        self.times = StepTimes()
+        self.times = PhaseTimes()
         self.step = -1  # set by materialize, restore or the survivors
         self.samples = 0  # the global index of the next step's first sample
         self.losses: dict[int, float] = {}  # step -> global loss (a redone step overwrites)
