@@ -19,6 +19,7 @@ from typing import Any
 
 from tessera_contracts.api import API_VERSION, GPU_HEALTH_KIND
 from tessera_contracts.cordon import shown
+from tessera_contracts.powertarget import format_time
 
 # The NVIDIA device plugin's rule: every XID is fatal except these application errors.
 APPLICATION_XIDS = frozenset({13, 31, 43, 45, 68, 109})
@@ -141,8 +142,8 @@ def render(published: PublishedHealth) -> dict[str, Any]:
         "metadata": {"name": published.node},
         "status": {
             # to the millisecond: a reader compares it with a rank's death (operator health)
-            "observedAt": datetime.fromtimestamp(published.observed_at, UTC).isoformat(
-                timespec="milliseconds").replace("+00:00", "Z"),
+            "observedAt": format_time(datetime.fromtimestamp(published.observed_at, UTC),
+                                      timespec="milliseconds"),
             "exporter": exporter,
             **summary(health.gpus),
             "gpus": gpus,

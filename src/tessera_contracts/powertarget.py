@@ -128,8 +128,10 @@ def parse_spec(spec: dict[str, Any], node: str) -> PowerTarget:
     )
 
 
-def format_time(t: datetime) -> str:
-    return t.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+def format_time(t: datetime, timespec: str = "seconds") -> str:
+    """`t` in UTC as the API writes times (a `Z`, to the second); `timespec` as `isoformat`'s
+    for a finer one."""
+    return t.astimezone(UTC).isoformat(timespec=timespec).replace("+00:00", "Z")
 
 
 def to_object(target: PowerTarget) -> dict[str, Any]:
