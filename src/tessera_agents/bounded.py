@@ -10,12 +10,15 @@ deadline instead.
 
 from __future__ import annotations
 
+import logging
+import os
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager, suppress
-from typing import TypeVar
+from typing import NoReturn, TypeVar
 
 K = TypeVar("K")
 T = TypeVar("T")
@@ -96,3 +99,17 @@ def shut_at(sock: socket.socket, timeout_s: float) -> Iterator[threading.Event]:
         timer.cancel()
         timer.join()
         handle.close()
+
+
+def exit_abandoning_calls(main: Callable[[list[str]], int], argv: list[str]) -> NoReturn:
+    """Run an agent's `main`, then end the process with its code without the interpreter's
+    teardown. A call abandoned at its deadline (a watch blocked reading an unreachable API
+    server, a device call that never answered) may still be inside the TLS or driver library
+    whose exit handlers the teardown runs; the process can then die of SIGABRT after a clean
+    shutdown, and its exit code no longer says how the agent ended."""
+    code = main(argv)
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with suppress(OSError, ValueError):  # closed or gone: nothing left to lose
+            stream.flush()
+    os._exit(code)

@@ -16,9 +16,9 @@ Commands = Mapping[str, tuple[str, str]]
 
 COMMANDS: Commands = {
     "operator": ("tessera_operator.run", "run the Tessera operator (reconcile NTPTrainingJobs)"),
-    "power-agent": ("tessera_agents.power.main",
+    "power-agent": ("tessera_agents.power.main:serve",
                     "run the node power agent (DaemonSet entry point)"),
-    "health-agent": ("tessera_agents.health.agent",
+    "health-agent": ("tessera_agents.health.agent:serve",
                      "publish this node's GPU health from DCGM"),
     "cordon-gpu": ("tessera_cli.cordon", "cordon one GPU of a node: Tessera plans around it"),
     "uncordon-gpu": ("tessera_cli.uncordon", "give a cordoned GPU back to the planner"),

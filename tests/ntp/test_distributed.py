@@ -83,22 +83,28 @@ def test_a_planned_generation_forms_once_the_processes_it_adds_have_come():
     assert not ready_to_form(store, 2, joiners=1)
     left: list[RendezvousEnded] = []
 
-    def joiner() -> None:  # what a fresh process does first: come to the rendezvous and wait
+    # A fresh process does first: come to the rendezvous and wait. It has its own connection,
+    # as a process does: one client's socket answers one request at a time.
+    joiner_store = dist.TCPStore("127.0.0.1", store.port, is_master=False)
+
+    def joiner() -> None:
         try:
-            arrive(store, 2, world_size=3)
+            arrive(joiner_store, 2, world_size=3)
         except RendezvousEnded as exc:
             left.append(exc)
 
     thread = threading.Thread(target=joiner, daemon=True)
     thread.start()
-    store.wait([arrival_key(2)])
-    assert ready_to_form(store, 2, joiners=1)
-    assert not ready_to_form(store, 2, joiners=2)
-    # A generation that ended before its new processes came has nobody left to wait for: the
-    # survivors go on to it and past it (`Trainer.join_formed`).
-    end_generation(store, 2, EndReason(End.FAILED, "the joiner's GPU failed again"))
+    try:
+        store.wait([arrival_key(2)])
+        assert ready_to_form(store, 2, joiners=1)
+        assert not ready_to_form(store, 2, joiners=2)
+    finally:
+        # A generation that ended before its new processes came has nobody left to wait for:
+        # the survivors go on to it and past it (`Trainer.join_formed`); the joiner leaves.
+        end_generation(store, 2, EndReason(End.FAILED, "the joiner's GPU failed again"))
+        thread.join()
     assert ready_to_form(store, 2, joiners=2)
-    thread.join()
     assert [exc.generation for exc in left] == [2]
 
 

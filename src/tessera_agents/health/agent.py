@@ -36,9 +36,9 @@ from collections.abc import Callable
 from contextlib import closing
 from dataclasses import dataclass, field, replace
 from http.client import HTTPConnection, HTTPException, HTTPSConnection
-from typing import Any, Protocol
+from typing import Any, NoReturn, Protocol
 
-from tessera_agents.bounded import call_all, open_connection, shut_at
+from tessera_agents.bounded import call_all, exit_abandoning_calls, open_connection, shut_at
 from tessera_agents.health import discovery
 from tessera_agents.health.dcgm import MAX_PAGE_BYTES, FlapDamper, assess
 from tessera_agents.kube import api_client, is_node_name
@@ -418,6 +418,11 @@ def _exporter(args: argparse.Namespace, api: Any) -> Exporter:
         args.fetch_timeout)
 
 
+def serve(argv: list[str]) -> NoReturn:
+    """The DaemonSet container's command (`tessera_agents.bounded.exit_abandoning_calls`)."""
+    exit_abandoning_calls(main, argv)
+
+
 def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(message)s")
@@ -464,4 +469,4 @@ def main(argv: list[str]) -> int:
 if __name__ == "__main__":
     import sys
 
-    sys.exit(main(sys.argv[1:]))
+    serve(sys.argv[1:])

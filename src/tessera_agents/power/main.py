@@ -12,8 +12,9 @@ import signal
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
+from tessera_agents.bounded import exit_abandoning_calls
 from tessera_agents.kube import api_client, is_node_name
 from tessera_agents.power.agent import Agent, TargetSource
 from tessera_agents.power.devices import PowerBackend, PowerError
@@ -138,6 +139,11 @@ def _bad_setting(args: argparse.Namespace) -> str | None:
     if not (args.interval > 0 and math.isfinite(args.interval)):
         return f"--interval must be a positive number of seconds, got {args.interval}"
     return None
+
+
+def serve(argv: list[str]) -> NoReturn:
+    """The DaemonSet container's command (`tessera_agents.bounded.exit_abandoning_calls`)."""
+    exit_abandoning_calls(main, argv)
 
 
 def main(argv: list[str]) -> int:
