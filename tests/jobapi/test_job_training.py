@@ -100,6 +100,16 @@ def _last_losses(incarnations: list[list[dict[str, Any]]]) -> dict[int, tuple[fl
     return last
 
 
+def _generations(steps: list[dict[str, Any]]) -> dict[int, tuple[int, int, Degrees]]:
+    """Generation -> (first step, last step, TP degrees) of the records it trained."""
+    spans: dict[int, tuple[int, int, Degrees]] = {}
+    for r in steps:
+        first, last, _ = spans.get(r["generation"], (r["step"], r["step"], ()))
+        spans[r["generation"]] = (min(first, r["step"]), max(last, r["step"]),
+                                  tuple(r["tp_degrees"]))
+    return spans
+
+
 def _phases(last: dict[int, tuple[float, Degrees]]) -> list[tuple[int, int, Degrees]]:
     """(first step, last step, TP degrees) of each run of steps trained on one layout."""
     phases: list[tuple[int, int, Degrees]] = []
@@ -216,8 +226,10 @@ def test_a_job_deleted_after_a_gpu_loss_and_created_again_resumes_its_losses(flo
     last = _last_losses([first, second])
     assert sorted(last) == list(range(1, STEPS + 1))
     phases = _phases(last)
-    assert phases[0][:2] == (1, loss_step - 1) and phases[0][2] == (2, 2), phases
-    assert phases[1][0] == loss_step and phases[1][2] == (2, 1), phases
+    # on a failure, what each generation of the first incarnation trained says which path it took
+    trained = _generations(first)
+    assert phases[0][:2] == (1, loss_step - 1) and phases[0][2] == (2, 2), (phases, trained)
+    assert phases[1][0] == loss_step and phases[1][2] == (2, 1), (phases, trained)
     reference = _uninterrupted(job["spec"], phases, dataset, tmp_path / "reference")
     assert {s: loss for s, (loss, _) in last.items()} == reference
     print(f"\n{STEPS} steps: the GPU lost at step {loss_step}, deleted ({deletion_s:.1f} s to "
