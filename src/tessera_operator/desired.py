@@ -523,7 +523,8 @@ def _health(observed: Observed, spec: planner.JobSpec, placement: Mapping[int, s
     dcgm = "dcgm" in sources
     lost = lost.merge(health.from_rank_deaths(
         reports, spec.gpus_per_node, now=now.timestamp(),
-        told_at=health.observed_at(objects) if dcgm else None, settled=spec.restarts_on_loss))
+        told_at=health.observed_at(objects) if dcgm else None, settled=spec.restarts_on_loss,
+        hold_s=float(policy.get("rankDeathHoldSeconds", health.RANK_DEATH_HOLD_S))))
     signal = signal.merge(lost)
     if not dcgm:
         return signal, lost
