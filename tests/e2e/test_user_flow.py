@@ -305,7 +305,7 @@ def test_kubectl_apply_cordon_fail_and_uncordon(flow: Flow, tmp_path: Path) -> N
     logs = {pod: flow.logs(pod) for pod in pods.values()}  # the pods' logs go with them
     flow.run("kubectl", "delete", "ntpjob", JOB, "--wait=true")
     wait("the job's pods gone", lambda: client.CoreV1Api(flow.api).list_namespaced_pod(
-        flow.namespace, label_selector=f"tessera.dev/job={JOB}").items, lambda pods: not pods)
+        flow.namespace, label_selector=f"tessera.dev/job={JOB}").items, lambda left: not left)
     steps_by_generation: dict[int, set[int]] = {}
     losses: dict[int, float] = {}
     for lines in logs.values():

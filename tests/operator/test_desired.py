@@ -397,17 +397,16 @@ def test_a_restart_does_not_wait_for_pods_on_a_node_that_stopped_reporting() -> 
     assert _desired(replace(observed, pods=_pods(JOB, IP)), NOW).force_delete_pods == ()
 
 
-@pytest.mark.parametrize(("policy", "hold_s"), [({}, health.RANK_DEATH_HOLD_S),
-                                                ({"rankDeathHoldSeconds": 10}, 10.0)])
-def test_the_jobs_rank_death_hold_is_the_one_it_waits_out(policy, hold_s) -> None:
-    """`failurePolicy.rankDeathHoldSeconds`; left out, the CRD's default is the operator's."""
-    job = _job(failurePolicy=JOB["spec"]["failurePolicy"] | policy) | {
+def test_the_jobs_rank_death_hold_is_the_one_it_waits_out() -> None:
+    """`failurePolicy.rankDeathHoldSeconds` (the CRD's default, the operator's
+    `RANK_DEATH_HOLD_S`, is the next test's)."""
+    job = _job(failurePolicy=JOB["spec"]["failurePolicy"] | {"rankDeathHoldSeconds": 10}) | {
         "status": {"layoutGeneration": 1}}
     dead = NodeReport(A, 1, 118, 1000, State.RECONFIGURING,
                       rank_deaths={3: NOW.timestamp() - 0.5})
     observed = replace(TRAINING, job=job, reports=dict([_report(B, 120)]) | {
         report_key(A): dead.to_json()})
-    assert _desired(observed, NOW).requeue_after == pytest.approx(hold_s - 0.5)
+    assert _desired(observed, NOW).requeue_after == pytest.approx(10 - 0.5)
 
 
 def test_a_dead_ranks_gpu_leaves_at_once_and_comes_back_on_a_later_healthy_verdict() -> None:
