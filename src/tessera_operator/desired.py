@@ -213,8 +213,7 @@ def _agreed(reports: Mapping[str, progress.NodeReport | None], observed: Observe
     refused (read as no report): a node's pod writes its own report, so it can claim anything
     of itself, but not a job of other steps than its pods run, nor to have finished short of
     them. The job's step is then the lowest node's, and its success every trainer pod's."""
-    told = {workload.until_step(pod) for pod in workload.trainer_pods(observed.pods, observed.job)}
-    until = told.pop() if len(told) == 1 else None
+    until = workload.steps_told(observed.pods, observed.job)
     agreed: dict[str, progress.NodeReport | None] = {}
     refused = []
     for node, report in reports.items():
@@ -619,7 +618,8 @@ def _generation(observed: Observed, plan: planner.JobPlan,
 
     A new generation follows the plan once the rendezvous pod has an address (planned changes
     at `planned_step`; `lost`: GPUs whose processes died with them), and never once a rank
-    reported the job's last step or for a switch after it.
+    reported the job's last step or for a switch after it: the last step its ranks were told,
+    which an edit of spec.steps moves only for the next attempt.
     LayoutBlocked when the ConfigMap is someone else's (never overwritten nor adopted: an
     ownerReference would have the garbage collector delete it with the job), when the
     generation published is lost, or when the next one outgrows a ConfigMap."""
@@ -652,7 +652,7 @@ def _generation(observed: Observed, plan: planner.JobPlan,
                                          at_step=planned_step(reports, now.timestamp()))
     if following is None:
         return None, previous
-    steps = int(job["spec"]["steps"])
+    steps = workload.steps_told(observed.pods, job) or int(job["spec"]["steps"])
     reported = max((r.step for r in reports.values() if r is not None), default=0)
     if previous is not None and (reported >= steps or (following.at_step or 0) >= steps):
         # The ranks finish the job in the generation in force: a new one would start ranks (a

@@ -217,6 +217,14 @@ def until_step(pod: Mapping[str, Any]) -> int | None:
     return None
 
 
+def steps_told(pods: Iterable[Mapping[str, Any]], job: Mapping[str, Any]) -> int | None:
+    """The job's last step as its trainer pods among `pods` were all told it: what the ranks in
+    force train to, which an edit of spec.steps changes only for the next attempt (None: no
+    trainer pod, or pods told different steps)."""
+    told = {until_step(pod) for pod in trainer_pods(pods, job)}
+    return told.pop() if len(told) == 1 else None
+
+
 def trainer_pods(pods: Iterable[Mapping[str, Any]], job: Mapping[str, Any]
                  ) -> list[Mapping[str, Any]]:
     """The pods among `pods` that are trainer pods of `job`."""

@@ -182,6 +182,21 @@ def test_ntp_pw_boosts_a_degraded_replica_within_its_rack_budget() -> None:
     assert reduced["powerBoosted"] and reduced["failedGPUs"] == [f"{A}/3"]
 
 
+def test_no_generation_is_planned_past_the_last_step_its_pods_were_told() -> None:
+    """spec.steps raised while the pods run to 1000 (RestartPending): their ranks still end at
+    step 1000, so a cordon at step 999 publishes no switch for step 1000, which nobody would
+    train."""
+    cordoned = replace(CASES["a cordoned GPU: a planned generation at the last step "
+                             "reported"].observed, reports=dict([_report(A, 999),
+                                                                 _report(B, 1000)]))
+    assert _desired(cordoned, NOW).layout is None
+    raised = PLACED_JOB | {"spec": PLACED_JOB["spec"] | {"steps": 2000}}
+    assert _desired(replace(cordoned, job=raised), NOW).layout is None
+    # Short of the pods' last step, the same cordon is planned.
+    ahead = replace(cordoned, job=raised, reports=dict([_report(A, 900), _report(B, 901)]))
+    assert _document(_desired(ahead, NOW).layout)["atStep"] == 901
+
+
 def test_a_job_without_a_plan_releases_its_power_targets() -> None:
     for name in ("one free node where two are needed: unschedulable, nothing made",
                  "an invalid spec: nothing made"):
