@@ -161,9 +161,10 @@ def desired(spec: planner.JobSpec | planner.Problem, observed: Observed, now: da
     if rejected is not None:
         plan, problems = None, (planner.Problem("PodRejected", rejected), *problems)
     # 4. The trainers' progress drives the boosts and the step a planned switch happens at.
+    told = workload.steps_told(observed.pods, job)
     reports, refused_reports = _agreed(
         progress.read_reports(observed.reports, sorted(set(planned.placement.values()))),
-        observed)
+        told)
     layout_generation = int(previous.get("layoutGeneration", 0))
     targets: dict[str, PowerTarget] = {}
     layout: dict[str, Any] | None = None
@@ -171,7 +172,8 @@ def desired(spec: planner.JobSpec | planner.Problem, observed: Observed, now: da
     if plan is not None:
         try:
             plan, targets = _power(plan, observed, reports, planned.lost.failed)
-            layout, in_force = _generation(observed, plan, reports, planned.lost.failed, now)
+            layout, in_force = _generation(observed, plan, reports, planned.lost.failed, now,
+                                           told or int(job["spec"]["steps"]))
         except planner.SpecError as exc:
             plan, problems = None, (planner.Problem("InvalidSpec", str(exc)), *problems)
             targets = {}
@@ -207,13 +209,13 @@ def desired(spec: planner.JobSpec | planner.Problem, observed: Observed, now: da
                    else recheck - now.timestamp())
 
 
-def _agreed(reports: Mapping[str, progress.NodeReport | None], observed: Observed
+def _agreed(reports: Mapping[str, progress.NodeReport | None], until: int | None
             ) -> tuple[dict[str, progress.NodeReport | None], tuple[str, ...]]:
-    """The reports that agree with what the node's ranks were told, and a line for each one
-    refused (read as no report): a node's pod writes its own report, so it can claim anything
-    of itself, but not a job of other steps than its pods run, nor to have finished short of
-    them. The job's step is then the lowest node's, and its success every trainer pod's."""
-    until = workload.steps_told(observed.pods, observed.job)
+    """The reports that agree with what the node's ranks were told (`until`: the job's steps,
+    `workload.steps_told`), and a line for each one refused (read as no report): a node's pod
+    writes its own report, so it can claim anything of itself, but not a job of other steps
+    than its pods run, nor to have finished short of them. The job's step is then the lowest
+    node's, and its success every trainer pod's."""
     agreed: dict[str, progress.NodeReport | None] = {}
     refused = []
     for node, report in reports.items():
@@ -612,14 +614,14 @@ def planned_step(reports: Mapping[str, progress.NodeReport | None], now: float) 
 
 def _generation(observed: Observed, plan: planner.JobPlan,
                 reports: Mapping[str, progress.NodeReport | None],
-                lost: frozenset[planner.GpuId], now: datetime
+                lost: frozenset[planner.GpuId], now: datetime, steps: int
                 ) -> tuple[dict[str, Any] | None, Generation | None]:
     """The layout ConfigMap to publish (None: nothing new) and the generation in force then.
 
     A new generation follows the plan once the rendezvous pod has an address (planned changes
     at `planned_step`; `lost`: GPUs whose processes died with them), and never once a rank
-    reported the job's last step or for a switch after it: the last step its ranks were told,
-    which an edit of spec.steps moves only for the next attempt.
+    reported the job's last step (`steps`) or for a switch after it: the last step its ranks
+    were told, which an edit of spec.steps moves only for the next attempt.
     LayoutBlocked when the ConfigMap is someone else's (never overwritten nor adopted: an
     ownerReference would have the garbage collector delete it with the job), when the
     generation published is lost, or when the next one outgrows a ConfigMap."""
@@ -652,7 +654,6 @@ def _generation(observed: Observed, plan: planner.JobPlan,
                                          at_step=planned_step(reports, now.timestamp()))
     if following is None:
         return None, previous
-    steps = workload.steps_told(observed.pods, job) or int(job["spec"]["steps"])
     reported = max((r.step for r in reports.values() if r is not None), default=0)
     if previous is not None and (reported >= steps or (following.at_step or 0) >= steps):
         # The ranks finish the job in the generation in force: a new one would start ranks (a
