@@ -66,6 +66,13 @@ def _losses(flow: JobFlow, name: str, attempt: int | None = None) -> dict[int, f
     return losses
 
 
+def _complete_checkpoints(run: Path) -> list[str]:
+    """The names of the complete checkpoints under `run`, oldest first (zero-padded steps):
+    renamed from .partial, and with their tessera.json (written last, before the rename)."""
+    return sorted(d.name for d in run.glob("step-*")
+                  if d.suffix != ".partial" and (d / "tessera.json").is_file())
+
+
 def _reference(job: dict[str, Any], tmp: Path) -> dict[int, float]:
     """Global rank 0's losses by step of the same job without failures (the local launcher,
     its first layout throughout)."""
@@ -124,9 +131,8 @@ def test_a_job_with_a_claim_a_secret_and_shm_trains_checkpoints_and_completes(fl
                           check=False)
     assert waited.returncode == 0, (waited.stderr, flow.status("rich"))
     # Every 10 steps and at the end, on the claim every node shares: the newest complete
-    # checkpoint (its tessera.json written last, before the rename) is the last step's.
-    complete = sorted(d.name for d in (files / "run").glob("step-*")
-                      if d.suffix != ".partial" and (d / "tessera.json").is_file())
+    # checkpoint is the last step's.
+    complete = _complete_checkpoints(files / "run")
     assert complete and complete[-1] == "step-00000024", sorted(
         str(p.relative_to(files)) for p in files.glob("*/*"))
     # The TTL: the job goes, and its pods with it.
@@ -166,8 +172,7 @@ def test_suspend_mid_relayout_then_resume_continues_from_the_checkpoint(flow, tm
 
     # Resumed: a new attempt on the layout as it is now, from the newest checkpoint, to the
     # steps the spec now asks for (a few past that checkpoint, so that the job finishes).
-    saved = max(int(d.name.removeprefix("step-")) for d in (files / "run").glob("step-*")
-                if d.suffix != ".partial" and (d / "tessera.json").is_file())
+    saved = int(_complete_checkpoints(files / "run")[-1].removeprefix("step-"))
     steps = saved + 8
     flow.patch("held", {"steps": steps})
     reference = _reference(job | {"spec": job["spec"] | {"steps": steps}}, tmp_path)
