@@ -19,7 +19,12 @@ RUN for extra in operator agent trainer; do \
     done
 
 FROM base AS wheel
+# the shared packages (src/), each process's own folder, and the CRDs the contracts carry
 COPY src/ src/
+COPY operator/ operator/
+COPY power_controller/ power_controller/
+COPY trainer_image/ trainer_image/
+COPY crds/ crds/
 RUN pip wheel --no-deps -w /wheels .
 
 FROM base AS operator

@@ -16,6 +16,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from tessera_kube import clients
+
 if TYPE_CHECKING:
     from kubernetes.client import ApiClient
 
@@ -48,16 +50,12 @@ def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -
 
 @contextmanager
 def connect(kubeconfig: Path | None, context: str | None) -> Iterator[ApiClient]:
-    """A client for `context` of `kubeconfig` (None: kubectl's defaults), closed on exit."""
-    from kubernetes import config
-
+    """A client for `context` of `kubeconfig` (None: kubectl's defaults; in a pod without
+    $KUBECONFIG, its service account), closed on exit."""
     try:
-        api = config.new_client_from_config(
-            config_file=None if kubeconfig is None else str(kubeconfig), context=context)
-    except config.ConfigException as exc:
-        where = "" if context is None else f" (context {context!r})"
-        raise KubeError(f"{exc}{where}; pass --kubeconfig or --context, or set $KUBECONFIG"
-                        ) from exc
+        api = clients.api_client(kubeconfig, context)
+    except clients.CredentialsError as exc:
+        raise KubeError(str(exc)) from exc
     with api:
         yield api
 

@@ -18,7 +18,7 @@ COMMANDS: Commands = {
     "operator": ("tessera_operator.run", "run the Tessera operator (reconcile NTPTrainingJobs)"),
     "power-agent": ("tessera_agents.power.main:serve",
                     "run the node power agent (DaemonSet entry point)"),
-    "health-agent": ("tessera_agents.health.agent:serve",
+    "health-agent": ("tessera_agents.health.main:serve",
                      "publish this node's GPU health from DCGM"),
     "cordon-gpu": ("tessera_cli.cordon", "cordon one GPU of a node: Tessera plans around it"),
     "uncordon-gpu": ("tessera_cli.uncordon", "give a cordoned GPU back to the planner"),

@@ -13,11 +13,8 @@ all training.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 from tessera_cli import kube
@@ -83,23 +80,6 @@ def delete_all(api: ApiClient, timeout: float, log=print) -> int:
     return len(jobs)
 
 
-@contextmanager
-def connect(args: argparse.Namespace) -> Iterator[ApiClient]:
-    """The pod's service account when run in a pod with no kubeconfig given (the chart's hook),
-    else the kubeconfig, as kubectl chooses."""
-    in_pod = "KUBERNETES_SERVICE_HOST" in os.environ and "KUBECONFIG" not in os.environ
-    if args.kubeconfig is None and args.context is None and in_pod:
-        from kubernetes import client, config
-
-        configuration = client.Configuration()
-        config.load_incluster_config(client_configuration=configuration)
-        with client.ApiClient(configuration) as api:
-            yield api
-    else:
-        with kube.connect(args.kubeconfig, args.context) as api:
-            yield api
-
-
 def main(argv: list[str]) -> int:
     prog = "tessera uninstall"
     p = argparse.ArgumentParser(
@@ -113,7 +93,7 @@ def main(argv: list[str]) -> int:
         p.error(f"--timeout must be > 0, got {args.timeout}")
     kube.check_arguments(p, args)
     try:
-        with connect(args) as api:
+        with kube.connect(args.kubeconfig, args.context) as api:
             count = delete_all(api, args.timeout)
     except (UninstallError, kube.KubeError) as exc:
         print(f"{prog}: {exc}", file=sys.stderr)

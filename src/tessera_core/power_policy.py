@@ -1,7 +1,8 @@
 """The agent's pure power policy: from devices and a validated target to the limits to set.
 
-Safety contract (src/tessera_agents/README.md): every limit is inside its device's [min, max]; the
-sum of the node's power limits never exceeds the target's budget when the budget can be met at all;
+Safety contract (power_controller/tessera_agents/README.md): every limit is inside its device's
+[min, max]; the sum of the node's power limits never exceeds the target's budget when the budget
+can be met at all;
 raises are ramped by at most `step_mw` per decision while cuts apply at once (lowering power is the
 safe direction); with no target nothing changes (the last safe state is held). Every limit asked for
 is a whole watt (`WATT`), because the driver keeps whole watts and would round a fraction up as

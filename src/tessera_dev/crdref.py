@@ -167,7 +167,7 @@ def render_crd(crd: Schema, lines: list[str]) -> None:
 
 def render() -> str:
     lines = ["# CRD reference", "",
-             "<!-- Generated from src/tessera_contracts/crds by `tessera-dev crd-reference`; "
+             "<!-- Generated from crds by `tessera-dev crd-reference`; "
              "do not edit. -->", "",
              "Every field of Tessera's custom resources, as the API server validates them: one "
              "table per object. Immutable fields are refused once set (a rule on `oldSelf`); a "

@@ -47,8 +47,9 @@ def build_wheel(out: Path) -> Path:
     with tempfile.TemporaryDirectory(prefix="tessera-source-") as scratch:
         source = Path(scratch)
         shutil.copy2(root / "pyproject.toml", source)
-        shutil.copytree(root / "src", source / "src",
-                        ignore=shutil.ignore_patterns("__pycache__", "*.py[cod]", "*.egg-info"))
+        for folder in paths.source_folders(root):
+            shutil.copytree(root / folder, source / folder, symlinks=True,
+                            ignore=shutil.ignore_patterns("__pycache__", "*.py[cod]", "*.egg-info"))
         check(subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--quiet",
                               "-w", str(out), str(source)],
                              capture_output=True, text=True, timeout=INSTALL_TIMEOUT_S))

@@ -48,11 +48,12 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from kubernetes import client, watch
+from kubernetes import client
 
 from tessera_contracts.api import CORDON_ANNOTATION
 from tessera_dev import paths, probes, processes, simnodes
 from tessera_dev.controlplane import crds, launcher, manifests
+from tessera_kube.listwatch import ListWatch
 from tessera_operator.handlers import GROUP, PLURAL, VERSION
 from tessera_operator.reconcile import RESYNC_INTERVAL_S
 
@@ -195,24 +196,21 @@ class JobWatch:
         self._status: dict[str, dict[str, Any]] = {}
         self._seen: dict[str, float] = {}
         self._changed = threading.Condition()
-        self._stopped = threading.Event()
-        self._watch = watch.Watch()
-        threading.Thread(target=self._run, daemon=True).start()
+        self._watch = ListWatch(
+            self._custom.list_namespaced_custom_object, GROUP, VERSION, NAMESPACE, PLURAL,
+            on_list=self._listed, on_event=self._event, on_error=lambda _: None, watch_s=300,
+            name="job watch").start()
 
-    def _run(self) -> None:
-        while not self._stopped.is_set():
-            try:
-                for event in self._watch.stream(
-                        self._custom.list_namespaced_custom_object, GROUP, VERSION, NAMESPACE,
-                        PLURAL, timeout_seconds=300):
-                    obj = event["object"]
-                    with self._changed:
-                        name = obj["metadata"]["name"]
-                        self._status[name] = obj.get("status") or {}
-                        self._seen[name] = time.monotonic()
-                        self._changed.notify_all()
-            except Exception:  # noqa: BLE001 - the server ended or broke the watch: reopen
-                continue
+    def _listed(self, jobs: list[dict[str, Any]]) -> None:
+        for job in jobs:
+            self._event("ADDED", job)
+
+    def _event(self, _: str, job: dict[str, Any]) -> None:
+        with self._changed:
+            name = job["metadata"]["name"]
+            self._status[name] = job.get("status") or {}
+            self._seen[name] = time.monotonic()
+            self._changed.notify_all()
 
     def wait(self, name: str, done: Any, timeout_s: float) -> float:
         """Block until `done(status)` holds for job `name`; returns when the watch saw it."""
@@ -226,7 +224,6 @@ class JobWatch:
             return self._seen[name]
 
     def stop(self) -> None:
-        self._stopped.set()
         self._watch.stop()
 
 

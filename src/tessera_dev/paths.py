@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tomllib
 from pathlib import Path
 
 
@@ -19,6 +20,15 @@ def repo_root() -> Path:
             f"no manifests/ folder at {root}: tessera-dev must run from its checkout "
             "(pip install -e . in the repository)")
     return root
+
+
+def source_folders(root: Path) -> tuple[str, ...]:
+    """The folders the project's wheel is built from: each package root pyproject.toml names
+    (the shared packages, and each deployable part's), and crds/, which the contracts carry as
+    package data through their link to it."""
+    where = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"][
+        "packages"]["find"]["where"]
+    return (*where, "crds")
 
 
 def default_data_dir() -> Path:

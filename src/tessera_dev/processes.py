@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import re
 import signal
@@ -15,10 +14,10 @@ from pathlib import Path
 from typing import TypeVar
 
 from tessera_dev import probes
+from tessera_kube import lifetime
 
 T = TypeVar("T")
 
-_PR_SET_PDEATHSIG = 1
 _PORT_TAKEN = re.compile(r"address already in use", re.I)
 
 
@@ -59,26 +58,13 @@ def with_free_ports(count: int, launch: Callable[[list[int]], T], attempts: int 
     return launch(free_ports(count))
 
 
-def parent_death_signal(parent: int) -> Callable[[], None]:
-    """A preexec_fn making the child die (SIGKILL) when the thread that forks it ends."""
-    # libc is loaded here, before the fork: the child only makes one system call
-    prctl = ctypes.CDLL(None, use_errno=True).prctl
-
-    def preexec() -> None:
-        prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-        # the parent may have died between fork and prctl; then no signal would ever come
-        if os.getppid() != parent:
-            os._exit(1)
-    return preexec
-
-
 def spawn(argv: list[str], log_path: Path, *, die_with_parent: bool) -> subprocess.Popen:
     """Start argv in its own session (so it dies as a group), logging to a file.
 
     With die_with_parent the kernel SIGKILLs it when the spawning thread ends, so a killed test
     run leaves no servers behind; without, it outlives us (`tessera-dev up`).
     """
-    preexec = parent_death_signal(os.getpid()) if die_with_parent else None
+    preexec = lifetime.die_with_parent() if die_with_parent else None
     with open(log_path, "ab") as log:
         return subprocess.Popen(
             argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,

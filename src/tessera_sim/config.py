@@ -16,7 +16,7 @@ from tessera_core.perf_model import PAPER
 RepairDistribution = Literal["fixed", "exponential"]
 
 # Job and model bounds are the NTPTrainingJob schema's
-# (src/tessera_contracts/crds/ntptrainingjob.yaml; a test keeps them equal): the simulator covers
+# (crds/ntptrainingjob.yaml; a test keeps them equal): the simulator covers
 # every job the operator accepts, and no larger one.
 MAX_GPUS = 1_048_576  # totalGPUs: the job and its spare domains together
 MAX_TP = 576

@@ -22,16 +22,26 @@ _PACKAGE = "|".join(PACKAGES)
 # Not after a path, a dotted name or a flag, so `manifests/.../ntpjob-local.yaml` is no module.
 _START = r"(?<![\w./-])"
 DOTTED = re.compile(rf"{_START}(?:{_PACKAGE})(?:\.[A-Za-z_]\w*)+")
-REPO_PATH = re.compile(rf"{_START}(?:src|tests|manifests|docs)/[\w./-]*[\w/]")
+REPO_PATH = re.compile(
+    rf"{_START}(?:src|operator|power_controller|trainer_image|crds|charts|tests|manifests|docs)"
+    r"/[\w./-]*[\w/]")
 PACKAGE_PATH = re.compile(rf"{_START}(?:{_PACKAGE})/[\w./-]*[\w/]")
 LINK = re.compile(r"\[[^\]\n]*\]\(([^)\s]+)\)")
 CODE_SPAN = re.compile(r"`([^`\n]+)`")
 PY_FILE = re.compile(r"[\w/]+\.py")
+# Where each process's package left src/ for its deployable part's folder (the design's names).
 OLD_LAYOUT = {
-    re.compile(r"\bpower_controller\b"): "the package power_controller is gone",
-    re.compile(r"\btrainer_image/"): "the folder trainer_image/ is gone (src/ntp/)",
-    re.compile(r"\boperator/tessera_operator\b"): "the operator is src/tessera_operator",
+    re.compile(r"\bsrc/tessera_operator\b"): "the operator is operator/tessera_operator",
+    re.compile(r"\bsrc/tessera_agents\b"): "the agents are power_controller/tessera_agents",
+    re.compile(r"\bsrc/ntp\b"): "the trainer is trainer_image/ntp",
 }
+
+
+def package_folder(path: str) -> str:
+    """Where a package path starting with a package's name is, from the repository root."""
+    package = path.split("/")[0]
+    [location] = importlib.util.find_spec(package).submodule_search_locations
+    return str((Path(location) / path.split("/", 1)[-1]).relative_to(ROOT))
 
 
 def markdown_files() -> list[Path]:
@@ -78,7 +88,8 @@ def problems_in(doc: Path) -> Iterator[str]:
             yield f"{path!r}: no such path"
     for path in sorted(set(PACKAGE_PATH.findall(text))):
         if not (here / path).exists():
-            yield f"{path!r}: no such path here (from the repository root it is src/{path})"
+            yield (f"{path!r}: no such path here (from the repository root it is "
+                   f"{package_folder(path)})")
     # a link written inside a code span (a regular expression's `[a-z](...)`) is code, not a link
     for target in sorted(set(LINK.findall(CODE_SPAN.sub("", text)))):
         if re.match(r"[a-z]+:|#", target):

@@ -222,7 +222,7 @@ def test_a_job_deleted_after_a_gpu_loss_and_created_again_resumes_its_losses(flo
     #    here each step runs on the layout the job ran it on: the same operations on the same
     #    values in the same order. A live reshard and a checkpoint restore hand the next layout
     #    the same float32 values, the dataset gives every layout the same rows at a step
-    #    (docs/data.md), and gloo's reductions are deterministic (src/ntp/README.md).
+    #    (docs/data.md), and gloo's reductions are deterministic (trainer_image/ntp/README.md).
     last = _last_losses([first, second])
     assert sorted(last) == list(range(1, STEPS + 1))
     phases = _phases(last)

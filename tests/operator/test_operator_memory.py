@@ -20,7 +20,7 @@ NODES = 250  # N; 4N once the jobs run
 JOBS, JOB_NODES = 4, 2
 # 3N more nodes may cost at most 8 KiB each (5.9 MiB): at that rate 8,192 nodes cost 64 MiB, a
 # quarter of the 256 MiB the operator is to stay under at the paper's scale
-# (src/tessera_operator/README.md, `tessera-dev bench operator`). Each node is kept as a few
+# (operator/tessera_operator/README.md, `tessera-dev bench operator`). Each node is kept as a few
 # small values (`cache.NodeFacts`) and kopf's record of the object; a node body kept per node,
 # about 5 KiB of JSON and several times that as Python objects, would exceed it.
 GROWTH_BOUND_MIB = 3 * NODES * 8 / 1024

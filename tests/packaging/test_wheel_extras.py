@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tessera_dev import imagesize, lock
+from tessera_dev import imagesize, lock, paths
 from tessera_dev.simnode import images
 
 # the installs download from the package index on a loaded 2-core machine
@@ -39,7 +39,7 @@ COMMANDS = {
 }
 MODULES = {
     "operator": ["tessera_operator.handlers"],
-    "agent": ["tessera_agents.power.main", "tessera_agents.health.agent"],
+    "agent": ["tessera_agents.power.main", "tessera_agents.health.main"],
 }
 
 # every file the contracts open while loading the CRDs, seen through the interpreter's own
@@ -222,8 +222,9 @@ def test_no_image_installs_the_project_editable() -> None:
 
 def test_the_wheel_stage_builds_from_the_source_alone() -> None:
     _, wheel_stage = dockerfile_stages()["wheel"]
-    assert [(step.keyword, step.args) for step in wheel_stage] == [
-        ("COPY", "src/ src/"), ("RUN", "pip wheel --no-deps -w /wheels .")]
+    steps = [(step.keyword, step.args) for step in wheel_stage]
+    assert steps[-1] == ("RUN", "pip wheel --no-deps -w /wheels ."), steps
+    assert sorted(steps[:-1]) == sorted(("COPY", f"{d}/ {d}/") for d in paths.source_folders(REPO))
 
 
 def test_the_requirements_files_are_the_extras_of_pyproject(tmp_path: Path) -> None:
@@ -241,16 +242,16 @@ def test_the_requirements_files_are_the_extras_of_pyproject(tmp_path: Path) -> N
 
 
 def test_the_build_context_holds_what_the_images_copy_and_nothing_else() -> None:
-    """.dockerignore lets in pyproject.toml, constraints/ and src/ (less caches and build
-    metadata): the virtual environment, tests, docs and git stay out."""
+    """.dockerignore lets in pyproject.toml, constraints/ and the source folders (less caches and
+    build metadata): the virtual environment, tests, docs and git stay out."""
     rules = [line for line in (REPO / ".dockerignore").read_text().splitlines()
              if line.strip() and not line.startswith("#")]
     assert rules[0] == "*", rules
     assert {rule for rule in rules if rule.startswith("!")} == {
-        "!pyproject.toml", "!constraints/", "!src/"}
+        "!pyproject.toml", "!constraints/", *(f"!{d}/" for d in paths.source_folders(REPO))}
     copied = {step.args.split()[0].split("/")[0] for _, stage in dockerfile_stages().values()
               for step in stage if step.keyword == "COPY" and "--from" not in step.args}
-    assert copied == {"pyproject.toml", "constraints", "src"}
+    assert copied == {"pyproject.toml", "constraints", *paths.source_folders(REPO)}
 
 
 def test_the_health_agent_runs_in_the_power_agent_image() -> None:

@@ -21,6 +21,7 @@ from kubernetes.client.exceptions import ApiException
 from test_control_plane import AGENT, NS, OPERATOR, _node, _node_token, _token_client
 
 from tessera_agents.health import agent as health_agent
+from tessera_agents.health import main as health_main
 from tessera_agents.health.agent import FixedExporter, HealthAgent, KubePublisher, fetch_page
 from tessera_agents.health.dcgm import MAX_PAGE_BYTES, STALE_AFTER_S, classify
 from tessera_agents.health.discovery import SERVICE_NAME_LABEL
@@ -310,9 +311,9 @@ def test_the_shipped_daemonset_runs_the_health_agent_as_configured() -> None:
     env = {e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"]
            for e in health["env"] if "valueFrom" in e}
     assert env == {"NODE_NAME": "spec.nodeName", "POD_IP": "status.podIP"}
-    args = health_agent._parser().parse_args(
+    args = health_main._parser().parse_args(
         [a.replace("$(POD_IP)", "10.0.0.7") for a in health["args"]] + ["--node", "n"])
-    assert health_agent._bad_setting(args) is None
+    assert health_main._bad_setting(args) is None
     # the GPU Operator's exporter, found through its Service's EndpointSlices
     assert args.exporter_url is None and args.exporter_discovery == "endpointslices"
     assert (args.exporter_namespace, args.exporter_service, args.exporter_port) == (
@@ -485,10 +486,10 @@ def test_the_agent_finds_its_exporter_in_the_services_endpointslices(
                  "conditions": {"ready": True}, "targetRef": {"kind": "Pod", "name": "e-b"}}]})
         agent_api = power_api(NS, AGENT)
         for port in ("9400", "gpu-metrics"):
-            args = health_agent._parser().parse_args([
+            args = health_main._parser().parse_args([
                 "--node", "node-b", "--exporter-namespace", namespace,
                 "--exporter-service", "exporter", "--exporter-port", port, "--fetch-timeout", "1"])
-            exporter = health_agent._exporter(args, agent_api)
+            exporter = health_main._exporter(args, agent_api)
             with pytest.raises(health_agent.FetchError):  # nobody listens at 10.8.1.5
                 exporter.fetch()
             assert exporter.url == "http://10.8.1.5:9400/metrics"

@@ -237,7 +237,7 @@ def chart_copy(tmp_path_factory) -> Path:
 
 def kustomization(chart: Path, name: str, content: dict[str, Any]) -> str:
     """A kustomization of the widgets in the chart's manifests/; the value that builds it."""
-    directory = chart / "manifests" / name
+    directory = chart / "files" / "manifests" / name
     directory.mkdir()
     (directory / "widgets.yaml").write_text(WIDGETS)
     (directory / "kustomization.yaml").write_text(
@@ -261,7 +261,7 @@ def test_json_patches_render_as_kustomize_applies_them(chart_copy):
             {"op": "add", "path": "/spec/extra", "value": {"x": [1, {"y": None}]}},
         ], name="w1"), patched([{"op": "add", "path": "/spec/every", "value": True}])]})
     chart = objects(helm_template("--set", value, chart=chart_copy))
-    assert_same(chart, kustomize(chart_copy / "manifests/patched"))
+    assert_same(chart, kustomize(chart_copy / "files/manifests/patched"))
     w1 = chart[("Widget", NAMESPACE, "w1")]
     assert w1["spec"]["items"] == ["first", "a", "B", "last", "end"]
     assert chart[("Widget", NAMESPACE, "w2")]["spec"] == {"items": ["a", "b"], "every": True}

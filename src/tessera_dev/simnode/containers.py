@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tessera_dev import processes
 from tessera_dev.simnode import shim
 from tessera_dev.simnode.kube import now_rfc3339
+from tessera_kube import lifetime
 
 
 def unshare_binary() -> str:
@@ -70,7 +70,7 @@ class Process:
             popen = subprocess.Popen(
                 command, env=dict(env), stdin=subprocess.DEVNULL, stdout=out,
                 stderr=subprocess.STDOUT, start_new_session=True,
-                preexec_fn=processes.parent_death_signal(os.getpid()))
+                preexec_fn=lifetime.die_with_parent())
         proc = cls(popen, pidfile, errorfile, now_rfc3339(), time.monotonic())
 
         def reap() -> None:

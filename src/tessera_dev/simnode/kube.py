@@ -10,14 +10,15 @@ from __future__ import annotations
 
 import base64
 import json
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Any
 from urllib.parse import urlsplit
 
-from kubernetes import client, config
+from kubernetes import client
 from kubernetes.client.exceptions import ApiException
-from kubernetes.watch.watch import iter_resp_lines
+
+from tessera_kube import clients
 
 LEASE_NAMESPACE = "kube-node-lease"
 MERGE_PATCH = "application/merge-patch+json"
@@ -39,7 +40,7 @@ class NodeApi:
     """One API client for the node process (the client's connection pool is thread-safe)."""
 
     def __init__(self, kubeconfig: str, timeout: float = 10.0) -> None:
-        self.client = config.new_client_from_config(config_file=kubeconfig)
+        self.client = clients.api_client(kubeconfig)
         self.core = client.CoreV1Api(self.client)
         self.coordination = client.CoordinationV1Api(self.client)
         self.timeout = timeout
@@ -96,27 +97,6 @@ class NodeApi:
                                          _request_timeout=self.timeout))["metadata"]["uid"]
 
     # -- pods
-
-    def list_pods(self, node: str) -> dict[str, Any]:
-        return _json(self.core.list_pod_for_all_namespaces(
-            field_selector=f"spec.nodeName={node}", _preload_content=False,
-            _request_timeout=self.timeout))
-
-    def watch_pods(self, node: str, resource_version: str,
-                   timeout_s: int = 300) -> Iterator[dict[str, Any]]:
-        """Pod events for this node from resource_version; ends when the server closes it."""
-        response = self.core.list_pod_for_all_namespaces(
-            field_selector=f"spec.nodeName={node}", watch=True,
-            resource_version=resource_version, allow_watch_bookmarks=True,
-            timeout_seconds=timeout_s, _preload_content=False,
-            _request_timeout=(self.timeout, timeout_s + self.timeout))
-        try:
-            for line in iter_resp_lines(response):
-                if line.strip():
-                    yield json.loads(line)
-        finally:
-            response.close()
-            response.release_conn()
 
     def patch_pod_status(self, namespace: str, name: str, status: Mapping[str, Any]) -> None:
         # a JSON merge patch replaces lists whole: the node owns containerStatuses and conditions

@@ -34,6 +34,7 @@ from tessera_dev.simnode.kube import NodeApi, now_rfc3339
 from tessera_dev.simnode.pods import GpuPool, IpPool, NodeContext, PodWorker
 from tessera_dev.simnode.server import kubelet_endpoint
 from tessera_dev.simnode.volumes import SHM, memory_root, writable_tmpfs
+from tessera_kube.listwatch import ListWatch
 
 log = logging.getLogger("tessera.simnode")
 
@@ -272,31 +273,31 @@ class Node:
             worker.removed()
 
     def watch_pods(self) -> None:
-        """List, then watch from the list's version; after an expired watch, list again."""
-        while True:
-            try:
-                listing = self.api.list_pods(self.name)
-                seen = {pod["metadata"]["uid"] for pod in listing["items"]}
-                for pod in listing["items"]:
-                    self._sync(pod)
-                with self._lock:
-                    vanished = [uid for uid in self.workers if uid not in seen]
-                for uid in vanished:
-                    self._removed(uid)
-                version = listing["metadata"]["resourceVersion"]
-                while True:
-                    for event in self.api.watch_pods(self.name, version):
-                        kind, obj = event["type"], event["object"]
-                        if kind == "ERROR":
-                            raise ApiException(status=obj.get("code"), reason=obj.get("message"))
-                        version = obj["metadata"]["resourceVersion"]
-                        if kind in ("ADDED", "MODIFIED"):
-                            self._sync(obj)
-                        elif kind == "DELETED":
-                            self._removed(obj["metadata"]["uid"])
-            except Exception:  # an expired version (410) or a lost connection: relist
-                log.info("pod watch ended; listing again", exc_info=True)
-                time.sleep(1.0)
+        """Follow the pods bound to this node, for good: list, then watch from the list's
+        version; after an expired or failed watch, list again."""
+        ListWatch(self.api.core.list_pod_for_all_namespaces,
+                  field_selector=f"spec.nodeName={self.name}", on_list=self._listed,
+                  on_event=self._event, on_error=self._watch_failed, watch_s=300,
+                  timeout_s=self.api.timeout, retry_s=(1.0, 1.0), name="pod watch").run()
+
+    def _listed(self, pods: list[dict[str, Any]]) -> None:
+        seen = {pod["metadata"]["uid"] for pod in pods}
+        for pod in pods:
+            self._sync(pod)
+        with self._lock:
+            vanished = [uid for uid in self.workers if uid not in seen]
+        for uid in vanished:
+            self._removed(uid)
+
+    def _event(self, kind: str, pod: dict[str, Any]) -> None:
+        if kind in ("ADDED", "MODIFIED"):
+            self._sync(pod)
+        elif kind == "DELETED":
+            self._removed(pod["metadata"]["uid"])
+
+    @staticmethod
+    def _watch_failed(exc: Exception) -> None:
+        log.info("pod watch ended (%s: %s); listing again", type(exc).__name__, exc)
 
     def authorize(self, user: str, groups: list[str]) -> bool:
         try:

@@ -25,7 +25,6 @@ from __future__ import annotations
 import hashlib
 import os
 import stat
-import tempfile
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -33,6 +32,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from tessera_dev.simnode.podspec import NotYetAvailable, PodSpecError, field_value
+from tessera_kube.files import write_atomic
 
 SUPPORTED = ("emptyDir", "hostPath", "configMap", "secret", "downwardAPI", "projected",
              "persistentVolumeClaim")
@@ -54,16 +54,6 @@ ObjectReader = Callable[[str, str, str], Mapping[str, bytes] | None]
 StorageReader = Callable[[str, str, str], Mapping[str, Any] | None]
 # (service account, audience or None, seconds) -> (token, lifetime in seconds)
 TokenIssuer = Callable[[str, str | None, int], tuple[str, float]]
-
-
-def write_atomic(path: Path, data: bytes, mode: int) -> None:
-    """Replace path so a reader sees the old or the new content, never a partial file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    with os.fdopen(fd, "wb") as file:
-        file.write(data)
-    os.chmod(tmp, mode)
-    os.replace(tmp, path)
 
 
 def volume_kind(volume: Mapping[str, Any]) -> str:

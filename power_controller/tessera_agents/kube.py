@@ -6,19 +6,13 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from tessera_kube import clients
+
 
 def api_client(kubeconfig: str | None) -> Any:
     """A client of the API server from `kubeconfig` (None: the pod's service account) that
     makes one bounded attempt per call: an agent's loop is the retry."""
-    from kubernetes import client, config
-
-    configuration = client.Configuration()
-    if kubeconfig:
-        config.load_kube_config(config_file=kubeconfig, client_configuration=configuration)
-    else:
-        config.load_incluster_config(client_configuration=configuration)
-    configuration.retries = 0
-    return client.ApiClient(configuration)
+    return clients.api_client(kubeconfig, retries=0)
 
 
 _NODE_NAME = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")

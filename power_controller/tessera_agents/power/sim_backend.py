@@ -36,7 +36,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tessera_agents.files import locked, read_json, write_json_atomic
 from tessera_agents.power.devices import (
     SW_POWER_CAP,
     BackendUnavailable,
@@ -50,6 +49,7 @@ from tessera_agents.power.devices import (
     PowerError,
 )
 from tessera_core.perf_model import PAPER, PerfModel
+from tessera_kube.files import locked, read_json, write_json_atomic
 
 FAULTS: dict[str, type[PowerError]] = {
     "no_permission": NoPermission,

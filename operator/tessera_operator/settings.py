@@ -15,9 +15,10 @@ from datetime import UTC, datetime
 from typing import Any
 
 import kopf
-from kubernetes import client, config
+from kubernetes import client
 
 from tessera_contracts.api import JOB_LABEL
+from tessera_kube import clients
 from tessera_operator import cache, jobqueue
 
 # Every API call of the operator carries this timeout: a stalled server must not hold a
@@ -47,12 +48,9 @@ QUIET_SUCCESS = QuietSuccess()  # one instance: a logger adds the same filter on
 
 
 def api_client() -> client.ApiClient:
-    """In the cluster: the pod's service account; elsewhere $KUBECONFIG (as kopf logs in)."""
-    try:
-        config.load_incluster_config()
-        return client.ApiClient()
-    except config.ConfigException:
-        return config.new_client_from_config()
+    """$KUBECONFIG where it is set; else in the cluster the pod's service account (as kopf logs
+    in)."""
+    return clients.api_client()
 
 
 @kopf.on.startup()

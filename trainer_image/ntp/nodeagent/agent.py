@@ -43,7 +43,6 @@ The TCPStore lives in a rendezvous process of its own (`ntp.rendezvous`), never 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import logging
 import os
@@ -80,13 +79,14 @@ from tessera_contracts.invocation import (
     RankInvocation,
 )
 from tessera_contracts.progress import Device, NodeReport
+from tessera_kube import lifetime
+from tessera_kube.files import write_atomic
 
 log = logging.getLogger("ntp.nodeagent.agent")
 
 # How often the agent looks for a new generation: a file has no change events, and a rank
 # waits for the agent's mirror, so this adds to every reconfiguration.
 POLL_S = 0.02
-_PR_SET_PDEATHSIG = 1
 
 
 
@@ -193,19 +193,6 @@ def rank_device(requested: str, cuda_index: int, visible: int) -> str:
     if requested == "cpu" or (requested == "auto" and cuda_index >= visible):
         return "cpu"
     return "cuda"
-
-
-def die_with_parent() -> Callable[[], None]:
-    """A preexec_fn that makes the child die (SIGKILL) when the thread that forks it ends."""
-    parent = os.getpid()
-    prctl = ctypes.CDLL(None, use_errno=True).prctl  # loaded before the fork
-
-    def preexec() -> None:
-        prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-        if os.getppid() != parent:  # the agent died before prctl: no signal would come
-            os._exit(1)
-
-    return preexec
 
 
 @dataclass
@@ -509,7 +496,7 @@ class NodeAgent:
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 pass_fds=() if device is None else (device,),
-                preexec_fn=die_with_parent(),  # forked from the main thread only
+                preexec_fn=lifetime.die_with_parent(),  # forked from the main thread only
             )
         finally:
             if device is not None:
@@ -581,10 +568,3 @@ class NodeAgent:
                     f"rank {rank}"))
                 log.warning("%s: generation %d failed too: it counted on pid %d", self.node,
                             later.generation, pid)
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """Write `path` through a hidden partial file beside it, so no reader sees half of it."""
-    partial = path.with_name(f".{path.name}.partial")
-    partial.write_text(text)
-    os.replace(partial, path)

@@ -7,11 +7,12 @@ import copy
 import threading
 from typing import Any
 
-from kubernetes import client, watch
+from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from tessera_contracts.api import GROUP, VERSION
 from tessera_contracts.api import POWER_TARGET_PLURAL as PLURAL
+from tessera_kube.listwatch import ListWatch
 
 # How long one watch request of an agent lasts before it is renewed (from where it left off):
 # one request per node per WATCH_TIMEOUT_S, instead of one per node per agent step.
@@ -37,75 +38,46 @@ class KubeTargetSource:
 
     def __init__(self, api_client: client.ApiClient, node: str, timeout_s: float,
                  watch_s: int = WATCH_TIMEOUT_S) -> None:
-        self._client, self._node, self._timeout, self._watch_s = (
-            api_client, node, timeout_s, watch_s)
+        self._client, self._node, self._timeout = api_client, node, timeout_s
         self._lock = threading.Lock()
         self._obj: dict[str, Any] | None = None
         self._error: Exception | None = SourceError("the target has not been read yet")
-        self._resource_version: str | None = None
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        retry = min(1.0, timeout_s)
+        self._watch = ListWatch(
+            _api(api_client).list_cluster_custom_object, GROUP, VERSION, PLURAL,
+            field_selector=f"metadata.name={node}", on_list=self._listed,
+            on_event=self._changed, on_error=self._failed, watch_s=watch_s,
+            timeout_s=timeout_s, retry_s=(retry, retry), name="target watch")
+        self._started = False
 
     def fetch(self) -> dict[str, Any] | None:
-        if self._thread is None:
-            self._relist()  # the first answer comes from this call, not a thread's later one
-            self._thread = threading.Thread(target=self._watch, name="target watch",
-                                            daemon=True)
-            self._thread.start()
+        if not self._started:
+            self._watch.relist()  # the first answer comes from this call, not a thread's later one
+            self._watch.start()
+            self._started = True
         with self._lock:
             if self._error is not None:
                 raise self._error
             return copy.deepcopy(self._obj)
 
     def close(self) -> None:
-        self._stop.set()
+        self._watch.stop()
 
-    def _relist(self) -> None:
-        try:
-            listed = _api(self._client).list_cluster_custom_object(
-                GROUP, VERSION, PLURAL, field_selector=f"metadata.name={self._node}",
-                _request_timeout=self._timeout)
-            items = listed["items"]
-            with self._lock:
-                self._obj = items[0] if items else None
-                self._resource_version = listed["metadata"]["resourceVersion"]
-                self._error = None
-        except Exception as err:
-            with self._lock:
-                self._error = _source_error(err)
+    def _listed(self, items: list[dict[str, Any]]) -> None:
+        with self._lock:
+            self._obj = items[0] if items else None
+            self._error = None
 
-    def _watch(self) -> None:
-        """Follow the object's changes; on any failure, say so, and re-list until it answers."""
-        while not self._stop.is_set():
-            if self._error is None:
-                try:
-                    self._follow()
-                    continue  # the server ended the watch after watch_s: resume from there
-                except Exception as err:  # gone (410), dropped, refused, timed out
-                    with self._lock:
-                        self._error = _source_error(err)
-            self._stop.wait(min(1.0, self._timeout))
-            self._relist()
+    def _changed(self, kind: str, obj: dict[str, Any]) -> None:
+        with self._lock:
+            if kind in ("ADDED", "MODIFIED"):
+                self._obj = obj
+            elif kind == "DELETED":
+                self._obj = None
 
-    def _follow(self) -> None:
-        w = watch.Watch()
-        stream = w.stream(
-            _api(self._client).list_cluster_custom_object, GROUP, VERSION, PLURAL,
-            field_selector=f"metadata.name={self._node}",
-            resource_version=self._resource_version, allow_watch_bookmarks=True,
-            timeout_seconds=self._watch_s,
-            # a connection that dies silently ends the read some time after the server would
-            _request_timeout=(self._timeout, self._watch_s + self._timeout))
-        for event in stream:
-            obj = event["object"]
-            with self._lock:
-                self._resource_version = obj["metadata"]["resourceVersion"]
-                if event["type"] in ("ADDED", "MODIFIED"):
-                    self._obj = obj
-                elif event["type"] == "DELETED":
-                    self._obj = None
-            if self._stop.is_set():
-                w.stop()
+    def _failed(self, err: Exception) -> None:
+        with self._lock:
+            self._error = _source_error(err)
 
     def report(self, status: dict[str, Any], uid: str | None) -> None:
         """Make `status` (less its None values) the status of the object with `uid`, the one the

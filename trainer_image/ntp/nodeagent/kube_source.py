@@ -18,19 +18,17 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import threading
 from collections.abc import Callable, Mapping
-from pathlib import Path
 from typing import Any
 
-from kubernetes import client, config, watch
+from kubernetes import client
 
 from tessera_contracts.generation import LAYOUT_KEY, Generation, GenerationError, layout_configmap
 from tessera_contracts.progress import NodeReport, progress_configmap, report_key
+from tessera_kube import clients
+from tessera_kube.listwatch import ListWatch
 
-# Where a pod finds its own namespace (the service account's projected volume).
-POD_NAMESPACE_FILE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
 log = logging.getLogger(__name__)
 
 
@@ -43,22 +41,17 @@ WRITE_TIMEOUT_S = 10.0
 
 
 def connect(namespace: str | None = None) -> tuple[client.ApiClient, str]:
-    """A client with the pod's own identity (in-cluster config, else $KUBECONFIG), and the
-    namespace, by default the pod's."""
+    """A client with the pod's own identity (in a pod its service account, else $KUBECONFIG),
+    and the namespace, by default the pod's."""
     try:
-        if "KUBERNETES_SERVICE_HOST" in os.environ:
-            config.load_incluster_config()
-        else:
-            config.load_kube_config()
-    except config.ConfigException as exc:
-        raise SourceError(f"no Kubernetes credentials: {exc}") from None
+        api = clients.api_client()
+    except clients.CredentialsError as exc:
+        raise SourceError(str(exc)) from None
+    namespace = namespace or clients.pod_namespace()
     if namespace is None:
-        try:
-            namespace = POD_NAMESPACE_FILE.read_text().strip()
-        except OSError:
-            raise SourceError(f"--namespace is needed outside a pod ({POD_NAMESPACE_FILE} "
-                              "is unreadable)") from None
-    return client.ApiClient(), namespace
+        raise SourceError(f"--namespace is needed outside a pod ({clients.POD_NAMESPACE_FILE} "
+                          "is unreadable)")
+    return api, namespace
 
 
 def progress_writer(api: client.ApiClient, namespace: str, job: str
@@ -94,17 +87,18 @@ class KubeGenerationSource:
         watch_s: int = 60,
         retry_s: tuple[float, float] = (0.5, 5.0),
     ) -> None:
-        self.core = client.CoreV1Api(api)
         self.namespace = namespace
         self.name = layout_configmap(job)
-        self.watch_s = watch_s  # the server ends each watch after this; then a fresh list
-        self.retry_s = retry_s  # first and longest wait after an API error
         self._documents: dict[int, dict[str, Any]] = {}
         self._skipped: set[str] = set()  # resourceVersions already logged as unusable
         self._changed = threading.Condition()
-        self._stop = threading.Event()
-        self._watch: watch.Watch | None = None
-        self._thread = threading.Thread(target=self._run, name="layout-watch", daemon=True)
+        # the server ends each watch after watch_s, and the watch resumes; retry_s: first and
+        # longest wait after an API error
+        self._watch = ListWatch(
+            client.CoreV1Api(api).list_namespaced_config_map, namespace,
+            field_selector=f"metadata.name={self.name}", on_list=self._listed,
+            on_event=self._event, on_error=self._failed, watch_s=watch_s, retry_s=retry_s,
+            name="layout-watch")
 
     def __repr__(self) -> str:
         return f"ConfigMap {self.namespace}/{self.name}"
@@ -131,61 +125,34 @@ class KubeGenerationSource:
     # -- the watch -----------------------------------------------------------------------------
 
     def start(self) -> KubeGenerationSource:
-        self._thread.start()
+        self._watch.start()
         return self
 
     def stop(self) -> None:
         """Stop following (at the next event or the end of the current watch)."""
-        self._stop.set()
-        if self._watch is not None:
-            self._watch.stop()
+        self._watch.stop()
 
-    def _run(self) -> None:
-        wait = self.retry_s[0]
-        while not self._stop.is_set():
-            try:
-                self._follow()
-                log.debug("%s: the watch ended, listing again", self)
-                wait = self.retry_s[0]
-                continue
-            except client.ApiException as exc:
-                if exc.status == 410:  # the watch fell behind the server's history
-                    log.info("%s: watch expired (410), listing again", self)
-                    continue
-                log.warning("%s: API error %s %s; retrying in %.1f s", self, exc.status,
-                            exc.reason, wait)
-            except Exception as exc:  # an outage must not end the watch
-                log.warning("%s: API unreachable (%s: %s); retrying in %.1f s", self,
-                            type(exc).__name__, exc, wait)
-            self._stop.wait(wait)
-            wait = min(2 * wait, self.retry_s[1])
-
-    def _follow(self) -> None:
-        """List the ConfigMap, then watch it from that version until the watch ends."""
-        selector = f"metadata.name={self.name}"
-        listed = self.core.list_namespaced_config_map(
-            self.namespace, field_selector=selector, _request_timeout=self.watch_s
-        )
-        for item in listed.items:
+    def _listed(self, items: list[dict[str, Any]]) -> None:
+        for item in items:
             self._take(item)
-        self._watch = watch.Watch()
-        for event in self._watch.stream(
-            self.core.list_namespaced_config_map,
-            self.namespace,
-            field_selector=selector,
-            resource_version=listed.metadata.resource_version,
-            timeout_seconds=self.watch_s,
-            _request_timeout=self.watch_s + 10,
-        ):
-            if event["type"] in ("ADDED", "MODIFIED"):
-                self._take(event["object"])
-            elif event["type"] == "DELETED":
-                log.warning("%s was deleted; waiting for the next generation", self)
 
-    def _take(self, configmap: client.V1ConfigMap) -> None:
+    def _event(self, kind: str, configmap: dict[str, Any]) -> None:
+        if kind in ("ADDED", "MODIFIED"):
+            self._take(configmap)
+        elif kind == "DELETED":
+            log.warning("%s was deleted; waiting for the next generation", self)
+
+    def _failed(self, exc: Exception) -> None:
+        if isinstance(exc, client.ApiException):
+            log.warning("%s: API error %s %s; listing again", self, exc.status, exc.reason)
+        else:  # an outage must not end the watch
+            log.warning("%s: API unreachable (%s: %s); listing again", self,
+                        type(exc).__name__, exc)
+
+    def _take(self, configmap: Mapping[str, Any]) -> None:
         """Keep the ConfigMap's document if it is a valid generation newer than the last."""
-        version = configmap.metadata.resource_version
-        text = (configmap.data or {}).get(LAYOUT_KEY)
+        version = configmap["metadata"]["resourceVersion"]
+        text = (configmap.get("data") or {}).get(LAYOUT_KEY)
         try:
             if text is None:
                 raise GenerationError(LAYOUT_KEY, "missing from the ConfigMap")

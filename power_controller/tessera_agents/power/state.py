@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from tessera_agents.files import write_json_atomic
+from tessera_kube.files import write_json_atomic
 
 FORMAT = 2
 log = logging.getLogger("tessera.power-agent")
