@@ -7,7 +7,6 @@ progress report lists the nodes its agent finds silent, and the operator takes t
 from __future__ import annotations
 
 import json
-import os
 import queue
 import signal
 import subprocess
@@ -22,7 +21,7 @@ import torch.distributed as dist
 from ntp.nodeagent.heartbeat import BEAT_S, TIMEOUT_S, Settings, beat_key, watched
 from tessera_contracts.progress import NodeReport, ReportError
 from tessera_dev import probes
-from tessera_dev.processes import parent_death_signal
+from tessera_kube.lifetime import die_with_parent
 from tessera_operator import health
 
 pytestmark = pytest.mark.recovery
@@ -62,7 +61,7 @@ class Agent:
         self.proc = subprocess.Popen(
             [sys.executable, "-c", AGENT, str(port), node, ",".join(NODES)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-            preexec_fn=parent_death_signal(os.getpid()))
+            preexec_fn=die_with_parent())
         self.lines: queue.Queue[dict] = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
 

@@ -34,8 +34,8 @@ from ntp.nodeagent.main import parse_args
 from tessera_contracts.generation import Generation, Gpu, Rendezvous, next_generation
 from tessera_contracts.progress import NodeReport, Phase, State, summarize
 from tessera_dev import probes
-from tessera_dev.processes import parent_death_signal
 from tessera_dev.simnode.faults import holders, kill_holders
+from tessera_kube.lifetime import die_with_parent
 
 pytestmark = pytest.mark.parity
 
@@ -53,7 +53,7 @@ def spawn(argv: list[str], log: Path, env: dict[str, str] | None = None) -> subp
     with log.open("wb") as out:
         return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out,
                                 stderr=subprocess.STDOUT, env=os.environ | (env or {}),
-                                preexec_fn=parent_death_signal(os.getpid()))
+                                preexec_fn=die_with_parent())
 
 
 def publish(directory: Path, gen: Generation) -> None:

@@ -4,7 +4,6 @@ and the port on any other address is not served."""
 
 from __future__ import annotations
 
-import os
 import socket
 import subprocess
 import sys
@@ -15,7 +14,7 @@ import pytest
 import torch.distributed as dist
 
 from tessera_dev import probes
-from tessera_dev.processes import parent_death_signal
+from tessera_kube.lifetime import die_with_parent
 
 pytestmark = pytest.mark.hardening
 
@@ -30,7 +29,7 @@ def _rendezvous(host: str, port: int, log: Path) -> subprocess.Popen[bytes]:
         return subprocess.Popen(
             [sys.executable, "-m", "ntp.rendezvous", "--host", host, "--port", str(port)],
             stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-            preexec_fn=parent_death_signal(os.getpid()))
+            preexec_fn=die_with_parent())
 
 
 def test_two_rendezvous_share_a_port_on_two_addresses(tmp_path: Path) -> None:

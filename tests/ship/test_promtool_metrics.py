@@ -23,6 +23,7 @@ from tessera_contracts.powertarget import PowerTarget, to_object
 from tessera_contracts.rank_events import EventKind, RankEvent, StepRecord
 from tessera_dev import probes, processes
 from tessera_dev.controlplane import launcher
+from tessera_kube import lifetime
 
 pytestmark = pytest.mark.ship
 
@@ -94,7 +95,7 @@ def power_agent(tmp: Path, request: pytest.FixtureRequest) -> Iterator[str]:
                  "--interval", "0.2", "--metrics-addr", "127.0.0.1",
                  "--metrics-port", str(port)],
                 stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                preexec_fn=processes.parent_death_signal(os.getpid()))
+                preexec_fn=lifetime.die_with_parent())
         url = f"http://127.0.0.1:{port}/metrics"
         try:
             probes.poll_until(
