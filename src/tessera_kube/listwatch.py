@@ -122,6 +122,8 @@ class ListWatch:
             wait = self.retry_s[0]
             try:
                 self._follow()
+                log.debug("%s: the watch ended, watching again from resourceVersion %s",
+                          self.name, self._version)
             except Expired as exc:
                 log.info("%s: watch expired (%s), listing again", self.name, exc)
                 self._version = None

@@ -106,15 +106,17 @@ def test_the_watch_sees_each_generation_and_skips_malformed_ones(
     trainer_api, admin_api, namespace, caplog
 ):
     caplog.set_level(logging.DEBUG, logger="ntp.nodeagent.kube_source")
+    caplog.set_level(logging.DEBUG, logger="tessera_kube.listwatch")
     admin = client.CoreV1Api(admin_api)
-    # The server ends each watch after a second, so the source lists again many times here.
+    # The server ends each watch after a second, so the source watches again many times here.
     source = KubeGenerationSource(trainer_api, namespace, JOB, watch_s=1).start()
     try:
         # 1. Each generation the operator writes reaches the agent through the watch, the
-        #    second one after the source has listed again.
+        #    second one after the server ended a watch and the source resumed from where the
+        #    first left off.
         for n in (1, 2):
             if n == 2:
-                wait_logged(caplog, "listing again")
+                wait_logged(caplog, "watching again")
             published = time.monotonic()
             publish(admin, namespace, json.dumps(generation(n).to_dict()))
             assert source.wait_newer(n - 1, SEEN_WITHIN_S) == n, f"generation {n} not seen"
