@@ -138,7 +138,7 @@ def test_the_agent_goes_on_past_a_trickling_exporter_and_publishes_a_gpu_off_the
     """The agent process reads a trickling exporter, abandons each read at its bound and logs
     it; once the exporter answers, GPU 3's XID 79 reaches the node's GPUHealth as Failed."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tessera_agents.health.agent", "--node", node,
+        [sys.executable, "-m", "tessera_agents.health.main", "--node", node,
          "--kubeconfig", str(control_plane.kubeconfig), "--exporter-url", exporter.url,
          "--interval", "0.2", "--fetch-timeout", f"{FETCH_BOUND_S:g}"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

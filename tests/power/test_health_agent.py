@@ -404,7 +404,7 @@ def _health(gpus: SimBackend, node: str) -> NodeHealth:
 def test_the_agent_process_publishes_its_nodes_gpu_health(
         control_plane, admin_api: client.ApiClient, power_api, gpus: SimBackend,
         exporter: Exporter, tmp_path: Path) -> None:
-    """`python -m tessera_agents.health.agent` under a token bound to its node, as the
+    """`python -m tessera_agents.health.main` under a token bound to its node, as the
     DaemonSet runs it, from its exporter to the API server; SIGTERM ends it cleanly."""
     node = exporter.hostname = _node()
     kubeconfig = tmp_path / "agent.kubeconfig"
@@ -413,7 +413,7 @@ def test_the_agent_process_publishes_its_nodes_gpu_health(
     port = processes.free_ports(1)[0]
     own = f"http://127.0.0.1:{port}"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tessera_agents.health.agent", "--kubeconfig", str(kubeconfig),
+        [sys.executable, "-m", "tessera_agents.health.main", "--kubeconfig", str(kubeconfig),
          "--exporter-url", exporter.url, "--interval", "0.2", "--metrics-addr", "127.0.0.1",
          "--metrics-port", str(port)],
         env={**os.environ, "NODE_NAME": node, "PYTHONUNBUFFERED": "1"},
