@@ -474,6 +474,46 @@ def test_restart_during_an_outage_holds_the_last_limits_until_it_can_tell(
     assert sim.limits_mw() == [500 * W] * 4 and not successor.recovering  # settled in the share
 
 
+@pytest.mark.hardening
+@pytest.mark.parametrize(("boot", "survivors_w"), [
+    # the same boot: GPU 3 counted at its recorded 200 W, the survivors back at 600 W
+    (None, 600),
+    # a record from an earlier boot: indices may name other GPUs, and the driver put every GPU
+    # at its default since; GPU 3 counts at the 700 W maximum and the survivors share the rest
+    ("an-earlier-boot", 433),
+])
+def test_a_restart_with_a_gpu_off_the_bus_counts_it_at_its_recorded_limit(
+    tmp_path: Path, boot: str | None, survivors_w: int
+) -> None:
+    """GPU 3 cordoned at 200 W, the others boosted to 600 W on a 2,000 W share, then GPU 3 falls
+    off the bus (XID 79) and the agent restarts (SIGTERM's settling, then a new process whose
+    NVML cannot read GPU 3's UUID): the successor counts GPU 3 by its index at the limit its
+    predecessor recorded, not at the device's maximum, so the survivors get their boost back and
+    the share still holds with GPU 3 where it really is."""
+    gpus, record = tmp_path / "gpus.json", tmp_path / "state.json"
+    sim = SimBackend(4, "node-a", state_path=gpus)
+    source = Source(to_object(make_target(budget_w=2000, base_w=500,
+                                          gpu_w={0: 600, 1: 600, 2: 600, 3: 200})))
+    first = Agent("node-a", sim, source, ManagedGpus(record), 50 * W)
+    _run(first, 3)
+    assert sim.limits_mw() == [600 * W] * 3 + [200 * W]
+    sim.fail(3, xid=79)
+    first.step()
+    assert first.leave() == [sim.gpus()[3].uuid]  # settled at the base cap but GPU 3
+    assert sim.limits_mw() == [500 * W] * 3 + [200 * W]
+    if boot is not None:
+        record.write_text(record.read_text().replace(ManagedGpus.load(record).boot, boot))
+
+    restarted = SimBackend(state_path=gpus)
+    assert restarted.gpus()[3].uuid is None  # NVML cannot name a lost GPU to a new process
+    successor = Agent("node-a", restarted, source, ManagedGpus.load(record), 50 * W)
+    successor.recover(wait_s=0)
+    _run(successor, 3)
+    assert sim.limits_mw() == [survivors_w * W] * 3 + [200 * W]
+    assert sum(sim.limits_mw()) <= 2000 * W
+    assert source.reports[-1]["state"] == "Applied"
+
+
 def test_unreadable_record_without_a_target_restores_every_gpu(tmp_path: Path, caplog) -> None:
     sim, record = _left_boosted(tmp_path)
     record.write_text("{not json")

@@ -269,9 +269,12 @@ class Agent:
         views = []
         for index, r in readings.items():
             if r is None:
-                # Unknown is counted at its last limit, or the node's largest maximum: we cannot
-                # show it draws less, and the budget must hold whatever it does.
-                views.append(DeviceView(index, 0, 0, self._known_mw.get(index, worst), False))
+                # Unknown is counted at its last limit (seen by this agent, else recorded for
+                # its index by a predecessor), or the node's largest maximum: we cannot show it
+                # draws less, and the budget must hold whatever it does.
+                recorded = self.managed.lost_limit(index)
+                last = self._known_mw.get(index, worst if recorded is None else recorded)
+                views.append(DeviceView(index, 0, 0, last, False))
             else:
                 views.append(DeviceView(index, r.min_mw, r.max_mw, r.limit_mw))
         return views
@@ -290,7 +293,7 @@ class Agent:
             assert gpu is not None  # the policy only changes GPUs it could read
             try:
                 # Write-ahead: a GPU that cannot be recorded is not changed.
-                self.managed.record(gpu.uuid, milliwatts)
+                self.managed.record(gpu.uuid, milliwatts, index)
                 self.backend.set_limit(index, milliwatts)
                 taken = True
             except (PowerError, OSError) as err:
@@ -308,7 +311,7 @@ class Agent:
             self._known_mw[index] = held[index] = after.limit_mw
             if taken:
                 try:
-                    self.managed.record(gpu.uuid, after.limit_mw)
+                    self.managed.record(gpu.uuid, after.limit_mw, index)
                 except OSError as err:  # the GPU is set; the record keeps the value asked for
                     self._error("state file", err)
         return held
@@ -464,7 +467,7 @@ class Agent:
             assert gpu is not None  # the policy only changes GPUs it could read
             held[index] = gpu.limit_mw
             try:
-                self.managed.record(gpu.uuid, milliwatts)
+                self.managed.record(gpu.uuid, milliwatts, index)
             except OSError as err:  # a GPU that cannot be recorded is not changed
                 self._error("state file", err)
                 continue
