@@ -6,6 +6,7 @@ running leaving nothing stuck."""
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 import time
 import uuid
@@ -32,7 +33,7 @@ from kubernetes import client
 
 from tessera_contracts.api import GROUP, JOB_PLURAL, POWER_TARGET_PLURAL, VERSION
 from tessera_dev import install, probes
-from tessera_dev.controlplane import launcher
+from tessera_dev.controlplane import crds, launcher
 from tessera_operator import leader
 
 pytestmark = pytest.mark.ship
@@ -295,15 +296,29 @@ def test_what_the_chart_does_not_build_as_kustomize_fails_in_one_line(chart_copy
     assert message in done.stderr.splitlines()[0], done.stderr
 
 
+def readme_install() -> list[str]:
+    """The chart README's command for the local cluster, its arguments after `helm`, into OTHER."""
+    text = (CHART / "README.md").read_text().replace("\\\n", " ")
+    line = next(line for line in text.splitlines()
+                if line.lstrip().startswith("helm install") and "values-local.yaml" in line)
+    argv = shlex.split(line, comments=True)
+    assert argv[:4] == ["helm", "install", "tessera", "charts/tessera"], argv
+    flags = [str(ROOT / a) if a.startswith("charts/") else a for a in argv[4:]]
+    flags[flags.index("-n") + 1] = OTHER
+    return ["install", "tessera", str(CHART), *flags]
+
+
 @pytest.fixture(scope="module")
 def plane() -> Iterator[launcher.ControlPlane]:
-    """A local cluster of its own with the chart installed by `helm install` (the local values)
-    into OTHER, as a user installs it; each test starts from that release."""
+    """A local cluster of its own with the CRDs as `tessera-dev up` leaves them, and the chart
+    installed on it by the README's `helm install` for the local cluster, into OTHER, as a user
+    installs it; each test starts from that release."""
     helm_binary()
     with local_cluster() as (plane, _):
+        with plane.api_client() as api:
+            crds.apply(api, crds.load())  # what `tessera-dev up` does before its nodes start
         started = time.monotonic()
-        helm(plane, "install", "tessera", str(CHART), "-f", str(LOCAL_VALUES),
-             "--create-namespace", "--wait", "--timeout", "5m")
+        helm(plane, *readme_install(), "--wait", "--timeout", "5m")
         print(f"helm install --wait: {time.monotonic() - started:.0f} s")
         yield plane
 
