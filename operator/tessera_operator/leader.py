@@ -26,9 +26,10 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 from urllib3.exceptions import HTTPError
 
+from tessera_contracts.api import OPERATOR_NAME
 from tessera_operator import metrics
 
-LEASE_NAME = "tessera-operator"
+LEASE_NAME = OPERATOR_NAME
 log = logging.getLogger(__name__)
 
 

@@ -149,13 +149,15 @@ def test_an_invalid_then_deleted_target_settles_at_base_inside_the_last_share(
     source.obj["spec"]["gpus"][0]["watts"] = "650"
     source.obj["metadata"]["generation"] = 4
     agent.step()
-    assert sim.limits_mw() == [450 * W, 300 * W, 450 * W, 450 * W]  # cut at once, raise ramped
+    # cut and raised at once: the settled level is inside the share, with no job left to draw it
+    assert sim.limits_mw() == [450 * W] * 4
     assert source.reports[-1]["state"] == "Settled"
     assert "watts must be an integer" in source.reports[-1]["message"]
     assert source.reports[-1]["appliedGeneration"] is None
     source.obj = None  # deleted
-    _run(agent, 5)
-    assert sim.limits_mw() == [450 * W] * 4
+    agent.step()
+    assert sim.limits_mw() == [450 * W] * 4 and agent.status.settled
+    assert _metrics(agent)[("tessera_power_agent_settled", None)] == 1
 
 
 def test_settling_fits_the_share_when_base_caps_do_not(tmp_path: Path) -> None:

@@ -18,6 +18,7 @@ import pytest
 import yaml
 from installharness import (
     CHART,
+    GPUS,
     HANG_S,
     NODES,
     ROOT,
@@ -31,9 +32,12 @@ from installharness import (
 )
 from kubernetes import client
 
+from tessera_agents.power.sim_backend import SimBackend
+from tessera_cli import cordon
 from tessera_contracts.api import GROUP, JOB_PLURAL, POWER_TARGET_PLURAL, VERSION
 from tessera_dev import install, probes
 from tessera_dev.controlplane import crds, launcher
+from tessera_dev.simnode import faults
 from tessera_operator import leader
 
 pytestmark = pytest.mark.ship
@@ -376,18 +380,34 @@ def test_upgrade_with_a_changed_value_rolls_the_operator(plane):
                                                                  "memory": "200Mi"}
 
 
+def limits_w(plane: launcher.ControlPlane, node: str) -> list[int]:
+    """The power limits of the simulated node's GPUs, in watts, as the hardware holds them."""
+    gpus = SimBackend(state_path=faults.node_dir(plane.data_dir, node) / faults.GPU_STATE)
+    return [mw // 1000 for mw in gpus.limits_mw()]
+
+
+@pytest.mark.hardening
 def test_uninstall_with_a_job_training_leaves_nothing_stuck(plane):
+    """The job's GPU 1 of gpu-node-1 cordoned, held at its 200 W minimum: `helm uninstall` with
+    the job training leaves every GPU of the job's nodes at the 500 W base cap, nothing of
+    Tessera in its namespace (its Lease included), and the kept CRDs deletable."""
     with plane.api_client() as api:
         install.wait(api, NODES, timeout=HANG_S, namespace=OTHER)
         namespace = f"j-{uuid.uuid4().hex[:8]}"
         new_namespace(api, namespace)
-        create_job(api, namespace, tiny_job("tiny"))
+        job = tiny_job("tiny")
+        base_w = job["spec"]["powerPolicy"]["baseCapWatts"]
+        create_job(api, namespace, job)
         # the operator's pods, layout and progress writes pass the policies of an install in
         # OTHER: steps follow
         probes.poll_until(lambda: job_status(api, namespace, "tiny"),
                           lambda status: (status.get("step") or 0) >= 2, timeout=HANG_S,
                           interval=1.0, error=lambda last: AssertionError(
                               f"the job trained no steps with Tessera in {OTHER}: {last}"))
+        cordon.edit(api, "gpu-node-1", 1, cordon=True)
+        probes.poll_until(lambda: limits_w(plane, "gpu-node-1"), lambda w: w[1] == 200,
+                          timeout=HANG_S, interval=0.5, error=lambda w: AssertionError(
+                              f"the cordoned GPU is not at its minimum: {w}"))
 
         started = time.monotonic()
         done = helm(plane, "uninstall", "tessera", "--wait", "--timeout", "5m", check=False)
@@ -405,6 +425,15 @@ def test_uninstall_with_a_job_training_leaves_nothing_stuck(plane):
             probes.poll_until(lambda where=where: core.list_namespaced_pod(where).items,
                               lambda left: not left, timeout=HANG_S, error=lambda left: (
                                   AssertionError(f"pods left: {[p.metadata.name for p in left]}")))
+        # the power agents gone, every GPU of the job's nodes stays at the base cap: the
+        # cordoned one was raised from its minimum, the boosted one cut
+        after = {node: limits_w(plane, node) for node in ("gpu-node-0", "gpu-node-1")}
+        print(f"GPU limits after the uninstall: {after}")
+        assert after == {node: [base_w] * GPUS for node in after}, after
+        # the operator's leader deleted its Lease as it stopped
+        with pytest.raises(client.ApiException) as lease:
+            client.CoordinationV1Api(api).read_namespaced_lease(leader.LEASE_NAME, OTHER)
+        assert lease.value.status == 404
         # Helm keeps the namespace (its release record lives there): nothing of Tessera in it,
         # and deleting it completes
         assert run(["kubectl", "get", "-n", OTHER, "-o", "name",
