@@ -495,7 +495,7 @@ def test_the_agent_finds_its_exporter_in_the_services_endpointslices(
             assert exporter.url == "http://10.8.1.5:9400/metrics"
         args.node = "node-c"
         with pytest.raises(health_agent.FetchError, match="no endpoint .* on node node-c") as err:
-            health_agent._exporter(args, agent_api).fetch()
+            health_main._exporter(args, agent_api).fetch()
         assert err.value.reason == "discovery"
     finally:
         core.delete_namespace(namespace)
