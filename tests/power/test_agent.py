@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tessera_agents.power.agent import Agent
+from tessera_agents.power.devices import GpuLost, NoPermission
 from tessera_agents.power.main import _parser, main, sim_backend
 from tessera_agents.power.metrics import AgentCollector
 from tessera_agents.power.nvml_backend import NvmlBackend
@@ -99,6 +100,48 @@ def test_lost_gpu_is_counted_at_its_last_known_limit(tmp_path: Path) -> None:
     assert sim.limits_mw()[3] == 500 * W
     assert sum(sim.limits_mw()) <= 2000 * W and sim.limits_mw()[:3] == [500 * W] * 3
     assert agent.status.gpus[3].limit_mw is None and agent.status.errors["GpuLost"] >= 1
+
+
+class LostInItsCut:
+    """The simulated GPUs, GPU `index` refusing its cut and then not answering (it fell off the
+    bus in the call): the agent cannot read back the limit it holds."""
+
+    def __init__(self, sim: SimBackend, index: int) -> None:
+        self.sim, self.index, self.refused = sim, index, False
+
+    def gpus(self):
+        return self.sim.gpus()
+
+    def read(self, index: int):
+        if index == self.index and self.refused:
+            raise GpuLost(f"GPU {index}: lost", index)
+        return self.sim.read(index)
+
+    def set_limit(self, index: int, milliwatts: int) -> None:
+        if index == self.index:
+            self.refused = True
+            raise NoPermission(f"GPU {index}: refused", index)
+        self.sim.set_limit(index, milliwatts)
+
+    def restore_default(self, uuid: str) -> int:
+        return self.sim.restore_default(uuid)
+
+    def close(self) -> None:
+        self.sim.close()
+
+
+@pytest.mark.hardening
+def test_a_refused_cut_that_cannot_be_read_back_counts_at_the_old_limit(tmp_path: Path) -> None:
+    """GPU 0 at its 700 W default refuses its cut to 500 W and cannot be read back: it counts
+    at the higher of its old and asked limits, 700 W, and the others are cut deeper in the same
+    step, so the node holds its 2,000 W budget with GPU 0 where it really is."""
+    sim = SimBackend(4, "node-a")
+    source = Source(to_object(make_target(budget_w=2000, base_w=500)))
+    agent = Agent("node-a", LostInItsCut(sim, 0), source, ManagedGpus(tmp_path / "state.json"),
+                  50 * W)
+    agent.step()
+    assert sim.limits_mw() == [700 * W, 433 * W, 433 * W, 433 * W]
+    assert sum(sim.limits_mw()) <= 2000 * W
 
 
 @pytest.mark.parametrize("fault", ["not_supported", "invalid_argument"])
