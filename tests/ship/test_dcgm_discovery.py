@@ -159,28 +159,23 @@ def test_no_usable_endpoint_is_one_clear_reason(slices: list[dict[str, Any]], wh
         discovery.exporter_url(slices, node="b", port="9400")
 
 
-def test_the_exporter_pod_on_its_node_is_chosen_from_pods() -> None:
-    def pod(name: str, node: str, ip: str, ready: bool) -> dict[str, Any]:
-        return {"metadata": {"name": name},
-                "spec": {"nodeName": node, "containers": [{"ports": [
-                    {"name": "metrics", "containerPort": 9400, "protocol": "TCP"}]}]},
-                "status": {"podIP": ip, "conditions": [
-                    {"type": "Ready", "status": "True" if ready else "False"}]}}
-    pods = [pod("e-1", "a", "127.1.0.2", True), pod("e-2", "b", "127.1.1.2", True)]
-    for port in ("metrics", "9400"):
-        assert discovery.exporter_url_from_pods(pods, node="b", port=port, selector="app=x") \
-            == "http://127.1.1.2:9400/metrics"
-    with pytest.raises(discovery.NotFound, match="not ready"):
-        discovery.exporter_url_from_pods([pod("e-2", "b", "127.1.1.2", False)], node="b",
-                                         port="9400", selector="app=x")
-
-
 def _exporter_pod(name: str, node: str, ip: str, ready: bool) -> dict[str, Any]:
     return {"metadata": {"name": name},
             "spec": {"nodeName": node, "containers": [{"ports": [
                 {"name": "metrics", "containerPort": 9400, "protocol": "TCP"}]}]},
             "status": {"podIP": ip, "conditions": [
                 {"type": "Ready", "status": "True" if ready else "False"}]}}
+
+
+def test_the_exporter_pod_on_its_node_is_chosen_from_pods() -> None:
+    pods = [_exporter_pod("e-1", "a", "127.1.0.2", True),
+            _exporter_pod("e-2", "b", "127.1.1.2", True)]
+    for port in ("metrics", "9400"):
+        assert discovery.exporter_url_from_pods(pods, node="b", port=port, selector="app=x") \
+            == "http://127.1.1.2:9400/metrics"
+    with pytest.raises(discovery.NotFound, match="not ready"):
+        discovery.exporter_url_from_pods([_exporter_pod("e-2", "b", "127.1.1.2", False)],
+                                         node="b", port="9400", selector="app=x")
 
 
 @pytest.mark.hardening
