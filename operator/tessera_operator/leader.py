@@ -5,8 +5,9 @@ expire, and renews it every `retry_s`. The others read it every `retry_s` and co
 from when they saw it change on their own clock (never from the holder's timestamps, so clock
 skew between nodes cannot shorten it). A leader that cannot renew for `renew_deadline_s` stops
 leading before the Lease can expire (`lease_s` later than its last renewal), so two replicas
-never reconcile at once; one that stops cleanly releases the Lease (no holder), so a standby
-takes it on its next read instead of after the expiry.
+never reconcile at once; one that stops cleanly releases the Lease by deleting it, so a standby
+takes it (creating it anew) on its next read instead of after the expiry, and an uninstall, whose
+replicas all stop, leaves no Lease behind.
 """
 
 from __future__ import annotations
@@ -25,9 +26,10 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 from urllib3.exceptions import HTTPError
 
+from tessera_contracts.api import OPERATOR_NAME
 from tessera_operator import metrics
 
-LEASE_NAME = "tessera-operator"
+LEASE_NAME = OPERATOR_NAME
 log = logging.getLogger(__name__)
 
 
@@ -106,8 +108,8 @@ class Elector:
         self._renewer.start()
 
     def release(self) -> None:
-        """Stop renewing and, if leading, give the Lease up (no holder) so a standby takes it
-        on its next read."""
+        """Stop renewing and, if leading, give the Lease up by deleting it (only the version read
+        here, still held by this replica), so a standby takes it on its next read."""
         self._stop.set()
         if self._renewer is not None:
             self._renewer.join()
@@ -119,11 +121,11 @@ class Elector:
             lease = self._read()
             if lease is None or lease["spec"].get("holderIdentity") != self.identity:
                 return
-            now = _micro_time()
-            lease["spec"] |= {"holderIdentity": None, "leaseDurationSeconds": 1,
-                              "acquireTime": now, "renewTime": now}
-            self._leases.replace_namespaced_lease(self.name, self.namespace, lease,
-                                                  _request_timeout=self.timing.renew_deadline_s)
+            meta = lease["metadata"]
+            self._leases.delete_namespaced_lease(
+                self.name, self.namespace, _request_timeout=self.timing.renew_deadline_s,
+                body=client.V1DeleteOptions(preconditions=client.V1Preconditions(
+                    resource_version=meta["resourceVersion"], uid=meta["uid"])))
             log.info(f"released Lease {self.namespace}/{self.name}")
         except (ApiException, HTTPError) as exc:
             metrics.api_error(exc)

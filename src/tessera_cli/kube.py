@@ -75,11 +75,24 @@ def request(api: ApiClient, method: str, path: str, body: Any = None,
             content_type: str | None = None) -> dict[str, Any]:
     """The JSON object the API server answers `method path` with; ApiError for an error status,
     KubeError when it cannot be reached."""
+    document = _json(_call(api, method, path, body, content_type, "application/json"))
+    if not isinstance(document, dict):
+        raise KubeError(f"API server answered {method} {path} with no JSON object")
+    return document
+
+
+def get_text(api: ApiClient, path: str) -> str:
+    """The text the API server answers `GET path` with (a pod's page through its proxy);
+    ApiError for an error status, KubeError when it cannot be reached."""
+    return _call(api, "GET", path, None, None, "text/plain, */*").decode(errors="replace")
+
+
+def _call(api: ApiClient, method: str, path: str, body: Any, content_type: str | None,
+          accept: str) -> bytes:
     from kubernetes.client.exceptions import ApiException
     from urllib3.exceptions import HTTPError
 
-    headers = {"Accept": "application/json"} | (
-        {} if content_type is None else {"Content-Type": content_type})
+    headers = {"Accept": accept} | ({} if content_type is None else {"Content-Type": content_type})
     serialized = api.param_serialize(method=method, resource_path=path, header_params=headers,
                                      body=body, auth_settings=["BearerToken"])
     try:
@@ -90,13 +103,15 @@ def request(api: ApiClient, method: str, path: str, body: Any = None,
     except HTTPError as exc:
         reason = getattr(exc, "reason", None) or exc
         raise KubeError(f"API server {api.configuration.host} unreachable: {reason}") from exc
-    try:
-        document = json.loads(response.data)
-    except ValueError:
-        document = None
     if not 200 <= response.status <= 299:
+        document = _json(response.data)
         message = document.get("message") if isinstance(document, dict) else None
         raise ApiError(response.status, message or str(response.reason))
-    if not isinstance(document, dict):
-        raise KubeError(f"API server answered {method} {path} with no JSON object")
-    return document
+    return response.data
+
+
+def _json(data: bytes) -> Any:
+    try:
+        return json.loads(data)
+    except ValueError:
+        return None

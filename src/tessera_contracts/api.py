@@ -34,6 +34,10 @@ JOB_MANAGER = f"{GROUP}/operator"
 # on a Node: the indices of its GPUs that a person took out of service (`tessera cordon-gpu`)
 CORDON_ANNOTATION = f"{GROUP}/cordoned-gpus"
 
+# the operator's Deployment in the install's namespace, its pods' app.kubernetes.io/name, and
+# the Lease its replicas elect a leader on
+OPERATOR_NAME = "tessera-operator"
+
 # server-side apply field managers, one per writer, so each owns only its own fields
 OPERATOR_MANAGER = "tessera-operator"
 HEALTH_AGENT_MANAGER = "tessera-health-agent"

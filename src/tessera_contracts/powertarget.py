@@ -25,6 +25,12 @@ MAX_GPUS_PER_NODE = 64
 _NAME_MAX = 253
 OPTIONAL_FIELDS = ("rampStepWatts",)
 FLOOR_W = 1  # a base cap below any GPU's range: the agent clamps it up to each GPU's minimum
+# What a node's power agent serves on its metrics endpoint (container port `metrics`) that another
+# process reads: `tessera uninstall` waits for the settled gauge of every node a job used, and
+# names the GPUs that are not at their target.
+SETTLED_METRIC = "tessera_power_agent_settled"
+LIMIT_METRIC = "tessera_gpu_power_limit_watts"
+TARGET_METRIC = "tessera_gpu_power_target_watts"
 
 
 class InvalidTarget(ValueError):

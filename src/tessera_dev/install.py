@@ -61,12 +61,12 @@ def wait(api: client.ApiClient, nodes: int, timeout: float = INSTALL_TIMEOUT_S,
 
 
 def _leader(api: client.ApiClient, namespace: str) -> tuple[str, str | None] | None:
-    """(pod, node) of the operator replica holding the Lease; None while nobody does (or its
-    holder's pod is gone)."""
-    lease = client.CoordinationV1Api(api).read_namespaced_lease(LEASE_NAME, namespace)
-    if not (holder := lease.spec.holder_identity):
-        return None
+    """(pod, node) of the operator replica holding the Lease; None while nobody does (no Lease:
+    a leader that stops deletes it; or its holder's pod is gone)."""
     try:
+        lease = client.CoordinationV1Api(api).read_namespaced_lease(LEASE_NAME, namespace)
+        if not (holder := lease.spec.holder_identity):
+            return None
         pod = client.CoreV1Api(api).read_namespaced_pod(holder, namespace)
     except client.ApiException as exc:
         if exc.status == 404:

@@ -293,7 +293,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
 def load_pauses(path: Path, cfg: SimConfig) -> pauses.ScaledPauses:
     """The pauses file scaled to `cfg`'s job; ValueError naming the file and the JSON path."""
     try:
-        return pauses.scale(pauses.parse(json.loads(path.read_text())), cfg)
+        return pauses.scale(pauses.parse(pauses.decode(path.read_text())), cfg)
     except OSError as exc:
         raise ValueError(f"--pauses {path}: cannot read: {exc.strerror}") from exc
     except UnicodeDecodeError as exc:

@@ -1,11 +1,13 @@
-"""Measured pauses: a recovery bench's `tessera.recovery/v1` file, validated, and scaled from the
-bench's small job to the simulated one (README "Measured pauses" states the model and why).
+"""Measured pauses: a recovery bench's `tessera.recovery/v1` file, decoded, validated, and scaled
+from the bench's small job to the simulated one (README "Measured pauses" states the model and
+why).
 
-Pure: the command reads the file and hands the decoded JSON here; nothing here does I/O.
+Pure: the command reads the file and hands its text here; nothing here does I/O.
 """
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
@@ -36,6 +38,11 @@ MAX_PAUSE_S = 86_400 * MAX_DAYS
 
 _JOB_INTS = ("gpus", "nodes", "gpus_per_node", "tp", "pp", "dp", "parameters")
 _FAULT_KEYS = {"kind", "detection_s", "pause_s", "steps_redone", "checkpoint_load_s"}
+# A pauses file nests five levels deep (policies, a policy, its faults, a fault); far deeper is
+# no pauses file, and Python's JSON reader would run out of stack on it.
+MAX_DEPTH = 16
+# A value shown in an error is cut to this many characters: the error stays one readable line.
+SHOWN = 40
 
 
 class PausesError(ValueError):
@@ -44,6 +51,76 @@ class PausesError(ValueError):
     def __init__(self, path: str, message: str) -> None:
         super().__init__(f"{path}: {message}" if path else message)
         self.path = path
+
+
+@dataclass(frozen=True)
+class LongInteger:
+    """An integer literal with more digits than Python converts (4,300 by default): kept as
+    such, so that the validation refuses it at its JSON path."""
+
+    digits: int
+
+    def __repr__(self) -> str:
+        return f"an integer of {self.digits} digits"
+
+
+def decode(text: str) -> Any:
+    """The JSON document in `text`: json.JSONDecodeError when it is not JSON, PausesError (at the
+    JSON path where it happens) when it nests deeper than MAX_DEPTH."""
+    _check_depth(text)
+    return json.loads(text, parse_int=_integer_literal)
+
+
+def _integer_literal(digits: str) -> int | LongInteger:
+    try:
+        return int(digits)
+    except ValueError:  # past the interpreter's limit on the digits it converts
+        return LongInteger(len(digits.lstrip("-")))
+
+
+def _check_depth(text: str) -> None:
+    """PausesError naming the JSON path of the first array or object opened MAX_DEPTH levels
+    deep; text that is not JSON passes (the decoder says what is wrong with it)."""
+    stack: list[list[Any]] = []  # per open container: [kind, key or index, expecting a key]
+    start, i = -1, 0
+    while i < len(text):
+        char = text[i]
+        if start >= 0:  # in a string
+            if char == "\\":
+                i += 1
+            elif char == '"':
+                if stack and stack[-1][0] == "{" and stack[-1][2]:
+                    stack[-1][1] = text[start + 1:i]  # a key, as written
+                start = -1
+        elif char == '"':
+            start = i
+        elif char in "{[":
+            if len(stack) >= MAX_DEPTH:
+                raise PausesError(_path(stack), f"nested deeper than {MAX_DEPTH} levels")
+            stack.append([char, None if char == "{" else 0, char == "{"])
+        elif char in "}]":
+            if stack:
+                stack.pop()
+        elif char == ":" and stack:
+            stack[-1][2] = False
+        elif char == "," and stack:
+            if stack[-1][0] == "[":
+                stack[-1][1] += 1
+            else:
+                stack[-1][2] = True
+        i += 1
+
+
+def _path(stack: list[list[Any]]) -> str:
+    path = ""
+    for kind, at, _ in stack:
+        path += f"[{at}]" if kind == "[" else f".{at}" if path else str(at)
+    return path
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= SHOWN else text[:SHOWN - 3] + "..."
 
 
 @dataclass(frozen=True)
@@ -160,9 +237,11 @@ def parse(doc: Any) -> MeasuredPauses:
     if not isinstance(doc, dict):
         raise PausesError("", "must be a JSON object")
     if doc.get("format") != FORMAT:
-        raise PausesError("format", f"must be {FORMAT!r}, got {doc.get('format')!r}")
+        raise PausesError("format", f"must be {FORMAT!r}, got {_shown(doc.get('format'))}")
     job = _parse_job(_object(doc, "job"))
     policies = _object(doc, "policies")
+    if not policies:
+        raise PausesError("policies", "is empty: a pauses file measures at least one policy")
     parsed = {}
     for name, entry in policies.items():
         path = f"policies.{name}"
@@ -302,14 +381,15 @@ def _number(entry: dict[str, Any], key: str, path: str, *, positive: bool = Fals
     ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
     if not ok or value < 0 or (positive and value == 0):
         bound = "> 0" if positive else ">= 0"
-        raise PausesError(f"{path}.{key}", f"must be a number {bound}, got {value!r}")
+        raise PausesError(f"{path}.{key}", f"must be a number {bound}, got {_shown(value)}")
     return float(value)
 
 
 def _integer(entry: dict[str, Any], key: str, path: str, *, minimum: int) -> int:
     value = _present(entry, key, path)
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise PausesError(f"{path}.{key}", f"must be an integer >= {minimum}, got {value!r}")
+        raise PausesError(f"{path}.{key}",
+                          f"must be an integer >= {minimum}, got {_shown(value)}")
     return value
 
 
@@ -342,7 +422,7 @@ def _parse_fault(entry: Any, path: str) -> MeasuredFault:
     kinds = (*FAILURE_KINDS, *REPAIR_KINDS)
     if entry.get("kind") not in kinds:
         raise PausesError(f"{path}.kind", f"must be one of {', '.join(kinds)}, got "
-                          f"{entry.get('kind')!r}")  # fmt: skip
+                          f"{_shown(entry.get('kind'))}")  # fmt: skip
     if "detection_s" not in entry:
         raise PausesError(f"{path}.detection_s", "is missing (null when not detected in-job)")
     detection = None if entry["detection_s"] is None else _number(entry, "detection_s", path)

@@ -186,6 +186,31 @@ def test_a_live_reconfiguration_at_a_step_boundary_loses_nothing() -> None:
     assert account.tp_degrees == {0: 7, 1: 8}
 
 
+@pytest.mark.hardening
+def test_joined_with_a_step_in_flight_keeps_that_steps_time_with_the_step() -> None:
+    """Step 1 done in 1 s, then 0.5 s into the next step (a scrape has just read the ledger, so
+    that half second is accounted, in flight) the trainer learns it goes on after step 5 (its
+    ranks joined there): the time in flight belongs to step 6, which completes 0.5 s later.
+    Rolling back to step 5 (the join point) undoes step 6 whole: its 1 s moves to lost progress,
+    and only step 1's second stays productive."""
+    clock = Clock()
+    ledger = Ledger(clock)
+    ledger.enter(Phase.TRAINING)
+    clock.advance(1)
+    ledger.step_done(1, samples=1, tokens=1)
+    clock.advance(0.5)
+    assert ledger.account().productive == Fraction("1.5")  # the scrape
+    ledger.joined(5)
+    clock.advance(0.5)
+    ledger.step_done(6, samples=1, tokens=1)
+    assert ledger.account().productive == 2
+    ledger.rollback(5)
+    account = ledger.account()
+    assert (account.productive, account.badput["lost_progress"]) == (1, 1)
+    assert (account.step, account.steps_counted, account.steps_lost) == (5, 1, 1)
+    assert total(account) == account.wall == 2
+
+
 def test_bad_events_are_refused_with_the_reason() -> None:
     clock = Clock()
     ledger = Ledger(clock, step=100)

@@ -274,8 +274,10 @@ def test_a_trainer_pod_writes_only_its_own_nodes_report(
     admin_api: client.ApiClient, namespace: str,
 ) -> None:
     """The issue's forgery: the pod on node 0 writing node 1's report, or both as Finished, is
-    refused by name; its own report goes in; the operator still writes the ConfigMap whole; a
-    token of the trainer identity bound to no pod writes nothing."""
+    refused by name, and so are deleting node 1's report (a null in a merge patch) and making the
+    ConfigMap immutable (no node's report could be written for the rest of the attempt); its own
+    report goes in; the operator still writes the ConfigMap whole; a token of the trainer
+    identity bound to no pod writes nothing."""
     name = "forged"
     job = _job(admin_api, namespace, name)
     nodes = simnodes.register(admin_api, [f"prog-{uuid.uuid4().hex[:6]}-{i}" for i in (0, 1)],
@@ -311,9 +313,20 @@ def test_a_trainer_pod_writes_only_its_own_nodes_report(
         _forbidden(lambda: client.CoreV1Api(pod_api).patch_namespaced_config_map(
             progress_configmap(name), namespace,
             {"metadata": {"labels": {"tessera.dev/attempt": "9"}}}))
+
+        def merge(patch: dict[str, Any]) -> object:
+            return client.CoreV1Api(pod_api).patch_namespaced_config_map(
+                progress_configmap(name), namespace, patch,
+                _content_type="application/merge-patch+json")
+
+        deleted = _forbidden(lambda: merge({"data": {other: None}}))
+        assert f"may write only its own report, key {own}" in deleted, deleted
+        frozen = _forbidden(lambda: merge({"immutable": True, "data": {own: _report(nodes[0], 4)}}))
+        assert "changes nothing of a job's progress ConfigMap but its own" in frozen, frozen
         _write(pod_api, namespace, name, {own: _report(nodes[0], 5)})
-    data = core_admin.read_namespaced_config_map(progress_configmap(name), namespace).data
-    assert data == {own: _report(nodes[0], 5), other: _report(nodes[1], 0)}
+    progress = core_admin.read_namespaced_config_map(progress_configmap(name), namespace)
+    assert progress.data == {own: _report(nodes[0], 5), other: _report(nodes[1], 0)}
+    assert not progress.immutable
 
     with control_plane.service_account_client(namespace, workload.identity_name(name)) as unbound:
         assert "names no node" in _forbidden(

@@ -117,18 +117,25 @@ def test_a_release_on_stop_hands_over_at_once(operator_api: client.ApiClient,
         standby.close()
 
 
-def test_a_leader_that_cannot_renew_stops_before_its_lease_expires(
-        operator_api: client.ApiClient, admin_api: client.ApiClient) -> None:
-    elector = _elector(operator_api, "replica-a")
+def _leading_then_taken(elector: leader.Elector, admin_api: client.ApiClient
+                        ) -> tuple[threading.Event, float]:
+    """`elector` leads and renews, then someone else holds its Lease (an administrator's edit):
+    its renewals find it taken. The event its loss sets, and when the Lease was taken."""
     lost = threading.Event()
     assert elector.acquire(threading.Event())
     elector.keep(lost=lost.set)
     leases = client.CoordinationV1Api(admin_api)
-    # Someone else holds it now (an administrator's edit): replica-a's renewals find it taken.
     lease = leases.read_namespaced_lease(leader.LEASE_NAME, SYSTEM_NS)
     lease.spec.holder_identity = "someone-else"
     taken = time.monotonic()
     leases.replace_namespaced_lease(leader.LEASE_NAME, SYSTEM_NS, lease)
+    return lost, taken
+
+
+def test_a_leader_that_cannot_renew_stops_before_its_lease_expires(
+        operator_api: client.ApiClient, admin_api: client.ApiClient) -> None:
+    elector = _elector(operator_api, "replica-a")
+    lost, taken = _leading_then_taken(elector, admin_api)
     assert lost.wait(TIMING.lease_s), "still leading after its Lease expired"
     stopped = time.monotonic() - taken
     assert stopped <= TIMING.lease_s
@@ -136,6 +143,37 @@ def test_a_leader_that_cannot_renew_stops_before_its_lease_expires(
     assert not elector.leading
     elector.release()  # not leading: leaves someone else's Lease alone
     assert _holder(admin_api)[0] == "someone-else"
+
+
+@pytest.mark.hardening
+def test_a_leader_stops_at_its_renew_deadline_not_at_its_leases_end(
+        operator_api: client.ApiClient, admin_api: client.ApiClient) -> None:
+    """A Lease ten times the renew deadline: a leader whose renewals fail (someone else holds
+    the Lease now) stops a renew deadline after its last renewal, long before the Lease it last
+    renewed would expire (a standby may take it then, and two leaders must never overlap)."""
+    timing = leader.Timing(lease_s=30.0, renew_deadline_s=3.0, retry_s=0.5)
+    elector = leader.Elector(operator_api, SYSTEM_NS, "replica-a", timing)
+    lost, taken = _leading_then_taken(elector, admin_api)
+    # its last renewal came before `taken`: it must stop by `taken` + the renew deadline, and
+    # half the Lease's duration leaves a loaded machine 12 s of slack
+    assert lost.wait(timing.lease_s / 2), "still leading half a Lease after its renewals failed"
+    print(f"\nstopped leading {time.monotonic() - taken:.1f} s after its Lease was taken")
+    assert not elector.leading
+    elector.release()
+
+
+@pytest.mark.hardening
+def test_a_leader_that_stops_with_no_standby_leaves_no_lease(
+        operator_api: client.ApiClient, admin_api: client.ApiClient) -> None:
+    """An uninstall stops every replica: the leader's release deletes the Lease, so nothing of
+    the operator is left in its namespace."""
+    elector = _elector(operator_api, "replica-a")
+    assert elector.acquire(threading.Event())
+    elector.keep(lost=lambda: pytest.fail("replica-a lost a Lease it renews"))
+    elector.release()
+    with pytest.raises(client.ApiException) as gone:
+        client.CoordinationV1Api(admin_api).read_namespaced_lease(leader.LEASE_NAME, SYSTEM_NS)
+    assert gone.value.status == 404
 
 
 @pytest.mark.parametrize("flags, says", [

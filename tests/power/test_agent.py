@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tessera_agents.power.agent import Agent
+from tessera_agents.power.devices import GpuLost, NoPermission
 from tessera_agents.power.main import _parser, main, sim_backend
 from tessera_agents.power.metrics import AgentCollector
 from tessera_agents.power.nvml_backend import NvmlBackend
@@ -101,6 +102,48 @@ def test_lost_gpu_is_counted_at_its_last_known_limit(tmp_path: Path) -> None:
     assert agent.status.gpus[3].limit_mw is None and agent.status.errors["GpuLost"] >= 1
 
 
+class LostInItsCut:
+    """The simulated GPUs, GPU `index` refusing its cut and then not answering (it fell off the
+    bus in the call): the agent cannot read back the limit it holds."""
+
+    def __init__(self, sim: SimBackend, index: int) -> None:
+        self.sim, self.index, self.refused = sim, index, False
+
+    def gpus(self):
+        return self.sim.gpus()
+
+    def read(self, index: int):
+        if index == self.index and self.refused:
+            raise GpuLost(f"GPU {index}: lost", index)
+        return self.sim.read(index)
+
+    def set_limit(self, index: int, milliwatts: int) -> None:
+        if index == self.index:
+            self.refused = True
+            raise NoPermission(f"GPU {index}: refused", index)
+        self.sim.set_limit(index, milliwatts)
+
+    def restore_default(self, uuid: str) -> int:
+        return self.sim.restore_default(uuid)
+
+    def close(self) -> None:
+        self.sim.close()
+
+
+@pytest.mark.hardening
+def test_a_refused_cut_that_cannot_be_read_back_counts_at_the_old_limit(tmp_path: Path) -> None:
+    """GPU 0 at its 700 W default refuses its cut to 500 W and cannot be read back: it counts
+    at the higher of its old and asked limits, 700 W, and the others are cut deeper in the same
+    step, so the node holds its 2,000 W budget with GPU 0 where it really is."""
+    sim = SimBackend(4, "node-a")
+    source = Source(to_object(make_target(budget_w=2000, base_w=500)))
+    agent = Agent("node-a", LostInItsCut(sim, 0), source, ManagedGpus(tmp_path / "state.json"),
+                  50 * W)
+    agent.step()
+    assert sim.limits_mw() == [700 * W, 433 * W, 433 * W, 433 * W]
+    assert sum(sim.limits_mw()) <= 2000 * W
+
+
 @pytest.mark.parametrize("fault", ["not_supported", "invalid_argument"])
 def test_set_errors_leave_the_gpu_where_it_was(tmp_path: Path, fault: str) -> None:
     agent, sim, _ = _agent(tmp_path, budget_w=4000, base_w=500)
@@ -149,13 +192,15 @@ def test_an_invalid_then_deleted_target_settles_at_base_inside_the_last_share(
     source.obj["spec"]["gpus"][0]["watts"] = "650"
     source.obj["metadata"]["generation"] = 4
     agent.step()
-    assert sim.limits_mw() == [450 * W, 300 * W, 450 * W, 450 * W]  # cut at once, raise ramped
+    # cut and raised at once: the settled level is inside the share, with no job left to draw it
+    assert sim.limits_mw() == [450 * W] * 4
     assert source.reports[-1]["state"] == "Settled"
     assert "watts must be an integer" in source.reports[-1]["message"]
     assert source.reports[-1]["appliedGeneration"] is None
     source.obj = None  # deleted
-    _run(agent, 5)
-    assert sim.limits_mw() == [450 * W] * 4
+    agent.step()
+    assert sim.limits_mw() == [450 * W] * 4 and agent.status.settled
+    assert _metrics(agent)[("tessera_power_agent_settled", None)] == 1
 
 
 def test_settling_fits_the_share_when_base_caps_do_not(tmp_path: Path) -> None:
@@ -472,6 +517,46 @@ def test_restart_during_an_outage_holds_the_last_limits_until_it_can_tell(
     source.down, source.obj = False, None  # back, and the operator has released the node
     successor.step()
     assert sim.limits_mw() == [500 * W] * 4 and not successor.recovering  # settled in the share
+
+
+@pytest.mark.hardening
+@pytest.mark.parametrize(("boot", "survivors_w"), [
+    # the same boot: GPU 3 counted at its recorded 200 W, the survivors back at 600 W
+    (None, 600),
+    # a record from an earlier boot: indices may name other GPUs, and the driver put every GPU
+    # at its default since; GPU 3 counts at the 700 W maximum and the survivors share the rest
+    ("an-earlier-boot", 433),
+])
+def test_a_restart_with_a_gpu_off_the_bus_counts_it_at_its_recorded_limit(
+    tmp_path: Path, boot: str | None, survivors_w: int
+) -> None:
+    """GPU 3 cordoned at 200 W, the others boosted to 600 W on a 2,000 W share, then GPU 3 falls
+    off the bus (XID 79) and the agent restarts (SIGTERM's settling, then a new process whose
+    NVML cannot read GPU 3's UUID): the successor counts GPU 3 by its index at the limit its
+    predecessor recorded, not at the device's maximum, so the survivors get their boost back and
+    the share still holds with GPU 3 where it really is."""
+    gpus, record = tmp_path / "gpus.json", tmp_path / "state.json"
+    sim = SimBackend(4, "node-a", state_path=gpus)
+    source = Source(to_object(make_target(budget_w=2000, base_w=500,
+                                          gpu_w={0: 600, 1: 600, 2: 600, 3: 200})))
+    first = Agent("node-a", sim, source, ManagedGpus(record), 50 * W)
+    _run(first, 3)
+    assert sim.limits_mw() == [600 * W] * 3 + [200 * W]
+    sim.fail(3, xid=79)
+    first.step()
+    assert first.leave() == [sim.gpus()[3].uuid]  # settled at the base cap but GPU 3
+    assert sim.limits_mw() == [500 * W] * 3 + [200 * W]
+    if boot is not None:
+        record.write_text(record.read_text().replace(ManagedGpus.load(record).boot, boot))
+
+    restarted = SimBackend(state_path=gpus)
+    assert restarted.gpus()[3].uuid is None  # NVML cannot name a lost GPU to a new process
+    successor = Agent("node-a", restarted, source, ManagedGpus.load(record), 50 * W)
+    successor.recover(wait_s=0)
+    _run(successor, 3)
+    assert sim.limits_mw() == [survivors_w * W] * 3 + [200 * W]
+    assert sum(sim.limits_mw()) <= 2000 * W
+    assert source.reports[-1]["state"] == "Applied"
 
 
 def test_unreadable_record_without_a_target_restores_every_gpu(tmp_path: Path, caplog) -> None:

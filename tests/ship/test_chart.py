@@ -6,6 +6,7 @@ running leaving nothing stuck."""
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 import time
 import uuid
@@ -17,6 +18,7 @@ import pytest
 import yaml
 from installharness import (
     CHART,
+    GPUS,
     HANG_S,
     NODES,
     ROOT,
@@ -30,9 +32,12 @@ from installharness import (
 )
 from kubernetes import client
 
+from tessera_agents.power.sim_backend import SimBackend
+from tessera_cli import cordon
 from tessera_contracts.api import GROUP, JOB_PLURAL, POWER_TARGET_PLURAL, VERSION
 from tessera_dev import install, probes
-from tessera_dev.controlplane import launcher
+from tessera_dev.controlplane import crds, launcher
+from tessera_dev.simnode import faults
 from tessera_operator import leader
 
 pytestmark = pytest.mark.ship
@@ -295,15 +300,29 @@ def test_what_the_chart_does_not_build_as_kustomize_fails_in_one_line(chart_copy
     assert message in done.stderr.splitlines()[0], done.stderr
 
 
+def readme_install() -> list[str]:
+    """The chart README's command for the local cluster, its arguments after `helm`, into OTHER."""
+    text = (CHART / "README.md").read_text().replace("\\\n", " ")
+    line = next(line for line in text.splitlines()
+                if line.lstrip().startswith("helm install") and "values-local.yaml" in line)
+    argv = shlex.split(line, comments=True)
+    assert argv[:4] == ["helm", "install", "tessera", "charts/tessera"], argv
+    flags = [str(ROOT / a) if a.startswith("charts/") else a for a in argv[4:]]
+    flags[flags.index("-n") + 1] = OTHER
+    return ["install", "tessera", str(CHART), *flags]
+
+
 @pytest.fixture(scope="module")
 def plane() -> Iterator[launcher.ControlPlane]:
-    """A local cluster of its own with the chart installed by `helm install` (the local values)
-    into OTHER, as a user installs it; each test starts from that release."""
+    """A local cluster of its own with the CRDs as `tessera-dev up` leaves them, and the chart
+    installed on it by the README's `helm install` for the local cluster, into OTHER, as a user
+    installs it; each test starts from that release."""
     helm_binary()
     with local_cluster() as (plane, _):
+        with plane.api_client() as api:
+            crds.apply(api, crds.load())  # what `tessera-dev up` does before its nodes start
         started = time.monotonic()
-        helm(plane, "install", "tessera", str(CHART), "-f", str(LOCAL_VALUES),
-             "--create-namespace", "--wait", "--timeout", "5m")
+        helm(plane, *readme_install(), "--wait", "--timeout", "5m")
         print(f"helm install --wait: {time.monotonic() - started:.0f} s")
         yield plane
 
@@ -361,18 +380,34 @@ def test_upgrade_with_a_changed_value_rolls_the_operator(plane):
                                                                  "memory": "200Mi"}
 
 
+def limits_w(plane: launcher.ControlPlane, node: str) -> list[int]:
+    """The power limits of the simulated node's GPUs, in watts, as the hardware holds them."""
+    gpus = SimBackend(state_path=faults.node_dir(plane.data_dir, node) / faults.GPU_STATE)
+    return [mw // 1000 for mw in gpus.limits_mw()]
+
+
+@pytest.mark.hardening
 def test_uninstall_with_a_job_training_leaves_nothing_stuck(plane):
+    """The job's GPU 1 of gpu-node-1 cordoned, held at its 200 W minimum: `helm uninstall` with
+    the job training leaves every GPU of the job's nodes at the 500 W base cap, nothing of
+    Tessera in its namespace (its Lease included), and the kept CRDs deletable."""
     with plane.api_client() as api:
         install.wait(api, NODES, timeout=HANG_S, namespace=OTHER)
         namespace = f"j-{uuid.uuid4().hex[:8]}"
         new_namespace(api, namespace)
-        create_job(api, namespace, tiny_job("tiny"))
+        job = tiny_job("tiny")
+        base_w = job["spec"]["powerPolicy"]["baseCapWatts"]
+        create_job(api, namespace, job)
         # the operator's pods, layout and progress writes pass the policies of an install in
         # OTHER: steps follow
         probes.poll_until(lambda: job_status(api, namespace, "tiny"),
                           lambda status: (status.get("step") or 0) >= 2, timeout=HANG_S,
                           interval=1.0, error=lambda last: AssertionError(
                               f"the job trained no steps with Tessera in {OTHER}: {last}"))
+        cordon.edit(api, "gpu-node-1", 1, cordon=True)
+        probes.poll_until(lambda: limits_w(plane, "gpu-node-1"), lambda w: w[1] == 200,
+                          timeout=HANG_S, interval=0.5, error=lambda w: AssertionError(
+                              f"the cordoned GPU is not at its minimum: {w}"))
 
         started = time.monotonic()
         done = helm(plane, "uninstall", "tessera", "--wait", "--timeout", "5m", check=False)
@@ -390,6 +425,15 @@ def test_uninstall_with_a_job_training_leaves_nothing_stuck(plane):
             probes.poll_until(lambda where=where: core.list_namespaced_pod(where).items,
                               lambda left: not left, timeout=HANG_S, error=lambda left: (
                                   AssertionError(f"pods left: {[p.metadata.name for p in left]}")))
+        # the power agents gone, every GPU of the job's nodes stays at the base cap: the
+        # cordoned one was raised from its minimum, the boosted one cut
+        after = {node: limits_w(plane, node) for node in ("gpu-node-0", "gpu-node-1")}
+        print(f"GPU limits after the uninstall: {after}")
+        assert after == {node: [base_w] * GPUS for node in after}, after
+        # the operator's leader deleted its Lease as it stopped
+        with pytest.raises(client.ApiException) as lease:
+            client.CoordinationV1Api(api).read_namespaced_lease(leader.LEASE_NAME, OTHER)
+        assert lease.value.status == 404
         # Helm keeps the namespace (its release record lives there): nothing of Tessera in it,
         # and deleting it completes
         assert run(["kubectl", "get", "-n", OTHER, "-o", "name",

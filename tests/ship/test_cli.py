@@ -17,7 +17,10 @@ from pathlib import Path
 import pytest
 import yaml
 from kubernetes import client
+from prometheus_client import CollectorRegistry, generate_latest
 
+from tessera_agents.power.metrics import AgentCollector, GpuStatus, NodeStatus
+from tessera_cli import settled
 from tessera_contracts import gpuhealth, powertarget
 from tessera_contracts.api import (
     CORDON_ANNOTATION,
@@ -228,3 +231,25 @@ def test_cordon_and_uncordon_through_the_plugin_change_what_the_operator_reads(
     wrong = _kubectl("ntp", "cordon", node, "8", kubeconfig=kubeconfig)
     assert (wrong.returncode, wrong.stderr) == (
         1, f"kubectl ntp cordon: node {node} has 8 GPUs (0-7); no GPU 8\n")
+
+
+def _agent_page(status: NodeStatus) -> str:
+    registry = CollectorRegistry()
+    registry.register(AgentCollector(lambda: status))
+    return generate_latest(registry).decode()
+
+
+def test_the_uninstall_reads_whether_a_node_is_settled_from_its_power_agents_page() -> None:
+    """`tessera uninstall` waits on the page the power agent serves: its settled gauge, and, for
+    a node that is not settled, each GPU away from its target or not answering."""
+    gpus = (GpuStatus(0, "GPU-0", 400_000, 500_000, 500_000, False),
+            GpuStatus(1, "GPU-1", 200_000, 200_000, 500_000, False),
+            GpuStatus(2, "GPU-2", None, None, 500_000, False))
+    ramping = NodeStatus(node="gpu-node-1", holding=False, gpus=gpus)
+    page = settled.parse_page(_agent_page(ramping))
+    assert settled.node_left(page, "gpu-node-1") == \
+        "GPU 1 at 200 W, settling to 500 W, GPU 2 not answering"
+    assert settled.node_left(page, "gpu-node-0") == \
+        "not settled yet (its agent still acts on a target)"  # another node's page
+    done = NodeStatus(node="gpu-node-1", holding=False, gpus=gpus[:1], settled=True)
+    assert settled.node_left(settled.parse_page(_agent_page(done)), "gpu-node-1") is None

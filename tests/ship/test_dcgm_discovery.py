@@ -8,6 +8,7 @@ manifests/local as a user installs it; the cluster runs the exporter as the GPU 
 
 from __future__ import annotations
 
+import itertools
 import urllib.request
 from collections.abc import Iterator
 from typing import Any
@@ -158,20 +159,43 @@ def test_no_usable_endpoint_is_one_clear_reason(slices: list[dict[str, Any]], wh
         discovery.exporter_url(slices, node="b", port="9400")
 
 
+def _exporter_pod(name: str, node: str, ip: str, ready: bool) -> dict[str, Any]:
+    return {"metadata": {"name": name},
+            "spec": {"nodeName": node, "containers": [{"ports": [
+                {"name": "metrics", "containerPort": 9400, "protocol": "TCP"}]}]},
+            "status": {"podIP": ip, "conditions": [
+                {"type": "Ready", "status": "True" if ready else "False"}]}}
+
+
 def test_the_exporter_pod_on_its_node_is_chosen_from_pods() -> None:
-    def pod(name: str, node: str, ip: str, ready: bool) -> dict[str, Any]:
-        return {"metadata": {"name": name},
-                "spec": {"nodeName": node, "containers": [{"ports": [
-                    {"name": "metrics", "containerPort": 9400, "protocol": "TCP"}]}]},
-                "status": {"podIP": ip, "conditions": [
-                    {"type": "Ready", "status": "True" if ready else "False"}]}}
-    pods = [pod("e-1", "a", "127.1.0.2", True), pod("e-2", "b", "127.1.1.2", True)]
+    pods = [_exporter_pod("e-1", "a", "127.1.0.2", True),
+            _exporter_pod("e-2", "b", "127.1.1.2", True)]
     for port in ("metrics", "9400"):
         assert discovery.exporter_url_from_pods(pods, node="b", port=port, selector="app=x") \
             == "http://127.1.1.2:9400/metrics"
     with pytest.raises(discovery.NotFound, match="not ready"):
-        discovery.exporter_url_from_pods([pod("e-2", "b", "127.1.1.2", False)], node="b",
-                                         port="9400", selector="app=x")
+        discovery.exporter_url_from_pods([_exporter_pod("e-2", "b", "127.1.1.2", False)],
+                                         node="b", port="9400", selector="app=x")
+
+
+@pytest.mark.hardening
+def test_its_own_nodes_exporter_is_chosen_whatever_the_order() -> None:
+    """Node b's agent among the exporters of three nodes, its own listed anywhere: the ready pod
+    on b, never another node's, though those sort after it by name and address, nor b's
+    terminating predecessor (not ready, sorting after it)."""
+    pods = [_exporter_pod("e-a", "a", "127.1.0.9", True),
+            _exporter_pod("e-b", "b", "127.1.1.2", True),
+            _exporter_pod("e-b-old", "b", "127.1.1.8", False),
+            _exporter_pod("e-c", "c", "127.1.2.9", True)]
+    slices = [_slice(_endpoint("a", "10.0.0.9", "e-a")), _slice(_endpoint("b", "10.0.1.2", "e-b")),
+              _slice(_endpoint("b", "10.0.1.8", "e-b-old", ready=False)),
+              _slice(_endpoint("c", "10.0.2.9", "e-c"))]
+    for order in itertools.permutations(range(4)):
+        assert discovery.exporter_url_from_pods([pods[i] for i in order], node="b", port="9400",
+                                                selector="app=x") == \
+            "http://127.1.1.2:9400/metrics", order
+        assert discovery.exporter_url([slices[i] for i in order], node="b", port="9400") == \
+            "http://10.0.1.2:9400/metrics", order
 
 
 def test_the_counters_file_turns_on_every_field_the_health_agent_reads() -> None:

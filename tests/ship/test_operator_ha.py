@@ -60,8 +60,14 @@ class Installed:
         return json.loads(cm.data["generation.json"])
 
     def leader(self) -> str | None:
-        lease = client.CoordinationV1Api(self.api).read_namespaced_lease(
-            leader.LEASE_NAME, install.SYSTEM_NS)
+        """The Lease's holder; None while there is none (a leader that stops deletes it)."""
+        try:
+            lease = client.CoordinationV1Api(self.api).read_namespaced_lease(
+                leader.LEASE_NAME, install.SYSTEM_NS)
+        except client.ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
         return lease.spec.holder_identity
 
     def operators(self) -> dict[str, str]:

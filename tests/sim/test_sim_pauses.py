@@ -242,6 +242,18 @@ def _mutate(path: str, value: Any) -> dict[str, Any]:
         # A repair within the clock, 2e9 s, grows x4 (128 nodes against 2) past its 4.32e9 s.
         (_mutate("policies.ntp.faults[2].pause_s", 2e9), "policies.ntp: the repair pause scales "
          "to 8e+09 s"),
+        # 2 GPUs a node: one node cannot hold the bench's 4 GPUs (two nodes just can: the sample)
+        pytest.param(_mutate("job.nodes", 1), "job.nodes: 1 nodes of 2 GPUs cannot hold 4 GPUs",
+                     marks=pytest.mark.hardening, id="nodes-cannot-hold-the-job"),
+        pytest.param(_mutate("policies", {}), "policies: is empty: a pauses file measures at "
+                     "least one policy", marks=pytest.mark.hardening, id="no-policy"),
+        pytest.param('{"format": "tessera.recovery/v1", "job": ' + "[" * 100_000 + "]" * 100_000
+                     + "}", "job[0][0][0][0][0][0][0][0][0][0][0][0][0][0][0]: nested deeper than "
+                     "16 levels", marks=pytest.mark.hardening, id="nested-too-deep"),
+        pytest.param(json.dumps(_mutate("job.gpus", 7)).replace('"gpus": 7', '"gpus": '
+                                                                + "9" * 5000),
+                     "job.gpus: must be an integer >= 1, got an integer of 5000 digits",
+                     marks=pytest.mark.hardening, id="integer-too-long"),
     ],
 )  # fmt: skip
 def test_a_malformed_pauses_file_exits_2_with_one_line_and_writes_nothing(

@@ -7,9 +7,11 @@ the change, and so is the node's budget share before the agent acts on a target.
 outlives its target: with the target deleted or invalid, on SIGTERM, and in the agent that
 follows a crash, the GPUs settle at the base cap inside the last share (`--on-exit hold` leaves
 them to the next agent instead); only a node that was never given a share goes back to the
-device defaults. An agent that starts and finds GPUs recorded adopts them if the operator's
-target is valid, settles them if it is gone, and holds them at their recorded limits while it
-cannot tell.
+device defaults. Settling raises a GPU below the base cap (one cordoned at its minimum, one
+ramping) to it at once, not by ramp steps: the level is inside the share, and with no target no
+job's workload is left to draw it, so an agent that goes away leaves no GPU below it. An agent
+that starts and finds GPUs recorded adopts them if the operator's target is valid, settles them
+if it is gone, and holds them at their recorded limits while it cannot tell.
 """
 
 from __future__ import annotations
@@ -269,9 +271,12 @@ class Agent:
         views = []
         for index, r in readings.items():
             if r is None:
-                # Unknown is counted at its last limit, or the node's largest maximum: we cannot
-                # show it draws less, and the budget must hold whatever it does.
-                views.append(DeviceView(index, 0, 0, self._known_mw.get(index, worst), False))
+                # Unknown is counted at its last limit (seen by this agent, else recorded for
+                # its index by a predecessor), or the node's largest maximum: we cannot show it
+                # draws less, and the budget must hold whatever it does.
+                recorded = self.managed.lost_limit(index)
+                last = self._known_mw.get(index, worst if recorded is None else recorded)
+                views.append(DeviceView(index, 0, 0, last, False))
             else:
                 views.append(DeviceView(index, r.min_mw, r.max_mw, r.limit_mw))
         return views
@@ -290,7 +295,7 @@ class Agent:
             assert gpu is not None  # the policy only changes GPUs it could read
             try:
                 # Write-ahead: a GPU that cannot be recorded is not changed.
-                self.managed.record(gpu.uuid, milliwatts)
+                self.managed.record(gpu.uuid, milliwatts, index)
                 self.backend.set_limit(index, milliwatts)
                 taken = True
             except (PowerError, OSError) as err:
@@ -308,7 +313,7 @@ class Agent:
             self._known_mw[index] = held[index] = after.limit_mw
             if taken:
                 try:
-                    self.managed.record(gpu.uuid, after.limit_mw)
+                    self.managed.record(gpu.uuid, after.limit_mw, index)
                 except OSError as err:  # the GPU is set; the record keeps the value asked for
                     self._error("state file", err)
         return held
@@ -325,14 +330,18 @@ class Agent:
         self._check_indices(gpus)
         readings = self._read_all(gpus)
         views, goal = self._views(readings), self._goal()
-        decision = decide_after_cuts(views, goal, self.step_mw,
+        step_mw = self.step_mw if self.target is not None else _at_once(views)
+        decision = decide_after_cuts(views, goal, step_mw,
                                      functools.partial(self._apply, readings=readings))
         if decision.infeasible:
             self._warn("budget", decision.reason)
         self._apply(decision.raise_, readings)
 
         limits = {v.index: self._limit(v, readings) for v in views}
-        self.status = self._render(gpus, readings, decision, goal)
+        # Released and at the settled level: what `tessera uninstall` waits for.
+        settled = (goal is not None and self.target is None and not decision.holding
+                   and all(limits[i] == g for i, g in decision.goals.items()))
+        self.status = replace(self._render(gpus, readings, decision, goal), settled=settled)
         self._report(fetched, decision, limits)
         return self.status
 
@@ -409,11 +418,13 @@ class Agent:
     # leave ---------------------------------------------------------------------------------
 
     def leave(self) -> list[str]:
-        """On the way out: settle every GPU at the base cap inside the node's last share (cuts
-        only, all GPUs at once, within `restore_timeout_s`: nothing stays boosted with no agent
-        watching, and the share holds whatever comes next); a node never given a share is
-        restored to its defaults instead. GPUs stay recorded for the next agent. Returns the
-        GPUs (UUID, or index when unidentified) that could not be brought to their level."""
+        """On the way out: settle every GPU at the base cap inside the node's last share (all
+        GPUs at once, within `restore_timeout_s`: the cuts first, then the raises of GPUs below
+        it, admitted against what the GPUs hold after the cuts: nothing stays boosted or below
+        the base cap with no agent watching, and the share holds whatever comes next); a node
+        never given a share is restored to its defaults instead. GPUs stay recorded for the next
+        agent. Returns the GPUs (UUID, or index when unidentified) that could not be brought to
+        their level."""
         goal = self.settled()
         if goal is None:
             return self.restore()
@@ -437,34 +448,38 @@ class Agent:
                 self._error(f"GPU {index}", r)
             else:
                 self._known_mw[index] = r.limit_mw
-        # The first round of cuts may take 70% of the time; deeper rounds share what is left.
-        shares, refused = iter([0.7]), set()
+        # The first round of cuts may take 60% of the time, deeper rounds up to 80%; the raises
+        # what is left.
+        shares, missed = iter([0.6]), set()
 
         def cut(cuts: dict[int, int]) -> dict[int, int]:
-            held = self._cut_within(cuts, readings,
-                                    functools.partial(within, share=next(shares, 1.0)))
-            refused.update(i for i, mw in held.items() if mw > cuts[i])
+            held = self._set_within(cuts, readings,
+                                    functools.partial(within, share=next(shares, 0.8)))
+            missed.update(i for i, mw in held.items() if mw > cuts[i])
             return held
 
-        decide_after_cuts(self._views(readings), goal, 0, cut)  # a step of 0: only ever cuts
+        views = self._views(readings)
+        decision = decide_after_cuts(views, goal, _at_once(views), cut)
+        raised = self._set_within(decision.raise_, readings, functools.partial(within, share=1.0))
+        missed.update(i for i, mw in raised.items() if mw < decision.raise_[i])
         names = {g.index: g.uuid or self._uuids.get(g.index, f"GPU {g.index}") for g in listed}
-        return sorted(names[i] for i in refused | {i for i, r in readings.items() if r is None})
+        return sorted(names[i] for i in missed | {i for i, r in readings.items() if r is None})
 
-    def _cut_within(
+    def _set_within(
         self,
-        cuts: dict[int, int],
+        limits: dict[int, int],
         readings: dict[int, GpuReading | None],
         within: Callable[[dict[Any, Callable[[], Any]]], dict[Any, Any]],
     ) -> dict[int, int]:
-        """Apply `cuts` all at once (recorded first), bounded; the limit each GPU then holds, also
-        put in `readings` (its old one where the cut failed or did not answer in time)."""
+        """Set `limits` all at once (recorded first), bounded; the limit each GPU then holds, also
+        put in `readings` (its old one where the call failed or did not answer in time)."""
         calls, held = {}, {}
-        for index, milliwatts in cuts.items():
+        for index, milliwatts in limits.items():
             gpu = readings[index]
             assert gpu is not None  # the policy only changes GPUs it could read
             held[index] = gpu.limit_mw
             try:
-                self.managed.record(gpu.uuid, milliwatts)
+                self.managed.record(gpu.uuid, milliwatts, index)
             except OSError as err:  # a GPU that cannot be recorded is not changed
                 self._error("state file", err)
                 continue
@@ -473,8 +488,8 @@ class Agent:
             if isinstance(result, Exception):
                 self._error(f"GPU {index}", result)
             else:
-                self._known_mw[index] = held[index] = cuts[index]
-                readings[index] = replace(readings[index], limit_mw=cuts[index])
+                self._known_mw[index] = held[index] = limits[index]
+                readings[index] = replace(readings[index], limit_mw=limits[index])
         return held
 
     # restore -------------------------------------------------------------------------------
@@ -508,3 +523,8 @@ class Agent:
         uuids = self._identified_gpus("restored")
         if uuids is not None:
             self._record_anew(self.restore(uuids))
+
+
+def _at_once(views: list[DeviceView]) -> int:
+    """A raise step that takes any of these GPUs from its minimum to its maximum in one go."""
+    return max((v.max_mw for v in views), default=0)

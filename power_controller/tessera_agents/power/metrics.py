@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from tessera_contracts.powertarget import LIMIT_METRIC, SETTLED_METRIC, TARGET_METRIC
+
 
 @dataclass(frozen=True)
 class GpuStatus:
@@ -39,6 +41,9 @@ class NodeStatus:
     rack_budget_mw: int | None = None
     holding: bool = True
     reason: str = "starting"
+    # no target (released) and every GPU that answers at the settled level: base cap inside
+    # the node's last share
+    settled: bool = False
     gpus: tuple[GpuStatus, ...] = ()
     errors: dict[str, int] = field(default_factory=dict)  # error kind -> count since start
 
@@ -66,12 +71,12 @@ class AgentCollector(Collector):
             (GaugeMetricFamily(name, help_, labels=gpu_labels), value)
             for name, help_, value in (
                 ("tessera_gpu_power_usage_watts", "GPU power draw", lambda g: _w(g.power_mw)),
-                ("tessera_gpu_power_limit_watts", "GPU power management limit",
+                (LIMIT_METRIC, "GPU power management limit",
                  lambda g: _w(g.limit_mw)),
                 ("tessera_gpu_power_enforced_limit_watts",
                  "Power limit the driver enforces (the lowest of all limits in force)",
                  lambda g: _w(g.enforced_mw)),
-                ("tessera_gpu_power_target_watts",
+                (TARGET_METRIC,
                  "Limit the agent is moving the GPU to (after device bounds and budget)",
                  lambda g: _w(g.target_mw)),
                 ("tessera_gpu_power_boosted", "1 if the GPU is targeted above the base cap",
@@ -102,6 +107,13 @@ class AgentCollector(Collector):
         ):
             values = [getattr(g, attr) for g in s.gpus if getattr(g, attr) is not None]
             yield _one(name, help_, node, _w(sum(values)))
+        yield _one(
+            SETTLED_METRIC,
+            "1 while the node has no target and every GPU that answers is at its settled level "
+            "(the base cap inside the node's last share)",
+            {"node": s.node},
+            float(s.settled),
+        )
         yield _one(
             "tessera_power_agent_holding",
             "1 while the agent holds limits (no valid, fresh target)",

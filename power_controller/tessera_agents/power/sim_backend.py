@@ -20,7 +20,10 @@ Besides power, each GPU carries what DCGM reports and what a hardware failure ch
   state was created (monotonic), and the times of the latest XIDs (for windowed counts).
 
 `fail(index, xid)` is a GPU falling off the bus: health failed, the XID recorded, and every NVML
-call on it fails with `GpuLost` (the `gpu_lost` fault), so `gpus()` lists it without UUID.
+call on it fails with `GpuLost` (the `gpu_lost` fault, whatever operation it was injected for: a
+lost GPU answers nothing). As with NVML (`nvml_backend`), a backend lists each GPU by the UUID it
+read the first time the GPU answered: one that saw the GPU before it was lost still names it, one
+started after (a restarted agent) lists it without UUID, by its index alone.
 `restore(index)` clears the failure and every injected fault of that GPU. `snapshot()` is the
 exporter's view: raw values of every GPU, failed or not, and never an injected fault.
 State files written before these fields existed load with their defaults.
@@ -149,6 +152,10 @@ def _complete(state: dict[str, Any], now: float) -> bool:
     return added
 
 
+def _lost(gpu: dict[str, Any]) -> bool:
+    return "gpu_lost" in gpu["faults"].values()
+
+
 def _draw_mw(gpu: dict[str, Any]) -> int:
     return min(gpu["limit_mw"], gpu["demand_mw"])
 
@@ -183,6 +190,7 @@ class SimBackend:
         self._path = state_path
         self._model = model
         self._clock = clock
+        self._uuids: dict[int, str] = {}  # read once per index, as NVML's backend does
         specs = [spec or SimGpuSpec()] * count if not isinstance(spec, Sequence) else list(spec)
         existing = read_json(state_path) if state_path is not None else None
         self._mem = existing or _new_state(node, specs, clock())
@@ -215,7 +223,7 @@ class SimBackend:
 
     def _gpu(self, st: dict[str, Any], index: int, op: str) -> dict[str, Any]:
         gpu = self._indexed(st, index)
-        fault = gpu["faults"].get(op) or gpu["faults"].get("any")
+        fault = "gpu_lost" if _lost(gpu) else gpu["faults"].get(op) or gpu["faults"].get("any")
         if fault:
             raise FAULTS[fault](f"GPU {index}: simulated {fault}", index)
         return gpu
@@ -228,10 +236,10 @@ class SimBackend:
             faults = [g["faults"] for g in st["gpus"]]
             if any("unavailable" in f.values() for f in faults):
                 raise BackendUnavailable("simulated NVML library unavailable")
-            return [
-                GpuId(i, None if "gpu_lost" in (f.get("read"), f.get("any")) else g["uuid"])
-                for i, (g, f) in enumerate(zip(st["gpus"], faults, strict=True))
-            ]
+            for i, gpu in enumerate(st["gpus"]):
+                if not _lost(gpu):
+                    self._uuids.setdefault(i, gpu["uuid"])
+            return [GpuId(i, self._uuids.get(i)) for i in range(len(st["gpus"]))]
 
     def _sm_clock_mhz(self, spec: SimGpuSpec, power_mw: int) -> int:
         if power_mw <= 0:  # an idle GPU's perf model has no speed; its clocks idle too

@@ -1,5 +1,5 @@
-"""The agent's record, on the host, of the GPUs whose limits it changed, the last limit set, and
-the node's last known budget share.
+"""The agent's record, on the host, of the GPUs whose limits it changed, the last limit set, each
+one's index on the node, and the node's last known budget share.
 
 Written before each change reaches a GPU (write-ahead), so that whatever kills the agent, the
 next agent on the node finds every GPU it must deal with: settle it inside the recorded share
@@ -7,6 +7,12 @@ next agent on the node finds every GPU it must deal with: settle it inside the r
 given), or hold at the last limit set, which met the budget. Keyed by UUID: GPU indices may be
 renumbered across reboots, UUIDs are not. The share is recorded before the agent acts on a
 target, so a successor never knows less budget than its predecessor acted on.
+
+A GPU that fell off the bus no longer answers for its UUID, only its index still names it: so
+each GPU's index is recorded with the host's boot id, and a successor started in the same boot
+counts a GPU it cannot identify at the limit last recorded for that index (`lost_limit`), not at
+the device maximum. After a reboot the indices may name other GPUs, and every GPU has its driver
+default again: they are not used.
 
 The file lives on a hostPath that outlives the agent, so its content is validated on load: entries
 that do not parse are dropped with a warning, and a file that cannot be understood at all is
@@ -25,7 +31,17 @@ from typing import IO, Any
 from tessera_kube.files import write_json_atomic
 
 FORMAT = 2
+BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
 log = logging.getLogger("tessera.power-agent")
+
+
+def boot_id() -> str | None:
+    """This boot of the host (the kernel's random boot id, the host's in any container); None
+    where the kernel does not say."""
+    try:
+        return BOOT_ID.read_text().strip() or None
+    except OSError:
+        return None
 
 
 class StateLocked(RuntimeError):
@@ -34,14 +50,16 @@ class StateLocked(RuntimeError):
 
 @dataclass
 class ManagedGpus:
-    """uuid -> last limit set in milliwatts (None: not known), and the `spec` of the node's
-    settled target (`PowerTarget.settled`: its budget share and base cap; None: never given
-    one), persisted at `path` on change."""
+    """uuid -> last limit set in milliwatts (None: not known), uuid -> its index on the node in
+    this boot, and the `spec` of the node's settled target (`PowerTarget.settled`: its budget
+    share and base cap; None: never given one), persisted at `path` on change."""
 
     path: Path
     gpus: dict[str, int | None] = field(default_factory=dict)
     unreadable: bool = False  # the file existed but made no sense: every GPU counts as changed
     share: dict[str, Any] | None = None
+    indices: dict[str, int] = field(default_factory=dict)
+    boot: str | None = field(default_factory=boot_id)
     _lock: IO[str] | None = field(default=None, repr=False)
 
     @classmethod
@@ -64,7 +82,7 @@ class ManagedGpus:
         if share is not None and not isinstance(share, dict):
             log.warning("%s: ignoring the recorded share %r: not an object", path, share)
             share = None
-        return cls(path, gpus, share=share)
+        return cls(path, gpus, share=share, indices=_indices(data, gpus, path))
 
     @classmethod
     def open(cls, path: Path) -> ManagedGpus:
@@ -87,27 +105,36 @@ class ManagedGpus:
             self._lock.close()  # closing the file releases the lock
             self._lock = None
 
-    def _save(self, gpus: dict[str, int | None], share: dict[str, Any] | None) -> None:
-        write_json_atomic(self.path, {"format": FORMAT, "gpus": gpus}
+    def _save(self, gpus: dict[str, int | None], share: dict[str, Any] | None,
+              indices: dict[str, int]) -> None:
+        kept = {} if self.boot is None else {"boot": self.boot, "indices": indices}
+        write_json_atomic(self.path, {"format": FORMAT, "gpus": gpus} | kept
                           | ({} if share is None else {"share": share}))
         # only once it is on disk: memory never claims more than the file
-        self.gpus, self.share = gpus, share
+        self.gpus, self.share, self.indices = gpus, share, indices
 
-    def record(self, uuid: str, limit_mw: int | None) -> None:
-        if uuid not in self.gpus or self.gpus[uuid] != limit_mw:
-            self._save(self.gpus | {uuid: limit_mw}, self.share)
+    def record(self, uuid: str, limit_mw: int | None, index: int | None = None) -> None:
+        indices = self.indices if index is None else self.indices | {uuid: index}
+        if self.gpus.get(uuid, -1) != limit_mw or indices != self.indices:
+            self._save(self.gpus | {uuid: limit_mw}, self.share, indices)
 
     def record_share(self, share: dict[str, Any]) -> None:
         if share != self.share:
-            self._save(self.gpus, share)
+            self._save(self.gpus, share, self.indices)
 
     def discard(self, uuid: str) -> None:
         if uuid in self.gpus:
-            self._save({u: v for u, v in self.gpus.items() if u != uuid}, self.share)
+            self._save({u: v for u, v in self.gpus.items() if u != uuid}, self.share,
+                       {u: i for u, i in self.indices.items() if u != uuid})
+
+    def lost_limit(self, index: int) -> int | None:
+        """The last limit recorded, in this boot, for the GPU at `index`: what a GPU that no
+        longer answers for its UUID holds, as far as this node knows; None when none is."""
+        return next((self.gpus.get(u) for u, i in self.indices.items() if i == index), None)
 
     def forget_unreadable(self) -> None:
         """Every GPU was restored after an unreadable file: start a fresh, valid record."""
-        self._save({}, None)
+        self._save({}, None, {})
         self.unreadable = False
 
 
@@ -130,3 +157,24 @@ def _parse(data: Any, path: Path) -> dict[str, int | None]:
         gpus[uuid] = last if ok and last > 0 else None
     return gpus
 
+
+
+def _indices(data: dict[str, Any], gpus: dict[str, int | None], path: Path) -> dict[str, int]:
+    """The recorded GPUs' indices, when recorded in this boot (none from an earlier boot, whose
+    indices may name other GPUs, nor from a host that gives no boot id)."""
+    indices, boot = data.get("indices"), data.get("boot")
+    if indices is None:
+        return {}
+    if boot is None or boot != boot_id():
+        log.info("%s: GPU indices recorded in another boot; not used", path)
+        return {}
+    if not isinstance(indices, dict):
+        log.warning("%s: ignoring the recorded indices %r: not an object", path, indices)
+        return {}
+    kept = {}
+    for uuid, index in indices.items():
+        if uuid in gpus and type(index) is int and index >= 0:
+            kept[uuid] = index
+        else:
+            log.warning("%s: ignoring the index %r of %r", path, index, uuid)
+    return kept
