@@ -3,7 +3,8 @@
 `desired(spec, observed, now)` takes the steps a reconcile decides on, with no I/O:
 0. Where the job is in its life (`lifecycle`); under failurePolicy.mode CKPT-RESTART a GPU lost
    under the running attempt's layout fails it as a failed trainer pod does (`_lost_layout`).
-1. The spec the operator runs (`job_spec`; else InvalidSpec, PipelineParallelNotSupported:
+1. The spec the operator runs (`job_spec`, read once at the reconcile's edge: typed and
+   defaulted, and the planner's view of it; else InvalidSpec, PipelineParallelNotSupported:
    nothing made).
 2. Placement (`workload.place`): nodes for the trainer pods the job lacks, among the candidates
    observed (CKPT-RESTART: for an attempt that has none, on nodes without a failed GPU, spares
@@ -28,7 +29,7 @@ from datetime import datetime
 from typing import Any
 
 from tessera_contracts import progress
-from tessera_contracts.api import ATTEMPT_LABEL, JOB_LABEL, JOB_MANAGER
+from tessera_contracts.api import ATTEMPT_LABEL, JOB_LABEL
 from tessera_contracts.generation import (
     LAYOUT_KEY,
     Generation,
@@ -37,6 +38,7 @@ from tessera_contracts.generation import (
     Rendezvous,
     layout_configmap,
 )
+from tessera_contracts.jobspec import NTPTrainingJobSpec, SpecError
 from tessera_contracts.powertarget import (
     InvalidTarget,
     PowerTarget,
@@ -47,7 +49,7 @@ from tessera_contracts.powertarget import (
 from tessera_core.plan import generation_layout
 from tessera_operator import conditions, health, lifecycle, planner, workload
 from tessera_operator.lifecycle import Lifecycle, Stage
-from tessera_operator.observed import Layout, Observed
+from tessera_operator.observed import Layout, Observed, Spec
 from tessera_operator.power_planning import plan_sync
 
 CONFIGMAP_MAX_BYTES = 1024 * 1024  # the API server's limit on a ConfigMap's data
@@ -112,46 +114,53 @@ class _Planned:
     lost: health.Health = health.Health()  # the GPUs lost under their processes
 
 
-def ours(job: Mapping[str, Any]) -> bool:
-    """Whether this operator reconciles the job (`spec.managedBy` absent or ours)."""
-    return (job.get("spec") or {}).get("managedBy") in (None, JOB_MANAGER)
-
-
-def job_spec(job: Mapping[str, Any]) -> planner.JobSpec | planner.Problem:
-    """The job's spec, if the operator can run it; else why not."""
+def job_spec(job: Mapping[str, Any]) -> Spec | planner.Problem:
+    """The job's spec as the operator reads it, once per reconcile: typed and defaulted, with
+    what planning runs of it; a Problem when the schema would not store it."""
     try:
-        spec = planner.JobSpec.from_spec(job["spec"])
-    except planner.SpecError as exc:
+        whole = NTPTrainingJobSpec.from_spec(job["spec"])
+    except SpecError as exc:
         return planner.Problem("InvalidSpec", str(exc))
-    if spec.pp > 1:
-        return planner.Problem("PipelineParallelNotSupported", (
-            f"pipelineParallelSize {spec.pp}: the trainer runs tensor and data parallelism "
-            "only; set it to 1"))
-    return spec
+    try:
+        run = planner.JobSpec.of(whole)
+    except SpecError as exc:
+        return Spec(whole, planner.Problem("InvalidSpec", str(exc)))
+    if run.pp > 1:
+        return Spec(whole, planner.Problem("PipelineParallelNotSupported", (
+            f"pipelineParallelSize {run.pp}: the trainer runs tensor and data parallelism "
+            "only; set it to 1")))
+    return Spec(whole, run)
 
 
-def needs_placement(spec: planner.JobSpec | planner.Problem, observed: Observed,
-                    now: datetime) -> bool:
+def selector(spec: Spec | planner.Problem) -> dict[str, str]:
+    """The labels every node of the job must carry (its template's nodeSelector; none for a
+    spec the operator cannot read)."""
+    return {} if isinstance(spec, planner.Problem) else workload.node_selector(spec.whole)
+
+
+def needs_placement(spec: Spec | planner.Problem, observed: Observed, now: datetime) -> bool:
     """Whether the job runs an attempt and lacks a trainer pod: a reconcile then observes the
     placement candidates (`observe.with_candidates`)."""
-    if isinstance(spec, planner.Problem) or _life(spec, observed, now)[0].stage \
-            is not Stage.RUNNING:
+    if isinstance(spec, planner.Problem) or isinstance(spec.planning, planner.Problem) \
+            or _life(spec, observed, now)[0].stage is not Stage.RUNNING:
         return False
-    return bool(_missing(observed.job, spec, workload.placed_nodes(observed.pods, observed.job)))
+    return bool(_missing(spec.whole, workload.placed_nodes(observed.pods, observed.job)))
 
 
-def desired(spec: planner.JobSpec | planner.Problem, observed: Observed, now: datetime,
+def desired(spec: Spec | planner.Problem, observed: Observed, now: datetime,
             refused: str | None = None, rejected: str | None = None) -> Desired:
     """The desired state of `observed.job` (its spec as `job_spec` reads it) at `now`.
     `refused`: why the API server refused the power targets, when it did (Ready's message says
     so, and no raise is said to wait); `rejected`: why it refused the job's pods (the job has
     no plan then: Ready=False, reason PodRejected)."""
+    if isinstance(spec, planner.Problem):
+        return _unreadable(spec, observed, now)
     job = observed.job
     previous = job.get("status") or {}
     # 0. Where the job is in its life; what earlier attempts left behind goes.
     life, lost = _life(spec, observed, now)
     if life.stage is not Stage.RUNNING:
-        return _stopped(observed, now, life, lost)
+        return _stopped(spec, observed, now, life, lost)
     stale = tuple(name for name, attempt in observed.configmap_attempts.items()
                   if attempt != life.attempt)
     observed = _current(observed, life)
@@ -172,9 +181,9 @@ def desired(spec: planner.JobSpec | planner.Problem, observed: Observed, now: da
     if plan is not None:
         try:
             plan, targets = _power(plan, observed, reports, planned.lost.failed)
-            layout, in_force = _generation(observed, plan, reports, planned.lost.failed, now,
-                                           told or int(job["spec"]["steps"]))
-        except planner.SpecError as exc:
+            layout, in_force = _generation(spec.whole, observed, plan, reports,
+                                           planned.lost.failed, now, told or spec.whole.steps)
+        except SpecError as exc:
             plan, problems = None, (planner.Problem("InvalidSpec", str(exc)), *problems)
             targets = {}
         except LayoutBlocked as exc:
@@ -195,14 +204,15 @@ def desired(spec: planner.JobSpec | planner.Problem, observed: Observed, now: da
         plan, problems, previous, now=format_time(now),
         generation=int(job["metadata"].get("generation", 0)),
         layout_generation=layout_generation, notes=notes, held=held, trained=trained,
-        life=life, outdated=_outdated(observed),
+        life=life, outdated=_outdated(spec, observed),
         tp_layout=None if in_force is None else planner.format_layout(in_force.tp_degrees),
         why=planned.signal.reasons)
     events = []
     if layout_generation != int(previous.get("layoutGeneration", 0)) and plan is not None:
         events.append(Event("Normal", "LayoutChanged",
                             f"layout generation {layout_generation}: TP {plan.tp_layout or '-'}"))
-    return Desired(planned.placement, _children(job, planned.placement, life.attempt), layout,
+    return Desired(planned.placement,
+                   _children(job, spec.whole, planned.placement, life.attempt), layout,
                    observed.layout.resource_version, targets, held, status,
                    (*events, *_condition_events(previous, status)), delete_configmaps=stale,
                    requeue_after=None if (recheck := planned.signal.recheck_at) is None
@@ -233,7 +243,7 @@ def _agreed(reports: Mapping[str, progress.NodeReport | None], until: int | None
     return agreed, tuple(refused)
 
 
-def _life(spec: planner.JobSpec | planner.Problem, observed: Observed, now: datetime
+def _life(spec: Spec, observed: Observed, now: datetime
           ) -> tuple[Lifecycle, dict[planner.GpuId, str]]:
     """The job's lifecycle from its pods and its attempt's progress reports (every node that
     reported: an attempt that ends folds them all into the job's account), and the GPUs lost
@@ -246,18 +256,19 @@ def _life(spec: planner.JobSpec | planner.Problem, observed: Observed, now: date
     data = observed.reports if current else {}
     nodes = [key.removesuffix(".json") for key in data if key.endswith(".json")]
     reports = progress.read_reports(data, nodes)
-    life = lifecycle.lifecycle(observed.job, observed.pods, reports, now)
-    if isinstance(spec, planner.Problem) or not spec.restarts_on_loss \
+    life = lifecycle.lifecycle(observed.job, spec.whole, observed.pods, reports, now)
+    run = spec.planning
+    if isinstance(run, planner.Problem) or not run.restarts_on_loss \
             or life.stage is not Stage.RUNNING:
         return life, {}
-    lost = _lost_layout(spec, _current(observed, life), now)
+    lost = _lost_layout(spec, run, _current(observed, life), now)
     if not lost:
         return life, {}
     pods = _failed_by_loss(observed.pods, observed.job, lost)
-    return lifecycle.lifecycle(observed.job, pods, reports, now), lost
+    return lifecycle.lifecycle(observed.job, spec.whole, pods, reports, now), lost
 
 
-def _lost_layout(spec: planner.JobSpec, observed: Observed, now: datetime
+def _lost_layout(spec: Spec, run: planner.JobSpec, observed: Observed, now: datetime
                  ) -> dict[planner.GpuId, str]:
     """CKPT-RESTART: the GPUs whose loss ends the running attempt, with what their health
     source says ("" when it says no more): those of the generation in force that a source
@@ -267,10 +278,10 @@ def _lost_layout(spec: planner.JobSpec, observed: Observed, now: datetime
     placement = workload.placed_nodes(observed.pods, observed.job)
     if not placement:
         return {}
-    signal, _ = _health(observed, spec, placement, observed.nodes, now)
+    signal, _ = _health(spec.whole, observed, placement, observed.nodes, now)
     in_force = observed.layout.generation
     if in_force is None:
-        plan = planner.plan(spec, planner.node_domains(observed.nodes, spec.domain_label),
+        plan = planner.plan(run, planner.node_domains(observed.nodes, run.domain_label),
                             signal.failed)
         return {gpu: signal.reasons.get(gpu, "") for gpu in sorted(plan.failed)} \
             if plan.degraded else {}
@@ -309,8 +320,8 @@ def _with_status(job: Mapping[str, Any], **values: Any) -> dict[str, Any]:
     return dict(job) | {"status": dict(job.get("status") or {}) | values}
 
 
-def _stopped(observed: Observed, now: datetime, life: Lifecycle,
-             lost: Mapping[planner.GpuId, str] | None = None) -> Desired:
+def _stopped(spec: Spec, observed: Observed, now: datetime, life: Lifecycle,
+             lost: Mapping[planner.GpuId, str]) -> Desired:
     """A job that runs no attempt (suspended, between two, finished): no child is made and
     every power target released; an attempt that ends takes its layout with it, a finished
     job keeps its last one (and its step and goodput) for the record. `lost`: the GPUs whose
@@ -327,7 +338,7 @@ def _stopped(observed: Observed, now: datetime, life: Lifecycle,
         None, (), previous, now=format_time(now),
         generation=int(job["metadata"].get("generation", 0)),
         layout_generation=int(previous.get("layoutGeneration", 0)) if finished else 0,
-        trained=trained, life=life, outdated=_outdated(observed))
+        trained=trained, life=life, outdated=_outdated(spec, observed))
     if finished:  # the layout it ended on
         status |= {key: previous[key] for key in ("tpLayout", "replicas") if key in previous}
     ttl = life.delete_job_in
@@ -359,12 +370,22 @@ def unconfirmable(observed: Observed) -> tuple[str, ...]:
         if pod["metadata"].get("deletionTimestamp") and workload.pod_node(pod) in lost))
 
 
-def _outdated(observed: Observed) -> list[str]:
+def _unreadable(problem: planner.Problem, observed: Observed, now: datetime) -> Desired:
+    """A job whose spec the schema would not store (it was stored under another schema): why,
+    in its status; no child made or deleted, its power targets released."""
+    previous = observed.job.get("status") or {}
+    status = conditions.render(
+        None, (problem,), previous, now=format_time(now),
+        generation=int(observed.job["metadata"].get("generation", 0)),
+        layout_generation=int(previous.get("layoutGeneration", 0)))
+    return Desired(status=status, events=_condition_events(previous, status))
+
+
+def _outdated(spec: Spec, observed: Observed) -> list[str]:
     """The spec fields some trainer pod of the job was not made with."""
-    spec = observed.job["spec"]
     found = {name for pod in workload.trainer_pods(observed.pods, observed.job)
              if not (pod.get("metadata") or {}).get("deletionTimestamp")
-             for name in workload.outdated(pod, spec)}
+             for name in workload.outdated(pod, spec.whole)}
     return [name for name in workload.POD_INPUTS if name in found]
 
 
@@ -404,73 +425,66 @@ def layout_document(job: Mapping[str, Any], generation: Generation, attempt: int
 # ----------------------------------------------------------------------------------------------
 
 
-def _trainers(job: Mapping[str, Any], spec: planner.JobSpec) -> int:
-    return int(job["spec"]["totalGPUs"]) // spec.gpus_per_node
-
-
-def _missing(job: Mapping[str, Any], spec: planner.JobSpec, placed: Mapping[int, str]
-             ) -> list[int]:
+def _missing(spec: NTPTrainingJobSpec, placed: Mapping[int, str]) -> list[int]:
     """The trainer pods to place: those the job lacks. Under CKPT-RESTART all of them for an
     attempt that has none, else none: an attempt keeps the nodes it started on (a pod gone
     from its layout's nodes ends it)."""
-    wanted = range(_trainers(job, spec))
-    if spec.restarts_on_loss:
+    wanted = range(spec.trainers)
+    if spec.failure_policy.mode.restarts_on_loss:
         return [] if placed else list(wanted)
     return [i for i in wanted if i not in placed]
 
 
-def _plan(spec: planner.JobSpec | planner.Problem, observed: Observed, now: datetime
-          ) -> _Planned:
-    if isinstance(spec, planner.Problem):
-        return _Planned(problems=(spec,))
-    placed = _place(observed, spec, now)
+def _plan(spec: Spec, observed: Observed, now: datetime) -> _Planned:
+    run = spec.planning
+    if isinstance(run, planner.Problem):
+        return _Planned(problems=(run,))
+    placed = _place(spec.whole, run, observed, now)
     if isinstance(placed, planner.Problem):
         return _Planned(problems=(placed,))
     placement, nodes = placed
-    domains = planner.node_domains(nodes, spec.domain_label)
-    if (unpowered := planner.budget_problem(spec, domains)) is not None:
+    domains = planner.node_domains(nodes, run.domain_label)
+    if (unpowered := planner.budget_problem(run, domains)) is not None:
         return _Planned(problems=(unpowered,))
-    signal, lost = _health(observed, spec, placement, nodes, now)
-    if spec.restarts_on_loss and (in_force := observed.layout.generation) is not None:
+    signal, lost = _health(spec.whole, observed, placement, nodes, now)
+    if run.restarts_on_loss and (in_force := observed.layout.generation) is not None:
         # An attempt keeps its first layout: its plan is that layout's nodes, the spares idle.
         domains = {n: d for n, d in domains.items() if n in {g.node for g in in_force.gpus}}
-    plan = planner.plan(spec, domains, signal.failed)
+    plan = planner.plan(run, domains, signal.failed)
     return _Planned(placement, plan, plan.problems, signal, lost)
 
 
-def chosen_nodes(spec: planner.JobSpec | planner.Problem, observed: Observed
-                 ) -> tuple[str, ...]:
+def chosen_nodes(spec: Spec | planner.Problem, observed: Observed) -> tuple[str, ...]:
     """The nodes placement chooses among `observed.candidates` for the trainer pods the job
     lacks; none when they do not fit."""
-    if isinstance(spec, planner.Problem):
+    if isinstance(spec, planner.Problem) or isinstance(spec.planning, planner.Problem):
         return ()
-    placed = _place(observed, spec, None)
+    placed = _place(spec.whole, spec.planning, observed, None)
     if isinstance(placed, planner.Problem):
         return ()
     before = set(workload.placed_nodes(observed.pods, observed.job).values())
     return tuple(sorted(set(placed[0].values()) - before))
 
 
-def _place(observed: Observed, spec: planner.JobSpec, now: datetime | None
+def _place(spec: NTPTrainingJobSpec, run: planner.JobSpec, observed: Observed,
+           now: datetime | None
            ) -> tuple[dict[int, str], tuple[Mapping[str, Any], ...]] | planner.Problem:
     """Every trainer pod's node (those placed, and nodes chosen for the missing ones) and the
     job's nodes as observed; or why the missing ones cannot be placed. `now` None: the
     candidates' DCGM health is not read yet (`chosen_nodes`, which only picks the nodes whose
     other pods are read)."""
-    job = observed.job
-    placed = workload.placed_nodes(observed.pods, job)
-    missing = _missing(job, spec, placed)
+    placed = workload.placed_nodes(observed.pods, observed.job)
+    missing = _missing(spec, placed)
     if not missing:
         return placed, observed.nodes
     candidates = observed.candidates
     if candidates is None:
         raise ValueError("placing a job needs its candidates observed")
-    selector = workload.node_selector(job["spec"])
-    views = [v for v in workload.node_views(candidates.nodes, candidates.taken, selector,
-                                            spec.domain_label)
+    views = [v for v in workload.node_views(candidates.nodes, candidates.taken,
+                                            workload.node_selector(spec), run.domain_label)
              if v.name not in placed.values()]
-    chosen = _healthy_nodes(observed, spec, views, len(missing), now) \
-        if spec.restarts_on_loss else workload.place(spec, len(missing), views)
+    chosen = _healthy_nodes(spec, run, observed, views, len(missing), now) \
+        if run.restarts_on_loss else workload.place(run, len(missing), views)
     if isinstance(chosen, planner.Problem):
         return chosen
     # CKPT-RESTART may find fewer nodes than pods asked for: the spares it lacks are left out.
@@ -479,16 +493,17 @@ def _place(observed: Observed, spec: planner.JobSpec, now: datetime | None
                             if n["metadata"]["name"] in placement.values())
 
 
-def _healthy_nodes(observed: Observed, spec: planner.JobSpec, views: list[workload.NodeView],
-                   wanted: int, now: datetime | None) -> tuple[str, ...] | planner.Problem:
+def _healthy_nodes(spec: NTPTrainingJobSpec, run: planner.JobSpec, observed: Observed,
+                   views: list[workload.NodeView], wanted: int, now: datetime | None
+                   ) -> tuple[str, ...] | planner.Problem:
     """CKPT-RESTART's placement of an attempt: whole nodes none of whose GPUs the job's health
     sources fail (a trainer pod needs every GPU of its node), `wanted` of them or as many as
     there are, at least those DP x TP x PP GPUs fill; or why not."""
     assert observed.candidates is not None
-    signal, _ = _health(observed, spec, {}, observed.candidates.nodes, now)
+    signal, _ = _health(spec, observed, {}, observed.candidates.nodes, now)
     bad = {node for node, _ in signal.failed}
-    chosen = workload.place(spec, wanted, [v for v in views if v.name not in bad],
-                            fewest=spec.fewest_nodes)
+    chosen = workload.place(run, wanted, [v for v in views if v.name not in bad],
+                            fewest=run.fewest_nodes)
     if isinstance(chosen, planner.Problem):
         return replace(chosen, message=(
             f"{chosen.message}; under failurePolicy.mode CKPT-RESTART a node with a failed or "
@@ -496,7 +511,7 @@ def _healthy_nodes(observed: Observed, spec: planner.JobSpec, views: list[worklo
     return chosen
 
 
-def _health(observed: Observed, spec: planner.JobSpec, placement: Mapping[int, str],
+def _health(spec: NTPTrainingJobSpec, observed: Observed, placement: Mapping[int, str],
             nodes: tuple[Mapping[str, Any], ...], now: datetime | None
             ) -> tuple[health.Health, health.Health]:
     """The job's GPU health from its sources, merged (GPUs of unknown health held where the
@@ -505,8 +520,8 @@ def _health(observed: Observed, spec: planner.JobSpec, placement: Mapping[int, s
     the job's other agents), those whose rank the node agents saw die and those DCGM failed
     (`now` None: without the last two, which need the time)."""
     job = observed.job
-    policy = job["spec"].get("failurePolicy") or {}
-    sources = set(policy.get("healthSources", ("dcgm", "cordon")))
+    policy = spec.failure_policy
+    sources = set(policy.health_sources)
     placed = sorted(set(placement.values()))
     reports = progress.read_reports(observed.reports, placed)
     silent = {node for report in reports.values() if report is not None
@@ -524,12 +539,12 @@ def _health(observed: Observed, spec: planner.JobSpec, placement: Mapping[int, s
     dcgm = "dcgm" in sources
     lost = lost.merge(health.from_rank_deaths(
         reports, spec.gpus_per_node, now=now.timestamp(),
-        told_at=health.observed_at(objects) if dcgm else None, settled=spec.restarts_on_loss,
-        hold_s=float(policy.get("rankDeathHoldSeconds", health.RANK_DEATH_HOLD_S))))
+        told_at=health.observed_at(objects) if dcgm else None,
+        settled=policy.mode.restarts_on_loss, hold_s=float(policy.rank_death_hold_seconds)))
     signal = signal.merge(lost)
     if not dcgm:
         return signal, lost
-    dcgm_health = health.from_gpu_health(objects, spec.gpus_per_node, policy.get("fatalXIDs"),
+    dcgm_health = health.from_gpu_health(objects, spec.gpus_per_node, policy.fatal_xids,
                                          now=now.timestamp(), nodes=names)
     in_force = observed.layout.generation
     kept = None if in_force is None else [(g.node, g.index) for g in in_force.gpus]
@@ -538,13 +553,14 @@ def _health(observed: Observed, spec: planner.JobSpec, placement: Mapping[int, s
         lost.merge(dcgm_health)
 
 
-def _children(job: Mapping[str, Any], placement: Mapping[int, str], attempt: int
-              ) -> tuple[dict[str, Any], ...]:
+def _children(job: Mapping[str, Any], spec: NTPTrainingJobSpec, placement: Mapping[int, str],
+              attempt: int) -> tuple[dict[str, Any], ...]:
     if not placement:
         return ()
-    return (*workload.identity(job), workload.progress_configmap(job, attempt),
-            workload.rendezvous_pod(job, attempt),
-            *(workload.trainer_pod(job, i, node, attempt) for i, node in sorted(placement.items())))
+    return (*workload.identity(job, spec), workload.progress_configmap(job, attempt),
+            workload.rendezvous_pod(job, spec, attempt),
+            *(workload.trainer_pod(job, spec, i, node, attempt)
+              for i, node in sorted(placement.items())))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -612,7 +628,7 @@ def planned_step(reports: Mapping[str, progress.NodeReport | None], now: float) 
     return newest.step + math.ceil((age + PUBLISH_LEAD_S) / min(paces))
 
 
-def _generation(observed: Observed, plan: planner.JobPlan,
+def _generation(spec: NTPTrainingJobSpec, observed: Observed, plan: planner.JobPlan,
                 reports: Mapping[str, progress.NodeReport | None],
                 lost: frozenset[planner.GpuId], now: datetime, steps: int
                 ) -> tuple[dict[str, Any] | None, Generation | None]:
@@ -648,8 +664,7 @@ def _generation(observed: Observed, plan: planner.JobPlan,
             return None, None  # its pod has no address yet; the pod's watch brings the job back
     else:
         rendezvous = rendezvous or previous.rendezvous
-    batch = int(job["spec"].get("globalBatch", workload.DEFAULT_GLOBAL_BATCH))
-    following = workload.generation_for(plan, batch, rendezvous, previous,
+    following = workload.generation_for(plan, spec.global_batch, rendezvous, previous,
                                          [Gpu(n, i) for n, i in lost],
                                          at_step=planned_step(reports, now.timestamp()))
     if following is None:
@@ -663,8 +678,8 @@ def _generation(observed: Observed, plan: planner.JobPlan,
         generation_layout(following)  # what every rank computes from it
     except GenerationError as exc:
         raise LayoutBlocked("LayoutUnplannable", (
-            f"generation {following.generation} cannot be trained (globalBatch {batch}, TP "
-            f"{plan.tp_layout}): {exc}; it is not published")) from exc
+            f"generation {following.generation} cannot be trained (globalBatch "
+            f"{spec.global_batch}, TP {plan.tp_layout}): {exc}; it is not published")) from exc
     attempt = int((job.get("status") or {}).get("attempt", 0))
     return layout_document(job, following, attempt), following
 

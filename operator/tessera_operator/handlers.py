@@ -34,9 +34,9 @@ from urllib3.exceptions import HTTPError
 
 from tessera_contracts import api
 from tessera_contracts.api import JOB_LABEL, ROLE_LABEL
-from tessera_operator import apply, desired, metrics, observe, power_targets, reconcile, workload
+from tessera_operator import apply, metrics, observe, power_targets, reconcile, workload
 from tessera_operator.jobqueue import JobKey
-from tessera_operator.observed import child_view
+from tessera_operator.observed import child_view, ours
 from tessera_operator.workload import TRAINER
 
 GROUP, VERSION, PLURAL = api.GROUP, api.VERSION, api.JOB_PLURAL
@@ -62,7 +62,7 @@ async def job_keys(namespace: str, name: str, uid: str, **_: Any) -> dict[str, J
 async def job_phases(namespace: str, name: str, status: kopf.Status, body: kopf.Body, **_: Any
                      ) -> dict[str, JobKey]:
     """Phase -> the operator's jobs in it (none written yet: Pending), for its metrics."""
-    return {status.get("phase") or "Pending": (namespace, name)} if desired.ours(body) else {}
+    return {status.get("phase") or "Pending": (namespace, name)} if ours(body) else {}
 
 
 @kopf.index("", "v1", "pods", labels=TRAINERS)
@@ -118,7 +118,7 @@ async def on_job(type: str | None, namespace: str, name: str, body: kopf.Body, m
         memo.seen.changed(("NTPTrainingJob", namespace, name), None)
         await asyncio.to_thread(_released, memo, key, dict(body), logger)
         return
-    if not desired.ours(body):
+    if not ours(body):
         return
     if apply.FINALIZER in (body["metadata"].get("finalizers") or ()):
         await asyncio.to_thread(_attempt, lambda: apply.drop_finalizer(memo.api, dict(body)),

@@ -71,14 +71,14 @@ def world(api: client.ApiClient, cache: NodeCache, indices: Indices,
 
 
 def with_candidates(api: client.ApiClient, cache: NodeCache, indices: Indices,
-                    observed: Observed, choose: Callable[[Observed], Iterable[str]]
-                    ) -> Observed:
-    """`observed` with the nodes placement chooses among and the GPUs other pods hold there,
-    and their GPUHealth. The nodes come from the node watch, the GPUs from the operator's own
-    trainer pods (`Indices.held`); only the nodes placement would choose (`choose`) are asked
-    for other pods, one list each, until it chooses no node it has not asked about. So a
-    placement costs reads in the job's nodes, not the cluster's nodes and pods."""
-    selector = workload.node_selector(observed.job["spec"])
+                    observed: Observed, selector: Mapping[str, str],
+                    choose: Callable[[Observed], Iterable[str]]) -> Observed:
+    """`observed` with the nodes placement chooses among (those `selector` matches) and the
+    GPUs other pods hold there, and their GPUHealth. The nodes come from the node watch, the
+    GPUs from the operator's own trainer pods (`Indices.held`); only the nodes placement would
+    choose (`choose`) are asked for other pods, one list each, until it chooses no node it has
+    not asked about. So a placement costs reads in the job's nodes, not the cluster's nodes
+    and pods."""
     matching = tuple(facts.node(name) for name, facts in cache.matching(selector))
     taken = {name: held for name in (n["metadata"]["name"] for n in matching)
              if (held := sum(indices.held.get(name, ())))}

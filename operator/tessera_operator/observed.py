@@ -1,5 +1,6 @@
 """What one reconcile observed of a job's world (pure data): the `Observed` value that
-`observe` reads and `desired` decides from; a test builds one by hand, no API server needed."""
+`observe` reads and `desired` decides from, and the job's spec as the operator reads it
+(`Spec`); a test builds one by hand, no API server needed."""
 
 from __future__ import annotations
 
@@ -7,9 +8,27 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from tessera_contracts.api import JOB_MANAGER
 from tessera_contracts.generation import Generation
+from tessera_contracts.jobspec import NTPTrainingJobSpec
+from tessera_operator.planner import JobSpec, Problem
 
 ChildKey = tuple[str, str]  # (kind, name)
+
+
+def ours(job: Mapping[str, Any]) -> bool:
+    """Whether this operator reconciles the job (`spec.managedBy` absent or ours): read before
+    the spec is, by the watches that skip another controller's jobs."""
+    return (job.get("spec") or {}).get("managedBy") in (None, JOB_MANAGER)
+
+
+@dataclass(frozen=True)
+class Spec:
+    """A job's spec as one reconcile reads it (`desired.job_spec`): typed and defaulted whole,
+    and what planning runs of it, or why the operator cannot run it."""
+
+    whole: NTPTrainingJobSpec
+    planning: JobSpec | Problem
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ import kopf
 
 from tessera_operator import apply, desired, metrics, observe
 from tessera_operator.jobqueue import JobKey
+from tessera_operator.observed import ours
 
 # Watches drive every change; the resync only re-observes what a watch may have missed. Its
 # cost is five reads per job per interval, whatever the number of nodes.
@@ -42,7 +43,7 @@ def reconcile(memo: kopf.Memo, key: JobKey, logger: logging.Logger,
         if job is None:
             queue.forget(key)
             return None
-        if job["metadata"].get("deletionTimestamp") or not desired.ours(job):
+        if job["metadata"].get("deletionTimestamp") or not ours(job):
             return None
         queue.hold(key, True)  # an agent's report made once the targets are read is not lost
         observed = observe.world(api, memo.nodes, indices, job)
@@ -56,7 +57,7 @@ def reconcile(memo: kopf.Memo, key: JobKey, logger: logging.Logger,
         with memo.placing if placing else contextlib.nullcontext():
             if placing:
                 observed = observe.with_candidates(
-                    api, memo.nodes, indices, observed,
+                    api, memo.nodes, indices, observed, desired.selector(spec),
                     lambda seen: desired.chosen_nodes(spec, seen))
             wanted = desired.desired(spec, observed, now)
             if wanted.ended:

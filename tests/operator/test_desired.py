@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from tessera_contracts.generation import LAYOUT_KEY, Generation, Gpu
-from tessera_contracts.jobspec import defaulted
+from tessera_contracts.jobspec import NTPTrainingJobSpec, defaulted
 from tessera_contracts.powertarget import format_time
 from tessera_contracts.progress import NodeReport, State, report_key
 from tessera_dev import paths
@@ -54,11 +54,17 @@ def _node(name: str, cordon: str | None = None) -> dict[str, Any]:
                                    "conditions": [{"type": "Ready", "status": "True"}]}}
 
 
+def _spec(job: dict[str, Any]) -> NTPTrainingJobSpec:
+    return NTPTrainingJobSpec.from_spec(job["spec"])
+
+
 def _pods(job: dict[str, Any], ip: str | None) -> tuple[dict[str, Any], ...]:
     """The job's pods as the operator made them, placed on A and B; the rendezvous with an
     address when `ip` is given."""
-    rendezvous = workload.rendezvous_pod(job) | {"status": {"podIP": ip} if ip else {}}
-    return (rendezvous, workload.trainer_pod(job, 0, A), workload.trainer_pod(job, 1, B))
+    spec = _spec(job)
+    rendezvous = workload.rendezvous_pod(job, spec) | {"status": {"podIP": ip} if ip else {}}
+    return (rendezvous, workload.trainer_pod(job, spec, 0, A),
+            workload.trainer_pod(job, spec, 1, B))
 
 
 def _report(node: str, step: int) -> tuple[str, str]:
@@ -236,8 +242,10 @@ def _failed(pods: tuple[dict[str, Any], ...]) -> tuple[dict[str, Any], ...]:
 
 def _attempt(job: dict[str, Any], attempt: int) -> tuple[dict[str, Any], ...]:
     """The job's pods of `attempt` on A and B, the rendezvous with an address."""
-    return (workload.rendezvous_pod(job, attempt) | {"status": {"podIP": IP}},
-            workload.trainer_pod(job, 0, A, attempt), workload.trainer_pod(job, 1, B, attempt))
+    spec = _spec(job)
+    return (workload.rendezvous_pod(job, spec, attempt) | {"status": {"podIP": IP}},
+            workload.trainer_pod(job, spec, 0, A, attempt),
+            workload.trainer_pod(job, spec, 1, B, attempt))
 
 
 SUSPENDED_JOB = _job(suspend=True)

@@ -15,7 +15,7 @@ import yaml
 
 from ntp.nodeagent.progress import NodeProgress
 from tessera_contracts.generation import LAYOUT_KEY, Generation
-from tessera_contracts.jobspec import defaulted
+from tessera_contracts.jobspec import NTPTrainingJobSpec, defaulted
 from tessera_contracts.progress import Device, report_key
 from tessera_dev import paths
 from tessera_operator import desired, workload
@@ -46,8 +46,9 @@ def _node(name: str) -> dict[str, Any]:
 
 
 JOB = _job()
-PODS = (workload.rendezvous_pod(JOB) | {"status": {"podIP": "10.0.0.5"}},
-        *(workload.trainer_pod(JOB, i, node) for i, node in enumerate(NODES)))
+SPEC = NTPTrainingJobSpec.from_spec(JOB["spec"])
+PODS = (workload.rendezvous_pod(JOB, SPEC) | {"status": {"podIP": "10.0.0.5"}},
+        *(workload.trainer_pod(JOB, SPEC, i, node) for i, node in enumerate(NODES)))
 # What each trainer pod holds, as the operator made it: the reference the message is read by.
 HELD = {c["resources"]["limits"][workload.GPU_RESOURCE] for pod in PODS[1:]
         for c in pod["spec"]["containers"] if c["name"] == "trainer"}
