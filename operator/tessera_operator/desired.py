@@ -172,8 +172,7 @@ def desired(spec: Spec | planner.Problem, observed: Observed, now: datetime,
     # 4. The trainers' progress drives the boosts and the step a planned switch happens at.
     told = workload.steps_told(observed.pods, job)
     reports, refused_reports = _agreed(
-        progress.read_reports(observed.reports, sorted(set(planned.placement.values()))),
-        told)
+        observed.reports_of(sorted(set(planned.placement.values()))), told)
     layout_generation = int(previous.get("layoutGeneration", 0))
     targets: dict[str, PowerTarget] = {}
     layout: dict[str, Any] | None = None
@@ -253,9 +252,7 @@ def _life(spec: Spec, observed: Observed, now: datetime
     status = observed.job.get("status") or {}
     name = progress.progress_configmap(observed.job["metadata"]["name"])
     current = observed.configmap_attempts.get(name) == int(status.get("attempt", 0))
-    data = observed.reports if current else {}
-    nodes = [key.removesuffix(".json") for key in data if key.endswith(".json")]
-    reports = progress.read_reports(data, nodes)
+    reports = observed.reports_of(observed.reports) if current else {}
     life = lifecycle.lifecycle(observed.job, spec.whole, observed.pods, reports, now)
     run = spec.planning
     if isinstance(run, planner.Problem) or not run.restarts_on_loss \
@@ -523,7 +520,7 @@ def _health(spec: NTPTrainingJobSpec, observed: Observed, placement: Mapping[int
     policy = spec.failure_policy
     sources = set(policy.health_sources)
     placed = sorted(set(placement.values()))
-    reports = progress.read_reports(observed.reports, placed)
+    reports = observed.reports_of(placed)
     silent = {node for report in reports.values() if report is not None
               for node in report.silent_nodes}
     lost = health.from_lost_nodes(nodes, spec.gpus_per_node, placed=placed,
@@ -534,21 +531,21 @@ def _health(spec: NTPTrainingJobSpec, observed: Observed, placement: Mapping[int
     if now is None:
         return signal.merge(lost), lost
     names = sorted({n["metadata"]["name"] for n in nodes})
-    objects = sorted((o for o in observed.gpu_health if o["metadata"]["name"] in set(names)),
-                     key=lambda o: o["metadata"]["name"])
+    published = sorted((o for o in observed.gpu_health if o.node in set(names)),
+                       key=lambda o: o.node or "")
     dcgm = "dcgm" in sources
     lost = lost.merge(health.from_rank_deaths(
         reports, spec.gpus_per_node, now=now.timestamp(),
-        told_at=health.observed_at(objects) if dcgm else None,
+        told_at=health.observed_at(published) if dcgm else None,
         settled=policy.mode.restarts_on_loss, hold_s=float(policy.rank_death_hold_seconds)))
     signal = signal.merge(lost)
     if not dcgm:
         return signal, lost
-    dcgm_health = health.from_gpu_health(objects, spec.gpus_per_node, policy.fatal_xids,
+    dcgm_health = health.from_gpu_health(published, spec.gpus_per_node, policy.fatal_xids,
                                          now=now.timestamp(), nodes=names)
     in_force = observed.layout.generation
     kept = None if in_force is None else [(g.node, g.index) for g in in_force.gpus]
-    reporting = [o["metadata"]["name"] for o in objects]
+    reporting = [o.node for o in published if o.node is not None]
     return health.hold_unknown(signal.merge(dcgm_health), kept, reporting), \
         lost.merge(dcgm_health)
 

@@ -15,9 +15,11 @@ import pytest
 import yaml
 
 from tessera_contracts.generation import LAYOUT_KEY, Generation
+from tessera_contracts.gpuhealth import PublishedHealth, read
 from tessera_contracts.jobspec import NTPTrainingJobSpec, defaulted
 from tessera_contracts.powertarget import format_time
-from tessera_contracts.progress import NodeReport, State, report_key
+from tessera_contracts.progress import NodeReport, State
+from tessera_contracts.unreadable import Unreadable
 from tessera_dev import paths
 from tessera_operator import desired, planner, workload
 from tessera_operator.observed import Candidates, Layout, Observed
@@ -64,18 +66,19 @@ def _pods(job: dict[str, Any], attempt: int = 0) -> tuple[dict[str, Any], ...]:
             workload.trainer_pod(job, spec, 1, B, attempt))
 
 
-def _gpu_health(node: str, xids: dict[int, list[int]]) -> dict[str, Any]:
-    return {"metadata": {"name": node},
-            "status": {"observedAt": format_time(NOW), "gpus": [
-                {"index": i, "state": "Healthy", "xids": xids.get(i, [])} for i in range(8)]}}
+def _gpu_health(node: str, xids: dict[int, list[int]]) -> PublishedHealth | Unreadable:
+    """The node's GPUHealth as the operator's index holds it."""
+    return read({"metadata": {"name": node},
+                 "status": {"observedAt": format_time(NOW), "gpus": [
+                     {"index": i, "state": "Healthy", "xids": xids.get(i, [])}
+                     for i in range(8)]}})
 
 
-def _report(node: str, step: int) -> tuple[str, str]:
+def _report(node: str, step: int) -> tuple[str, NodeReport]:
     """A node's report at `step` after 1,300 s, 2 s a step, the rest startup."""
-    report = NodeReport(node, 1, step, 1000, State.TRAINING, step_seconds=2.0,
-                        productive_seconds=1240.0, wall_seconds=1300.0,
-                        badput_seconds={"startup": 60.0})
-    return report_key(node), report.to_json()
+    return node, NodeReport(node, 1, step, 1000, State.TRAINING, step_seconds=2.0,
+                            productive_seconds=1240.0, wall_seconds=1300.0,
+                            badput_seconds={"startup": 60.0})
 
 
 def _document(layout: dict[str, Any] | None) -> dict[str, Any]:
@@ -214,8 +217,8 @@ RESTARTING = _job(attempt=1, restarts=1,
                   restartingSince=format_time(NOW - timedelta(seconds=60)))
 
 
-def _placed(*candidates: dict[str, Any], gpu_health: tuple[dict[str, Any], ...] = ()
-            ) -> desired.Desired:
+def _placed(*candidates: dict[str, Any],
+            gpu_health: tuple[PublishedHealth | Unreadable, ...] = ()) -> desired.Desired:
     observed = Observed(RESTARTING, candidates=Candidates(candidates), gpu_health=gpu_health)
     assert desired.needs_placement(desired.job_spec(RESTARTING), observed, NOW)
     return _desired(observed)

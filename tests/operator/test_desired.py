@@ -13,9 +13,11 @@ import pytest
 import yaml
 
 from tessera_contracts.generation import LAYOUT_KEY, Generation, Gpu
+from tessera_contracts.gpuhealth import PublishedHealth, read
 from tessera_contracts.jobspec import NTPTrainingJobSpec, defaulted
 from tessera_contracts.powertarget import format_time
-from tessera_contracts.progress import NodeReport, State, report_key
+from tessera_contracts.progress import NodeReport, State
+from tessera_contracts.unreadable import Unreadable
 from tessera_dev import paths
 from tessera_operator import desired, health, workload
 from tessera_operator.observed import Candidates, Layout, Observed
@@ -67,14 +69,17 @@ def _pods(job: dict[str, Any], ip: str | None) -> tuple[dict[str, Any], ...]:
             workload.trainer_pod(job, spec, 1, B))
 
 
-def _report(node: str, step: int) -> tuple[str, str]:
-    return report_key(node), NodeReport(node, 1, step, 1000, State.TRAINING).to_json()
+def _report(node: str, step: int) -> tuple[str, NodeReport]:
+    return node, NodeReport(node, 1, step, 1000, State.TRAINING)
 
 
-def _gpu_health(node: str, xids: dict[int, list[int]], at: datetime = NOW) -> dict[str, Any]:
-    return {"metadata": {"name": node},
-            "status": {"observedAt": format_time(at), "gpus": [
-                {"index": i, "state": "Healthy", "xids": xids.get(i, [])} for i in range(8)]}}
+def _gpu_health(node: str, xids: dict[int, list[int]], at: datetime = NOW
+                ) -> PublishedHealth | Unreadable:
+    """The node's GPUHealth as the operator's index holds it."""
+    return read({"metadata": {"name": node},
+                 "status": {"observedAt": format_time(at), "gpus": [
+                     {"index": i, "state": "Healthy", "xids": xids.get(i, [])}
+                     for i in range(8)]}})
 
 
 def _desired(observed: Observed, now: datetime) -> desired.Desired:
@@ -225,12 +230,11 @@ def test_a_status_key_no_longer_rendered_is_left_out() -> None:
 # ----------------------------------------------------------------------------------------------
 
 
-def _spent(node: str, step: int, productive: float, wall: float) -> tuple[str, str]:
+def _spent(node: str, step: int, productive: float, wall: float) -> tuple[str, NodeReport]:
     """A node's report at `step` after `wall` seconds, 2 s a step, the rest of it startup."""
-    report = NodeReport(node, 1, step, 1000, State.TRAINING, step_seconds=2.0,
-                        productive_seconds=productive, wall_seconds=wall,
-                        badput_seconds={"startup": wall - productive})
-    return report_key(node), report.to_json()
+    return node, NodeReport(node, 1, step, 1000, State.TRAINING, step_seconds=2.0,
+                            productive_seconds=productive, wall_seconds=wall,
+                            badput_seconds={"startup": wall - productive})
 
 
 def _failed(pods: tuple[dict[str, Any], ...]) -> tuple[dict[str, Any], ...]:
@@ -393,8 +397,7 @@ def test_a_planned_switch_is_published_for_a_step_the_ranks_have_not_passed() ->
     NodeReport(B, 1, 500, 1000, State.FINISHED),  # finished short of the steps
 ])
 def test_a_report_that_disagrees_with_its_pods_is_refused(forged: NodeReport) -> None:
-    observed = replace(TRAINING, reports=dict([_report(A, 118),
-                                               (report_key(B), forged.to_json())]))
+    observed = replace(TRAINING, reports=dict([_report(A, 118), (B, forged)]))
     status = _desired(observed, NOW).status
     ready = next(c for c in status["conditions"] if c["type"] == "Ready")
     assert f"node {B}'s progress report refused" in ready["message"]
@@ -427,8 +430,7 @@ def test_the_jobs_rank_death_hold_is_the_one_it_waits_out() -> None:
         "status": {"layoutGeneration": 1}}
     dead = NodeReport(A, 1, 118, 1000, State.RECONFIGURING,
                       rank_deaths={3: NOW.timestamp() - 0.5})
-    observed = replace(TRAINING, job=job, reports=dict([_report(B, 120)]) | {
-        report_key(A): dead.to_json()})
+    observed = replace(TRAINING, job=job, reports=dict([_report(B, 120)]) | {A: dead})
     assert _desired(observed, NOW).requeue_after == pytest.approx(10 - 0.5)
 
 
@@ -440,8 +442,7 @@ def test_a_dead_ranks_gpu_leaves_at_once_and_comes_back_on_a_later_healthy_verdi
     died = NOW.timestamp() - 0.5
     earlier = datetime.fromtimestamp(NOW.timestamp() - 30, UTC)
     dead = NodeReport(A, 1, 118, 1000, State.RECONFIGURING, rank_deaths={3: died})
-    observed = replace(TRAINING, reports=dict([_report(B, 120)]) | {
-        report_key(A): dead.to_json()},
+    observed = replace(TRAINING, reports=dict([_report(B, 120)]) | {A: dead},
         gpu_health=(_gpu_health(A, {}, earlier), _gpu_health(B, {}, earlier)))
     wanted = _desired(observed, NOW)
     lost = Generation.from_dict(_document(wanted.layout))
