@@ -11,7 +11,7 @@
    as found); too few gives Unschedulable and no child at all. The children are every object
    the job runs, under deterministic names (`workload`).
 3. Health: failed and unknown GPUs of its nodes from its sources (cordons, lost nodes, DCGM's
-   GPUHealth), unknown ones held where the generation in force has them (`health`).
+   GPUHealth), unknown ones held where the generation in force has them (`signal.health_of`).
 4. The plan (`planner.plan`), its boosts stepped by the closed loop on the trainers' reported
    compute times (`planner.follow_compute`), its power targets, and the next generation
    document when the layout changed (once the rendezvous pod has an address); a layout the
@@ -50,6 +50,7 @@ from tessera_core.plan import generation_layout
 from tessera_operator import conditions, health, lifecycle, planner, workload
 from tessera_operator.lifecycle import Lifecycle, Stage
 from tessera_operator.observed import Layout, Observed, Spec
+from tessera_operator.policies import signal
 from tessera_operator.power_planning import plan_sync
 
 CONFIGMAP_MAX_BYTES = 1024 * 1024  # the API server's limit on a ConfigMap's data
@@ -275,17 +276,17 @@ def _lost_layout(spec: Spec, run: planner.JobSpec, observed: Observed, now: date
     placement = workload.placed_nodes(observed.pods, observed.job)
     if not placement:
         return {}
-    signal, _ = _health(spec.whole, observed, placement, observed.nodes, now)
+    found, _ = signal.health_of(spec.whole, observed, placement, observed.nodes, now)
     in_force = observed.layout.generation
     if in_force is None:
         plan = planner.plan(run, planner.node_domains(observed.nodes, run.domain_label),
-                            signal.failed)
-        return {gpu: signal.reasons.get(gpu, "") for gpu in sorted(plan.failed)} \
+                            found.failed)
+        return {gpu: found.reasons.get(gpu, "") for gpu in sorted(plan.failed)} \
             if plan.degraded else {}
     used = {(g.node, g.index) for g in in_force.gpus}
     gone = {gpu: "its trainer pod is gone" for gpu in sorted(used)
             if gpu[0] not in placement.values()}
-    return gone | {gpu: signal.reasons.get(gpu, "") for gpu in sorted(used & signal.failed)}
+    return gone | {gpu: found.reasons.get(gpu, "") for gpu in sorted(used & found.failed)}
 
 
 def _failed_by_loss(pods: tuple[Mapping[str, Any], ...], job: Mapping[str, Any],
@@ -443,12 +444,12 @@ def _plan(spec: Spec, observed: Observed, now: datetime) -> _Planned:
     domains = planner.node_domains(nodes, run.domain_label)
     if (unpowered := planner.budget_problem(run, domains)) is not None:
         return _Planned(problems=(unpowered,))
-    signal, lost = _health(spec.whole, observed, placement, nodes, now)
+    found, lost = signal.health_of(spec.whole, observed, placement, nodes, now)
     if run.restarts_on_loss and (in_force := observed.layout.generation) is not None:
         # An attempt keeps its first layout: its plan is that layout's nodes, the spares idle.
         domains = {n: d for n, d in domains.items() if n in {g.node for g in in_force.gpus}}
-    plan = planner.plan(run, domains, signal.failed)
-    return _Planned(placement, plan, plan.problems, signal, lost)
+    plan = planner.plan(run, domains, found.failed)
+    return _Planned(placement, plan, plan.problems, found, lost)
 
 
 def chosen_nodes(spec: Spec | planner.Problem, observed: Observed) -> tuple[str, ...]:
@@ -497,8 +498,8 @@ def _healthy_nodes(spec: NTPTrainingJobSpec, run: planner.JobSpec, observed: Obs
     sources fail (a trainer pod needs every GPU of its node), `wanted` of them or as many as
     there are, at least those DP x TP x PP GPUs fill; or why not."""
     assert observed.candidates is not None
-    signal, _ = _health(spec, observed, {}, observed.candidates.nodes, now)
-    bad = {node for node, _ in signal.failed}
+    found, _ = signal.health_of(spec, observed, {}, observed.candidates.nodes, now)
+    bad = {node for node, _ in found.failed}
     chosen = workload.place(run, wanted, [v for v in views if v.name not in bad],
                             fewest=run.fewest_nodes)
     if isinstance(chosen, planner.Problem):
@@ -506,48 +507,6 @@ def _healthy_nodes(spec: NTPTrainingJobSpec, run: planner.JobSpec, observed: Obs
             f"{chosen.message}; under failurePolicy.mode CKPT-RESTART a node with a failed or "
             f"cordoned GPU is no candidate ({len(bad)} such)"))
     return chosen
-
-
-def _health(spec: NTPTrainingJobSpec, observed: Observed, placement: Mapping[int, str],
-            nodes: tuple[Mapping[str, Any], ...], now: datetime | None
-            ) -> tuple[health.Health, health.Health]:
-    """The job's GPU health from its sources, merged (GPUs of unknown health held where the
-    generation in force has them), and the part lost under their processes rather than
-    drained: the GPUs of nodes that stopped reporting (their kubelet, or their node agent to
-    the job's other agents), those whose rank the node agents saw die and those DCGM failed
-    (`now` None: without the last two, which need the time)."""
-    job = observed.job
-    policy = spec.failure_policy
-    sources = set(policy.health_sources)
-    placed = sorted(set(placement.values()))
-    reports = observed.reports_of(placed)
-    silent = {node for report in reports.values() if report is not None
-              for node in report.silent_nodes}
-    lost = health.from_lost_nodes(nodes, spec.gpus_per_node, placed=placed,
-                                  leaving=workload.leaving_nodes(observed.pods, job),
-                                  silent=silent)
-    signal = health.from_cordons(nodes, spec.gpus_per_node) if "cordon" in sources \
-        else health.Health()
-    if now is None:
-        return signal.merge(lost), lost
-    names = sorted({n["metadata"]["name"] for n in nodes})
-    published = sorted((o for o in observed.gpu_health if o.node in set(names)),
-                       key=lambda o: o.node or "")
-    dcgm = "dcgm" in sources
-    lost = lost.merge(health.from_rank_deaths(
-        reports, spec.gpus_per_node, now=now.timestamp(),
-        told_at=health.observed_at(published) if dcgm else None,
-        settled=policy.mode.restarts_on_loss, hold_s=float(policy.rank_death_hold_seconds)))
-    signal = signal.merge(lost)
-    if not dcgm:
-        return signal, lost
-    dcgm_health = health.from_gpu_health(published, spec.gpus_per_node, policy.fatal_xids,
-                                         now=now.timestamp(), nodes=names)
-    in_force = observed.layout.generation
-    kept = None if in_force is None else [(g.node, g.index) for g in in_force.gpus]
-    reporting = [o.node for o in published if o.node is not None]
-    return health.hold_unknown(signal.merge(dcgm_health), kept, reporting), \
-        lost.merge(dcgm_health)
 
 
 def _children(job: Mapping[str, Any], spec: NTPTrainingJobSpec, placement: Mapping[int, str],
