@@ -1,8 +1,8 @@
 """A job's desired state (pure): from its spec, what was observed and the time, one `Desired`.
 
 `desired(spec, observed, now)` takes the steps a reconcile decides on, with no I/O:
-0. Where the job is in its life (`lifecycle`); under failurePolicy.mode CKPT-RESTART a GPU lost
-   under the running attempt's layout fails it as a failed trainer pod does (`_lost_layout`).
+0. Where the job is in its life (`life.life`); under failurePolicy.mode CKPT-RESTART a GPU
+   lost under the running attempt's layout fails it as a failed trainer pod does.
 1. The spec the operator runs (`job_spec`, read once at the reconcile's edge: typed and
    defaulted, and the planner's view of it; else InvalidSpec, PipelineParallelNotSupported:
    nothing made).
@@ -47,10 +47,10 @@ from tessera_contracts.powertarget import (
     reported_limits,
 )
 from tessera_core.plan import generation_layout
-from tessera_operator import conditions, health, lifecycle, planner, workload
+from tessera_operator import conditions, health, planner, workload
 from tessera_operator.lifecycle import Lifecycle, Stage
-from tessera_operator.observed import Layout, Observed, Spec
-from tessera_operator.policies import signal
+from tessera_operator.observed import Observed, Spec
+from tessera_operator.policies import life, signal
 from tessera_operator.power_planning import plan_sync
 
 CONFIGMAP_MAX_BYTES = 1024 * 1024  # the API server's limit on a ConfigMap's data
@@ -143,7 +143,7 @@ def needs_placement(spec: Spec | planner.Problem, observed: Observed, now: datet
     """Whether the job runs an attempt and lacks a trainer pod: a reconcile then observes the
     placement candidates (`observe.with_candidates`)."""
     if isinstance(spec, planner.Problem) or isinstance(spec.planning, planner.Problem) \
-            or _life(spec, observed, now)[0].stage is not Stage.RUNNING:
+            or life.life(spec, observed, now)[0].stage is not Stage.RUNNING:
         return False
     return bool(_missing(spec.whole, workload.placed_nodes(observed.pods, observed.job)))
 
@@ -159,12 +159,12 @@ def desired(spec: Spec | planner.Problem, observed: Observed, now: datetime,
     job = observed.job
     previous = job.get("status") or {}
     # 0. Where the job is in its life; what earlier attempts left behind goes.
-    life, lost = _life(spec, observed, now)
-    if life.stage is not Stage.RUNNING:
-        return _stopped(spec, observed, now, life, lost)
+    found, lost = life.life(spec, observed, now)
+    if found.stage is not Stage.RUNNING:
+        return _stopped(spec, observed, now, found, lost)
     stale = tuple(name for name, attempt in observed.configmap_attempts.items()
-                  if attempt != life.attempt)
-    observed = _current(observed, life)
+                  if attempt != found.attempt)
+    observed = life.of_attempt(observed, found.attempt)
     # 1-3. Placement, health and the plan.
     planned = _plan(spec, observed, now)
     plan, problems = planned.plan, planned.problems
@@ -199,12 +199,12 @@ def desired(spec: Spec | planner.Problem, observed: Observed, now: datetime,
     else:
         notes = (*notes, f"power targets refused: {refused}")
     trained = None if in_force is None else progress.summarize(
-        reports, in_force.generation, sorted({g.node for g in in_force.gpus}), life.earlier)
+        reports, in_force.generation, sorted({g.node for g in in_force.gpus}), found.earlier)
     status = conditions.render(
         plan, problems, previous, now=format_time(now),
         generation=int(job["metadata"].get("generation", 0)),
         layout_generation=layout_generation, notes=notes, held=held, trained=trained,
-        life=life, outdated=_outdated(spec, observed),
+        life=found, outdated=life.outdated(spec, observed),
         tp_layout=None if in_force is None else planner.format_layout(in_force.tp_degrees),
         why=planned.signal.reasons)
     events = []
@@ -212,7 +212,7 @@ def desired(spec: Spec | planner.Problem, observed: Observed, now: datetime,
         events.append(Event("Normal", "LayoutChanged",
                             f"layout generation {layout_generation}: TP {plan.tp_layout or '-'}"))
     return Desired(planned.placement,
-                   _children(job, spec.whole, planned.placement, life.attempt), layout,
+                   _children(job, spec.whole, planned.placement, found.attempt), layout,
                    observed.layout.resource_version, targets, held, status,
                    (*events, *_condition_events(previous, status)), delete_configmaps=stale,
                    requeue_after=None if (recheck := planned.signal.recheck_at) is None
@@ -243,82 +243,7 @@ def _agreed(reports: Mapping[str, progress.NodeReport | None], until: int | None
     return agreed, tuple(refused)
 
 
-def _life(spec: Spec, observed: Observed, now: datetime
-          ) -> tuple[Lifecycle, dict[planner.GpuId, str]]:
-    """The job's lifecycle from its pods and its attempt's progress reports (every node that
-    reported: an attempt that ends folds them all into the job's account), and the GPUs lost
-    under its layout that end its attempt, with why (CKPT-RESTART; none otherwise): its
-    trainer pod there reads as failed, so the attempt ends as for any failed trainer pod,
-    within the same restart budget."""
-    status = observed.job.get("status") or {}
-    name = progress.progress_configmap(observed.job["metadata"]["name"])
-    current = observed.configmap_attempts.get(name) == int(status.get("attempt", 0))
-    reports = observed.reports_of(observed.reports) if current else {}
-    life = lifecycle.lifecycle(observed.job, spec.whole, observed.pods, reports, now)
-    run = spec.planning
-    if isinstance(run, planner.Problem) or not run.restarts_on_loss \
-            or life.stage is not Stage.RUNNING:
-        return life, {}
-    lost = _lost_layout(spec, run, _current(observed, life), now)
-    if not lost:
-        return life, {}
-    pods = _failed_by_loss(observed.pods, observed.job, lost)
-    return lifecycle.lifecycle(observed.job, spec.whole, pods, reports, now), lost
-
-
-def _lost_layout(spec: Spec, run: planner.JobSpec, observed: Observed, now: datetime
-                 ) -> dict[planner.GpuId, str]:
-    """CKPT-RESTART: the GPUs whose loss ends the running attempt, with what their health
-    source says ("" when it says no more): those of the generation in force that a source
-    fails (DCGM, a cordon, a node lost) or whose node's trainer pod is gone; before one is in
-    force, the failed GPUs of its nodes once they leave too few whole TP groups for the
-    replicas."""
-    placement = workload.placed_nodes(observed.pods, observed.job)
-    if not placement:
-        return {}
-    found, _ = signal.health_of(spec.whole, observed, placement, observed.nodes, now)
-    in_force = observed.layout.generation
-    if in_force is None:
-        plan = planner.plan(run, planner.node_domains(observed.nodes, run.domain_label),
-                            found.failed)
-        return {gpu: found.reasons.get(gpu, "") for gpu in sorted(plan.failed)} \
-            if plan.degraded else {}
-    used = {(g.node, g.index) for g in in_force.gpus}
-    gone = {gpu: "its trainer pod is gone" for gpu in sorted(used)
-            if gpu[0] not in placement.values()}
-    return gone | {gpu: found.reasons.get(gpu, "") for gpu in sorted(used & found.failed)}
-
-
-def _failed_by_loss(pods: tuple[Mapping[str, Any], ...], job: Mapping[str, Any],
-                    lost: Mapping[planner.GpuId, str]) -> tuple[Mapping[str, Any], ...]:
-    """`pods` with the trainer pod on the first lost GPU's node (the first trainer pod, when
-    that one is gone) read as failed: without a live relayout its ranks cannot go on."""
-    (node, index), why = min(lost.items())
-    reason = f"GPU {node}/{index} lost" + (f": {why}" if why else "")
-    trainers = workload.trainer_pods(pods, job)
-    hit = next((p for p in trainers if workload.pod_node(p) == node), trainers[0])
-    failed = dict(hit) | {"status": {"phase": lifecycle.FAILED, "reason": reason}}
-    return tuple(failed if p is hit else p for p in pods)
-
-
-def _current(observed: Observed, life: Lifecycle) -> Observed:
-    """`observed` without what belongs to an earlier attempt: its layout and progress
-    ConfigMaps (deleted by this reconcile) read as absent."""
-    job = observed.job["metadata"]["name"]
-    attempts = observed.configmap_attempts
-    if attempts.get(layout_configmap(job), life.attempt) != life.attempt:
-        observed = replace(observed, layout=Layout(),
-                           job=_with_status(observed.job, layoutGeneration=0))
-    if attempts.get(progress.progress_configmap(job), life.attempt) != life.attempt:
-        observed = replace(observed, reports={})
-    return observed
-
-
-def _with_status(job: Mapping[str, Any], **values: Any) -> dict[str, Any]:
-    return dict(job) | {"status": dict(job.get("status") or {}) | values}
-
-
-def _stopped(spec: Spec, observed: Observed, now: datetime, life: Lifecycle,
+def _stopped(spec: Spec, observed: Observed, now: datetime, found: Lifecycle,
              lost: Mapping[planner.GpuId, str]) -> Desired:
     """A job that runs no attempt (suspended, between two, finished): no child is made and
     every power target released; an attempt that ends takes its layout with it, a finished
@@ -326,20 +251,20 @@ def _stopped(spec: Spec, observed: Observed, now: datetime, life: Lifecycle,
     loss ended the attempt (CKPT-RESTART), named in an event."""
     job = observed.job
     previous = job.get("status") or {}
-    finished = life.stage is Stage.FINISHED
-    wall = life.earlier.wall_seconds
+    finished = found.stage is Stage.FINISHED
+    wall = found.earlier.wall_seconds
     trained = progress.JobProgress(
         progress.Phase.PENDING, int(previous.get("step", 0)), None,
         previous.get("goodput") if finished else (
-            life.earlier.productive_seconds / wall if wall else None), "")
+            found.earlier.productive_seconds / wall if wall else None), "")
     status = conditions.render(
         None, (), previous, now=format_time(now),
         generation=int(job["metadata"].get("generation", 0)),
         layout_generation=int(previous.get("layoutGeneration", 0)) if finished else 0,
-        trained=trained, life=life, outdated=_outdated(spec, observed))
+        trained=trained, life=found, outdated=life.outdated(spec, observed))
     if finished:  # the layout it ended on
         status |= {key: previous[key] for key in ("tpLayout", "replicas") if key in previous}
-    ttl = life.delete_job_in
+    ttl = found.delete_job_in
     events = _condition_events(previous, status)
     if lost:
         gpus = ", ".join(planner.gpu_name(gpu) + (f" ({why})" if why else "")
@@ -350,22 +275,10 @@ def _stopped(spec: Spec, observed: Observed, now: datetime, life: Lifecycle,
             f"GPU {gpus} of attempt {previous.get('attempt', 0)}'s layout lost: "
             f"failurePolicy.mode CKPT-RESTART ends the attempt; {then}")), *events)
     return Desired(status=status, events=events,
-                   delete_pods=life.delete_pods, force_delete_pods=unconfirmable(observed),
+                   delete_pods=found.delete_pods, force_delete_pods=life.unconfirmable(observed),
                    delete_configmaps=() if finished else tuple(observed.configmap_attempts),
-                   ended=life.ended, delete_job=ttl is not None and ttl <= 0,
+                   ended=found.ended, delete_job=ttl is not None and ttl <= 0,
                    requeue_after=ttl if ttl is not None and ttl > 0 else None)
-
-
-def unconfirmable(observed: Observed) -> tuple[str, ...]:
-    """The job's pods being deleted on a node that stopped reporting (Ready Unknown): no kubelet
-    will confirm their end, and the next attempt must not wait for one (Kubernetes' own pod
-    garbage collector takes those of nodes deleted from the API). Deleting them at once is
-    safe for a job: their processes are fenced by the attempt (its own rendezvous and layout),
-    and a kubelet that comes back stops what runs for a pod the API no longer has."""
-    lost = {n["metadata"]["name"] for n in observed.nodes if health.node_lost(n)}
-    return tuple(sorted(
-        pod["metadata"]["name"] for pod in observed.pods
-        if pod["metadata"].get("deletionTimestamp") and workload.pod_node(pod) in lost))
 
 
 def _unreadable(problem: planner.Problem, observed: Observed, now: datetime) -> Desired:
@@ -377,14 +290,6 @@ def _unreadable(problem: planner.Problem, observed: Observed, now: datetime) -> 
         generation=int(observed.job["metadata"].get("generation", 0)),
         layout_generation=int(previous.get("layoutGeneration", 0)))
     return Desired(status=status, events=_condition_events(previous, status))
-
-
-def _outdated(spec: Spec, observed: Observed) -> list[str]:
-    """The spec fields some trainer pod of the job was not made with."""
-    found = {name for pod in workload.trainer_pods(observed.pods, observed.job)
-             if not (pod.get("metadata") or {}).get("deletionTimestamp")
-             for name in workload.outdated(pod, spec.whole)}
-    return [name for name in workload.POD_INPUTS if name in found]
 
 
 def _condition_events(previous: Mapping[str, Any], status: Mapping[str, Any]
