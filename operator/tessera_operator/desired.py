@@ -6,10 +6,10 @@
 1. The spec the operator runs (`job_spec`, read once at the reconcile's edge: typed and
    defaulted, and the planner's view of it; else InvalidSpec, PipelineParallelNotSupported:
    nothing made).
-2. Placement (`workload.place`): nodes for the trainer pods the job lacks, among the candidates
-   observed (CKPT-RESTART: for an attempt that has none, on nodes without a failed GPU, spares
-   as found); too few gives Unschedulable and no child at all. The children are every object
-   the job runs, under deterministic names (`workload`).
+2. Placement (`placement.place`): nodes for the trainer pods the job lacks, among the
+   candidates observed (CKPT-RESTART: for an attempt that has none, on nodes without a failed
+   GPU, spares as found); too few gives Unschedulable and no child at all. The children are
+   every object the job runs, under deterministic names (`placement.children`).
 3. Health: failed and unknown GPUs of its nodes from its sources (cordons, lost nodes, DCGM's
    GPUHealth), unknown ones held where the generation in force has them (`signal.health_of`).
 4. The plan (`planner.plan`), its boosts stepped by the closed loop on the trainers' reported
@@ -50,7 +50,7 @@ from tessera_core.plan import generation_layout
 from tessera_operator import conditions, health, planner, workload
 from tessera_operator.lifecycle import Lifecycle, Stage
 from tessera_operator.observed import Observed, Spec
-from tessera_operator.policies import life, signal
+from tessera_operator.policies import life, placement, signal
 from tessera_operator.power_planning import plan_sync
 
 CONFIGMAP_MAX_BYTES = 1024 * 1024  # the API server's limit on a ConfigMap's data
@@ -133,21 +133,6 @@ def job_spec(job: Mapping[str, Any]) -> Spec | planner.Problem:
     return Spec(whole, run)
 
 
-def selector(spec: Spec | planner.Problem) -> dict[str, str]:
-    """The labels every node of the job must carry (its template's nodeSelector; none for a
-    spec the operator cannot read)."""
-    return {} if isinstance(spec, planner.Problem) else workload.node_selector(spec.whole)
-
-
-def needs_placement(spec: Spec | planner.Problem, observed: Observed, now: datetime) -> bool:
-    """Whether the job runs an attempt and lacks a trainer pod: a reconcile then observes the
-    placement candidates (`observe.with_candidates`)."""
-    if isinstance(spec, planner.Problem) or isinstance(spec.planning, planner.Problem) \
-            or life.life(spec, observed, now)[0].stage is not Stage.RUNNING:
-        return False
-    return bool(_missing(spec.whole, workload.placed_nodes(observed.pods, observed.job)))
-
-
 def desired(spec: Spec | planner.Problem, observed: Observed, now: datetime,
             refused: str | None = None, rejected: str | None = None) -> Desired:
     """The desired state of `observed.job` (its spec as `job_spec` reads it) at `now`.
@@ -212,7 +197,8 @@ def desired(spec: Spec | planner.Problem, observed: Observed, now: datetime,
         events.append(Event("Normal", "LayoutChanged",
                             f"layout generation {layout_generation}: TP {plan.tp_layout or '-'}"))
     return Desired(planned.placement,
-                   _children(job, spec.whole, planned.placement, found.attempt), layout,
+                   placement.children(job, spec.whole, planned.placement, found.attempt),
+                   layout,
                    observed.layout.resource_version, targets, held, status,
                    (*events, *_condition_events(previous, status)), delete_configmaps=stale,
                    requeue_after=None if (recheck := planned.signal.recheck_at) is None
@@ -328,100 +314,23 @@ def layout_document(job: Mapping[str, Any], generation: Generation, attempt: int
 # ----------------------------------------------------------------------------------------------
 
 
-def _missing(spec: NTPTrainingJobSpec, placed: Mapping[int, str]) -> list[int]:
-    """The trainer pods to place: those the job lacks. Under CKPT-RESTART all of them for an
-    attempt that has none, else none: an attempt keeps the nodes it started on (a pod gone
-    from its layout's nodes ends it)."""
-    wanted = range(spec.trainers)
-    if spec.failure_policy.mode.restarts_on_loss:
-        return [] if placed else list(wanted)
-    return [i for i in wanted if i not in placed]
-
-
 def _plan(spec: Spec, observed: Observed, now: datetime) -> _Planned:
     run = spec.planning
     if isinstance(run, planner.Problem):
         return _Planned(problems=(run,))
-    placed = _place(spec.whole, run, observed, now)
+    placed = placement.place(spec.whole, run, observed, now)
     if isinstance(placed, planner.Problem):
         return _Planned(problems=(placed,))
-    placement, nodes = placed
+    where, nodes = placed
     domains = planner.node_domains(nodes, run.domain_label)
     if (unpowered := planner.budget_problem(run, domains)) is not None:
         return _Planned(problems=(unpowered,))
-    found, lost = signal.health_of(spec.whole, observed, placement, nodes, now)
+    found, lost = signal.health_of(spec.whole, observed, where, nodes, now)
     if run.restarts_on_loss and (in_force := observed.layout.generation) is not None:
         # An attempt keeps its first layout: its plan is that layout's nodes, the spares idle.
         domains = {n: d for n, d in domains.items() if n in {g.node for g in in_force.gpus}}
     plan = planner.plan(run, domains, found.failed)
-    return _Planned(placement, plan, plan.problems, found, lost)
-
-
-def chosen_nodes(spec: Spec | planner.Problem, observed: Observed) -> tuple[str, ...]:
-    """The nodes placement chooses among `observed.candidates` for the trainer pods the job
-    lacks; none when they do not fit."""
-    if isinstance(spec, planner.Problem) or isinstance(spec.planning, planner.Problem):
-        return ()
-    placed = _place(spec.whole, spec.planning, observed, None)
-    if isinstance(placed, planner.Problem):
-        return ()
-    before = set(workload.placed_nodes(observed.pods, observed.job).values())
-    return tuple(sorted(set(placed[0].values()) - before))
-
-
-def _place(spec: NTPTrainingJobSpec, run: planner.JobSpec, observed: Observed,
-           now: datetime | None
-           ) -> tuple[dict[int, str], tuple[Mapping[str, Any], ...]] | planner.Problem:
-    """Every trainer pod's node (those placed, and nodes chosen for the missing ones) and the
-    job's nodes as observed; or why the missing ones cannot be placed. `now` None: the
-    candidates' DCGM health is not read yet (`chosen_nodes`, which only picks the nodes whose
-    other pods are read)."""
-    placed = workload.placed_nodes(observed.pods, observed.job)
-    missing = _missing(spec, placed)
-    if not missing:
-        return placed, observed.nodes
-    candidates = observed.candidates
-    if candidates is None:
-        raise ValueError("placing a job needs its candidates observed")
-    views = [v for v in workload.node_views(candidates.nodes, candidates.taken,
-                                            workload.node_selector(spec), run.domain_label)
-             if v.name not in placed.values()]
-    chosen = _healthy_nodes(spec, run, observed, views, len(missing), now) \
-        if run.restarts_on_loss else workload.place(run, len(missing), views)
-    if isinstance(chosen, planner.Problem):
-        return chosen
-    # CKPT-RESTART may find fewer nodes than pods asked for: the spares it lacks are left out.
-    placement = placed | dict(zip(missing, chosen, strict=False))
-    return placement, tuple(n for n in candidates.nodes
-                            if n["metadata"]["name"] in placement.values())
-
-
-def _healthy_nodes(spec: NTPTrainingJobSpec, run: planner.JobSpec, observed: Observed,
-                   views: list[workload.NodeView], wanted: int, now: datetime | None
-                   ) -> tuple[str, ...] | planner.Problem:
-    """CKPT-RESTART's placement of an attempt: whole nodes none of whose GPUs the job's health
-    sources fail (a trainer pod needs every GPU of its node), `wanted` of them or as many as
-    there are, at least those DP x TP x PP GPUs fill; or why not."""
-    assert observed.candidates is not None
-    found, _ = signal.health_of(spec, observed, {}, observed.candidates.nodes, now)
-    bad = {node for node, _ in found.failed}
-    chosen = workload.place(run, wanted, [v for v in views if v.name not in bad],
-                            fewest=run.fewest_nodes)
-    if isinstance(chosen, planner.Problem):
-        return replace(chosen, message=(
-            f"{chosen.message}; under failurePolicy.mode CKPT-RESTART a node with a failed or "
-            f"cordoned GPU is no candidate ({len(bad)} such)"))
-    return chosen
-
-
-def _children(job: Mapping[str, Any], spec: NTPTrainingJobSpec, placement: Mapping[int, str],
-              attempt: int) -> tuple[dict[str, Any], ...]:
-    if not placement:
-        return ()
-    return (*workload.identity(job, spec), workload.progress_configmap(job, attempt),
-            workload.rendezvous_pod(job, spec, attempt),
-            *(workload.trainer_pod(job, spec, i, node, attempt)
-              for i, node in sorted(placement.items())))
+    return _Planned(where, plan, plan.problems, found, lost)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ import kopf
 from tessera_operator import apply, desired, metrics, observe
 from tessera_operator.jobqueue import JobKey
 from tessera_operator.observed import ours
+from tessera_operator.policies import placement
 
 # Watches drive every change; the resync only re-observes what a watch may have missed. Its
 # cost is five reads per job per interval, whatever the number of nodes.
@@ -52,13 +53,13 @@ def reconcile(memo: kopf.Memo, key: JobKey, logger: logging.Logger,
         #    choose the same free GPUs (and its pods would stay Pending). An attempt that ends
         #    writes its status (its account) before its pods and reports go.
         spec = desired.job_spec(job)
-        placing = desired.needs_placement(spec, observed, now)
+        placing = placement.needs_placement(spec, observed, now)
         nodes_seen = memo.nodes.changes
         with memo.placing if placing else contextlib.nullcontext():
             if placing:
                 observed = observe.with_candidates(
-                    api, memo.nodes, indices, observed, desired.selector(spec),
-                    lambda seen: desired.chosen_nodes(spec, seen))
+                    api, memo.nodes, indices, observed, placement.selector(spec),
+                    lambda seen: placement.chosen_nodes(spec, seen))
             wanted = desired.desired(spec, observed, now)
             if wanted.ended:
                 apply.status(api, job, wanted.status)

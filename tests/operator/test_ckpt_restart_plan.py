@@ -23,6 +23,7 @@ from tessera_contracts.unreadable import Unreadable
 from tessera_dev import paths
 from tessera_operator import desired, planner, workload
 from tessera_operator.observed import Candidates, Layout, Observed
+from tessera_operator.policies import placement
 
 pytestmark = [pytest.mark.operator, pytest.mark.recovery]
 
@@ -220,7 +221,7 @@ RESTARTING = _job(attempt=1, restarts=1,
 def _placed(*candidates: dict[str, Any],
             gpu_health: tuple[PublishedHealth | Unreadable, ...] = ()) -> desired.Desired:
     observed = Observed(RESTARTING, candidates=Candidates(candidates), gpu_health=gpu_health)
-    assert desired.needs_placement(desired.job_spec(RESTARTING), observed, NOW)
+    assert placement.needs_placement(desired.job_spec(RESTARTING), observed, NOW)
     return _desired(observed)
 
 
@@ -255,4 +256,4 @@ def test_an_attempt_with_its_pods_adds_no_spare() -> None:
     one = Observed(RESTARTING, pods=(workload.trainer_pod(
         RESTARTING, NTPTrainingJobSpec.from_spec(RESTARTING["spec"]), 0, B, 1),),
                    nodes=(_node(B),))
-    assert not desired.needs_placement(desired.job_spec(RESTARTING), one, NOW)
+    assert not placement.needs_placement(desired.job_spec(RESTARTING), one, NOW)

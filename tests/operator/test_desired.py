@@ -21,6 +21,7 @@ from tessera_contracts.unreadable import Unreadable
 from tessera_dev import paths
 from tessera_operator import desired, health, workload
 from tessera_operator.observed import Candidates, Layout, Observed
+from tessera_operator.policies import placement
 
 pytestmark = pytest.mark.operator
 
@@ -156,7 +157,7 @@ def test_the_desired_state_of_a_job(case: Case) -> None:
 def test_a_fresh_job_is_placed_on_free_nodes_under_deterministic_names() -> None:
     observed = CASES["a fresh job on two free nodes, its rendezvous without an address yet"
                      ].observed
-    assert desired.needs_placement(desired.job_spec(observed.job), observed, NOW)
+    assert placement.needs_placement(desired.job_spec(observed.job), observed, NOW)
     wanted = _desired(observed, NOW)
     assert wanted == _desired(observed, NOW)  # the same world, the same objects
     assert wanted.placement == {0: A, 1: B}
@@ -165,7 +166,7 @@ def test_a_fresh_job_is_placed_on_free_nodes_under_deterministic_names() -> None
     assert pinned == {"llama-rendezvous": None, "llama-node-0": A, "llama-node-1": B}
     assert all(c["metadata"]["ownerReferences"] == [workload.owner(JOB)] for c in wanted.children)
     # Placed, the job needs nothing more placed.
-    assert not desired.needs_placement(desired.job_spec(JOB), PLACED, NOW)
+    assert not placement.needs_placement(desired.job_spec(JOB), PLACED, NOW)
 
 
 def test_a_node_whose_gpus_other_pods_hold_is_not_chosen() -> None:
@@ -355,7 +356,7 @@ def test_a_job_that_runs_no_attempt_asks_for_no_placement() -> None:
     for name in ("suspended before it ran: nothing made, no power",
                  "a trainer pod failed: the attempt ends, a restart begins"):
         observed = LIFE_CASES[name].observed
-        assert not desired.needs_placement(desired.job_spec(observed.job), observed, NOW)
+        assert not placement.needs_placement(desired.job_spec(observed.job), observed, NOW)
 
 
 def test_the_rejection_and_the_edited_fields_are_named_in_the_conditions() -> None:
