@@ -21,7 +21,7 @@ from tessera_contracts.unreadable import Unreadable
 from tessera_dev import paths
 from tessera_operator import desired, health, workload
 from tessera_operator.observed import Candidates, Layout, Observed
-from tessera_operator.policies import placement
+from tessera_operator.policies import placement, publish
 
 pytestmark = pytest.mark.operator
 
@@ -380,17 +380,17 @@ def test_a_planned_switch_is_published_for_a_step_the_ranks_have_not_passed() ->
     # the newest report, and 4 more before the document reaches them.
     fresh = NodeReport("a", 1, 100, 1000, State.TRAINING, step_seconds=1.0, reported_at=now - 3)
     fast = NodeReport("b", 1, 98, 1000, State.TRAINING, step_seconds=0.5, reported_at=now - 9)
-    assert desired.planned_step({"a": fresh, "b": fast}, now) == 100 + 6 + 4
+    assert publish.planned_step({"a": fresh, "b": fast}, now) == 100 + 6 + 4
     # a report that does not say when: a whole report period (10 s) old
     unstamped = replace(fresh, reported_at=None)
-    assert desired.planned_step({"a": unstamped, "b": fast}, now) == 100 + 20 + 4
+    assert publish.planned_step({"a": unstamped, "b": fast}, now) == 100 + 20 + 4
     # a clock ahead or far behind counts as no older than 0 s or one period
     ahead = replace(fresh, reported_at=now + 60)
-    assert desired.planned_step({"a": ahead, "b": fast}, now) == 100 + 0 + 4
+    assert publish.planned_step({"a": ahead, "b": fast}, now) == 100 + 0 + 4
     # before any pace: the step reported, the ranks switching at the first boundary after it
     starting = NodeReport("a", 1, 3, 1000, State.TRAINING)
-    assert desired.planned_step({"a": starting, "b": None}, now) == 3
-    assert desired.planned_step({}, now) == 0
+    assert publish.planned_step({"a": starting, "b": None}, now) == 3
+    assert publish.planned_step({}, now) == 0
 
 
 @pytest.mark.parametrize("forged", [
