@@ -23,7 +23,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
@@ -33,16 +33,13 @@ from tessera_contracts.generation import (
 )
 from tessera_contracts.jobspec import NTPTrainingJobSpec, SpecError
 from tessera_contracts.powertarget import (
-    InvalidTarget,
     PowerTarget,
     format_time,
-    parse_object,
-    reported_limits,
 )
 from tessera_operator import conditions, health, planner, workload
 from tessera_operator.lifecycle import Lifecycle, Stage
 from tessera_operator.observed import Observed, Spec
-from tessera_operator.policies import life, placement, publish, signal
+from tessera_operator.policies import life, placement, power, publish, signal
 from tessera_operator.power_planning import plan_sync
 
 
@@ -147,7 +144,7 @@ def desired(spec: Spec | planner.Problem, observed: Observed, now: datetime,
     in_force: Generation | None = None
     if plan is not None:
         try:
-            plan, targets = _power(plan, observed, reports, planned.lost.failed)
+            plan, targets = power.boosted(plan, observed, reports, planned.lost.failed)
             layout, in_force = publish.to_publish(spec.whole, observed, plan, reports,
                                                   planned.lost.failed, now,
                                                   told or spec.whole.steps)
@@ -272,43 +269,3 @@ def _plan(spec: Spec, observed: Observed, now: datetime) -> _Planned:
         domains = {n: d for n, d in domains.items() if n in {g.node for g in in_force.gpus}}
     plan = planner.plan(run, domains, found.failed)
     return _Planned(where, plan, plan.problems, found, lost)
-
-
-# ----------------------------------------------------------------------------------------------
-# Power and layout
-# ----------------------------------------------------------------------------------------------
-
-
-def _power(plan: planner.JobPlan, observed: Observed,
-           reports: Mapping[str, progress.NodeReport | None], lost: frozenset[planner.GpuId]
-           ) -> tuple[planner.JobPlan, dict[str, PowerTarget]]:
-    """The plan with its boosts stepped by the closed loop, and its power targets. The loop's
-    ratio, the parked nodes and the lost GPUs' watts all read the targets as they are."""
-    current = {obj["metadata"]["name"]: obj for obj in observed.targets}
-    racks = {node: rack for node, obj in current.items()
-             if isinstance(spec := obj.get("spec"), dict)
-             and isinstance(rack := spec.get("rack"), str)}
-    plan = replace(plan, stuck=_counted_watts(current, lost))
-    previous = observed.job.get("status") or {}
-    plan = planner.follow_compute(plan, reports, conditions.boosts(previous), racks)
-    return plan, plan.power_targets(racks)
-
-
-def _counted_watts(current: Mapping[str, Mapping[str, Any]], lost: frozenset[planner.GpuId]
-                   ) -> dict[planner.GpuId, int]:
-    """The watts each agent still counts a GPU lost under its process at: the limit it reports,
-    else what its target last asked for (no target: nothing was ever set, nothing is held)."""
-    counted = {}
-    for node, index in lost:
-        obj = current.get(node)
-        if obj is None:
-            continue
-        reported = reported_limits(obj)
-        if index in reported:
-            counted[(node, index)] = reported[index]
-            continue
-        try:
-            counted[(node, index)] = parse_object(obj, node).watts_for(index)
-        except InvalidTarget:
-            continue
-    return counted
