@@ -1,44 +1,40 @@
 """A job's desired state (pure): from its spec, what was observed and the time, one `Desired`.
 
-`desired(spec, observed, now)` takes the steps a reconcile decides on, with no I/O:
-0. Where the job is in its life (`life.life`); under failurePolicy.mode CKPT-RESTART a GPU
-   lost under the running attempt's layout fails it as a failed trainer pod does.
-1. The spec the operator runs (`job_spec`, read once at the reconcile's edge: typed and
-   defaulted, and the planner's view of it; else InvalidSpec, PipelineParallelNotSupported:
-   nothing made).
-2. Placement (`placement.place`): nodes for the trainer pods the job lacks, among the
-   candidates observed (CKPT-RESTART: for an attempt that has none, on nodes without a failed
-   GPU, spares as found); too few gives Unschedulable and no child at all. The children are
-   every object the job runs, under deterministic names (`placement.children`).
-3. Health: failed and unknown GPUs of its nodes from its sources (cordons, lost nodes, DCGM's
-   GPUHealth), unknown ones held where the generation in force has them (`signal.health_of`).
-4. The plan (`planner.plan`), its boosts stepped by the closed loop on the trainers' reported
-   compute times (`planner.follow_compute`), its power targets, and the next generation
-   document when the layout changed (`publish.to_publish`, once the rendezvous pod has an
-   address); a layout the job may not publish (not its own, lost, too large) leaves it without
-   a plan.
-5. The status rebuilt from all that (`conditions.render`) and one event per decision.
+`desired(spec, observed, now)` takes the steps a reconcile decides on, with no I/O, each policy
+in a room of its own (`tessera_operator.policies`):
+0. Where the job is in its life (`life.life`); a job that runs no attempt gets no plan and no
+   child (`_stopped`).
+1. The spec the operator runs (`job_spec`, read once at the reconcile's edge; else InvalidSpec,
+   PipelineParallelNotSupported: nothing made).
+2. Placement (`placement.place`): nodes for the trainer pods the job lacks; too few gives
+   Unschedulable and no child at all. The children are every object the job runs.
+3. Health: failed and unknown GPUs of its nodes from its sources (`signal.health_of`).
+4. The plan (`planner.plan`), its boosts and power targets (`power.boosted`), and the next
+   generation document (`publish.to_publish`); a layout the job may not publish leaves it
+   without a plan.
+5. Written up (`_written`): the status rebuilt from all that (`conditions.render`) and one
+   event per decision.
+
+What applying it then meets is fed back without deciding again: pods the API server refused
+(`Desired.pods_rejected`: the job has no plan) and power targets it refused
+(`Desired.power_refused`) only write step 5 up anew.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import Any
 
 from tessera_contracts import progress
-from tessera_contracts.generation import (
-    Generation,
-)
+from tessera_contracts.generation import Generation
 from tessera_contracts.jobspec import NTPTrainingJobSpec, SpecError
-from tessera_contracts.powertarget import (
-    PowerTarget,
-    format_time,
-)
+from tessera_contracts.powertarget import PowerTarget, format_time
 from tessera_operator import conditions, health, planner, workload
 from tessera_operator.lifecycle import Lifecycle, Stage
 from tessera_operator.observed import Observed, Spec
+from tessera_operator.planner import Problem
 from tessera_operator.policies import life, placement, power, publish, signal
 from tessera_operator.power_planning import plan_sync
 
@@ -50,6 +46,41 @@ class Event:
     type: str  # Normal or Warning
     reason: str
     message: str
+
+
+@dataclass(frozen=True)
+class _Planned:
+    """Where the job runs and its plan there, or why there is none."""
+
+    placement: Mapping[int, str] = field(default_factory=dict)
+    plan: planner.JobPlan | None = None
+    problems: tuple[Problem, ...] = ()
+    signal: health.Health = health.Health()  # its GPUs' health, all sources
+    lost: health.Health = health.Health()  # the GPUs lost under their processes
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What steps 0-4 decided for a running attempt, and what applying it met: the status and
+    events are written up from it (`_written`)."""
+
+    observed: Observed  # as the attempt sees it (`life.of_attempt`)
+    previous: Mapping[str, Any]  # the status as observed
+    now: datetime
+    life: Lifecycle
+    planned: _Planned
+    children: tuple[dict[str, Any], ...]
+    stale: tuple[str, ...]  # ConfigMaps of an earlier attempt
+    outdated: tuple[str, ...]  # spec fields the running pods were not made with
+    reports: Mapping[str, progress.NodeReport | None]  # those that agree with the pods
+    refused_reports: tuple[str, ...]
+    plan: planner.JobPlan | None  # boosted; None without one, or `blocked`
+    blocked: Problem | None  # why a plan made cannot be carried out
+    targets: Mapping[str, PowerTarget]
+    layout: dict[str, Any] | None  # the layout ConfigMap with a new generation, or None
+    in_force: Generation | None  # the generation in force once it is published
+    rejected: str | None = None  # why the API server refused the job's pods
+    refused: str | None = None  # why it refused the power targets
 
 
 @dataclass(frozen=True)
@@ -74,6 +105,7 @@ class Desired:
     ended: bool = False  # an attempt ends: the status (its account) is written before the rest
     delete_job: bool = False  # ttlSecondsAfterFinished has passed
     requeue_after: float | None = None  # seconds until the job needs a reconcile of its own
+    decision: Decision | None = None  # a running attempt's, to write up anew
 
     @property
     def waits_for_nodes(self) -> bool:
@@ -82,63 +114,59 @@ class Desired:
                       if c.get("type") == "Ready"), {})
         return ready.get("reason") == "Unschedulable"
 
+    def pods_rejected(self, why: str) -> Desired:
+        """This decision once the API server refused the job's pods (`why`): no plan
+        (Ready=False, reason PodRejected), no layout, its power targets released."""
+        if self.decision is None:
+            return self
+        return _written(replace(self.decision, rejected=why))
 
-@dataclass(frozen=True)
-class _Planned:
-    """Where the job runs and its plan there, or why there is none."""
-
-    placement: Mapping[int, str] = field(default_factory=dict)
-    plan: planner.JobPlan | None = None
-    problems: tuple[planner.Problem, ...] = ()
-    signal: health.Health = health.Health()  # its GPUs' health, all sources
-    lost: health.Health = health.Health()  # the GPUs lost under their processes
+    def power_refused(self, why: str) -> Desired:
+        """This decision once the API server refused its power targets (`why`): Ready's
+        message says so, and no raise is said to wait."""
+        if self.decision is None:
+            return self
+        return _written(replace(self.decision, refused=why))
 
 
-def job_spec(job: Mapping[str, Any]) -> Spec | planner.Problem:
+def job_spec(job: Mapping[str, Any]) -> Spec | Problem:
     """The job's spec as the operator reads it, once per reconcile: typed and defaulted, with
     what planning runs of it; a Problem when the schema would not store it."""
     try:
         whole = NTPTrainingJobSpec.from_spec(job["spec"])
     except SpecError as exc:
-        return planner.Problem("InvalidSpec", str(exc))
+        return Problem("InvalidSpec", str(exc))
     try:
         run = planner.JobSpec.of(whole)
     except SpecError as exc:
-        return Spec(whole, planner.Problem("InvalidSpec", str(exc)))
+        return Spec(whole, Problem("InvalidSpec", str(exc)))
     if run.pp > 1:
-        return Spec(whole, planner.Problem("PipelineParallelNotSupported", (
+        return Spec(whole, Problem("PipelineParallelNotSupported", (
             f"pipelineParallelSize {run.pp}: the trainer runs tensor and data parallelism "
             "only; set it to 1")))
     return Spec(whole, run)
 
 
-def desired(spec: Spec | planner.Problem, observed: Observed, now: datetime,
-            refused: str | None = None, rejected: str | None = None) -> Desired:
-    """The desired state of `observed.job` (its spec as `job_spec` reads it) at `now`.
-    `refused`: why the API server refused the power targets, when it did (Ready's message says
-    so, and no raise is said to wait); `rejected`: why it refused the job's pods (the job has
-    no plan then: Ready=False, reason PodRejected)."""
-    if isinstance(spec, planner.Problem):
+def desired(spec: Spec | Problem, observed: Observed, now: datetime) -> Desired:
+    """The desired state of `observed.job` (its spec as `job_spec` reads it) at `now`."""
+    if isinstance(spec, Problem):
         return _unreadable(spec, observed, now)
-    job = observed.job
-    previous = job.get("status") or {}
     # 0. Where the job is in its life; what earlier attempts left behind goes.
     found, lost = life.life(spec, observed, now)
     if found.stage is not Stage.RUNNING:
         return _stopped(spec, observed, now, found, lost)
     stale = tuple(name for name, attempt in observed.configmap_attempts.items()
                   if attempt != found.attempt)
+    previous = observed.job.get("status") or {}
+    outdated = tuple(life.outdated(spec, observed))
     observed = life.of_attempt(observed, found.attempt)
     # 1-3. Placement, health and the plan.
     planned = _plan(spec, observed, now)
-    plan, problems = planned.plan, planned.problems
-    if rejected is not None:
-        plan, problems = None, (planner.Problem("PodRejected", rejected), *problems)
     # 4. The trainers' progress drives the boosts and the step a planned switch happens at.
-    told = workload.steps_told(observed.pods, job)
+    told = workload.steps_told(observed.pods, observed.job)
     reports, refused_reports = publish.agreed(
         observed.reports_of(sorted(set(planned.placement.values()))), told)
-    layout_generation = int(previous.get("layoutGeneration", 0))
+    plan, blocked = planned.plan, None
     targets: dict[str, PowerTarget] = {}
     layout: dict[str, Any] | None = None
     in_force: Generation | None = None
@@ -149,40 +177,70 @@ def desired(spec: Spec | planner.Problem, observed: Observed, now: datetime,
                                                   planned.lost.failed, now,
                                                   told or spec.whole.steps)
         except SpecError as exc:
-            plan, problems = None, (planner.Problem("InvalidSpec", str(exc)), *problems)
-            targets = {}
+            plan, blocked, targets = None, Problem("InvalidSpec", str(exc)), {}
         except publish.LayoutBlocked as exc:
-            plan, problems = None, (planner.Problem(exc.reason, str(exc)), *problems)
-            targets, layout = {}, None
-    if in_force is not None:
-        layout_generation = in_force.generation
-    # 5. The status, rebuilt; an event per decision.
-    notes = (*planned.signal.problems, *refused_reports)
-    held: tuple[str, ...] = ()
-    if refused is None:
-        held = plan_sync(observed.targets, list(targets.values())).held
+            plan, blocked, targets, layout = None, Problem(exc.reason, str(exc)), {}, None
+    children = placement.children(observed.job, spec.whole, planned.placement, found.attempt)
+    # 5. Written up: the status, the events.
+    return _written(Decision(
+        observed, previous, now, found, planned, children, stale, outdated, reports,
+        refused_reports, plan, blocked, targets, layout, in_force))
+
+
+def _plan(spec: Spec, observed: Observed, now: datetime) -> _Planned:
+    run = spec.planning
+    if isinstance(run, Problem):
+        return _Planned(problems=(run,))
+    placed = placement.place(spec.whole, run, observed, now)
+    if isinstance(placed, Problem):
+        return _Planned(problems=(placed,))
+    where, nodes = placed
+    domains = planner.node_domains(nodes, run.domain_label)
+    if (unpowered := planner.budget_problem(run, domains)) is not None:
+        return _Planned(problems=(unpowered,))
+    found, lost = signal.health_of(spec.whole, observed, where, nodes, now)
+    if run.restarts_on_loss and (in_force := observed.layout.generation) is not None:
+        # An attempt keeps its first layout: its plan is that layout's nodes, the spares idle.
+        domains = {n: d for n, d in domains.items() if n in {g.node for g in in_force.gpus}}
+    plan = planner.plan(run, domains, found.failed)
+    return _Planned(where, plan, plan.problems, found, lost)
+
+
+def _written(decision: Decision) -> Desired:
+    """The running attempt's `Desired` from what was decided and what applying it met."""
+    d = decision
+    job, signal_ = d.observed.job, d.planned.signal
+    plan, targets, layout, in_force = d.plan, d.targets, d.layout, d.in_force
+    problems = d.planned.problems if d.blocked is None else (d.blocked, *d.planned.problems)
+    if d.rejected is not None:
+        plan, targets, layout, in_force = None, {}, None, None
+        problems = (Problem("PodRejected", d.rejected), *d.planned.problems)
+    layout_generation = int(d.previous.get("layoutGeneration", 0)) if in_force is None \
+        else in_force.generation
+    notes, held = (*signal_.problems, *d.refused_reports), ()
+    if d.refused is None:
+        held = plan_sync(d.observed.targets, list(targets.values())).held
     else:
-        notes = (*notes, f"power targets refused: {refused}")
+        notes = (*notes, f"power targets refused: {d.refused}")
     trained = None if in_force is None else progress.summarize(
-        reports, in_force.generation, sorted({g.node for g in in_force.gpus}), found.earlier)
+        d.reports, in_force.generation, sorted({g.node for g in in_force.gpus}), d.life.earlier)
     status = conditions.render(
-        plan, problems, previous, now=format_time(now),
+        plan, problems, d.previous, now=format_time(d.now),
         generation=int(job["metadata"].get("generation", 0)),
         layout_generation=layout_generation, notes=notes, held=held, trained=trained,
-        life=found, outdated=life.outdated(spec, observed),
+        life=d.life, outdated=d.outdated,
         tp_layout=None if in_force is None else planner.format_layout(in_force.tp_degrees),
-        why=planned.signal.reasons)
+        why=signal_.reasons)
     events = []
-    if layout_generation != int(previous.get("layoutGeneration", 0)) and plan is not None:
+    if layout_generation != int(d.previous.get("layoutGeneration", 0)) and plan is not None:
         events.append(Event("Normal", "LayoutChanged",
                             f"layout generation {layout_generation}: TP {plan.tp_layout or '-'}"))
-    return Desired(planned.placement,
-                   placement.children(job, spec.whole, planned.placement, found.attempt),
-                   layout,
-                   observed.layout.resource_version, targets, held, status,
-                   (*events, *_condition_events(previous, status)), delete_configmaps=stale,
-                   requeue_after=None if (recheck := planned.signal.recheck_at) is None
-                   else recheck - now.timestamp())
+    recheck = signal_.recheck_at
+    return Desired(d.planned.placement, d.children, layout, d.observed.layout.resource_version,
+                   targets, held, status, (*events, *_condition_events(d.previous, status)),
+                   delete_configmaps=d.stale,
+                   requeue_after=None if recheck is None else recheck - d.now.timestamp(),
+                   decision=d)
 
 
 def _stopped(spec: Spec, observed: Observed, now: datetime, found: Lifecycle,
@@ -191,8 +249,7 @@ def _stopped(spec: Spec, observed: Observed, now: datetime, found: Lifecycle,
     every power target released; an attempt that ends takes its layout with it, a finished
     job keeps its last one (and its step and goodput) for the record. `lost`: the GPUs whose
     loss ended the attempt (CKPT-RESTART), named in an event."""
-    job = observed.job
-    previous = job.get("status") or {}
+    previous = observed.job.get("status") or {}
     finished = found.stage is Stage.FINISHED
     wall = found.earlier.wall_seconds
     trained = progress.JobProgress(
@@ -201,7 +258,7 @@ def _stopped(spec: Spec, observed: Observed, now: datetime, found: Lifecycle,
             found.earlier.productive_seconds / wall if wall else None), "")
     status = conditions.render(
         None, (), previous, now=format_time(now),
-        generation=int(job["metadata"].get("generation", 0)),
+        generation=int(observed.job["metadata"].get("generation", 0)),
         layout_generation=int(previous.get("layoutGeneration", 0)) if finished else 0,
         trained=trained, life=found, outdated=life.outdated(spec, observed))
     if finished:  # the layout it ended on
@@ -223,7 +280,7 @@ def _stopped(spec: Spec, observed: Observed, now: datetime, found: Lifecycle,
                    requeue_after=ttl if ttl is not None and ttl > 0 else None)
 
 
-def _unreadable(problem: planner.Problem, observed: Observed, now: datetime) -> Desired:
+def _unreadable(problem: Problem, observed: Observed, now: datetime) -> Desired:
     """A job whose spec the schema would not store (it was stored under another schema): why,
     in its status; no child made or deleted, its power targets released."""
     previous = observed.job.get("status") or {}
@@ -245,27 +302,3 @@ def _condition_events(previous: Mapping[str, Any], status: Mapping[str, Any]
         events.append(Event("Warning" if bad else "Normal", c["reason"],
                             f"{c['type']}={c['status']}: {c['message']}"))
     return tuple(events)
-
-
-# ----------------------------------------------------------------------------------------------
-# Placement, health, plan
-# ----------------------------------------------------------------------------------------------
-
-
-def _plan(spec: Spec, observed: Observed, now: datetime) -> _Planned:
-    run = spec.planning
-    if isinstance(run, planner.Problem):
-        return _Planned(problems=(run,))
-    placed = placement.place(spec.whole, run, observed, now)
-    if isinstance(placed, planner.Problem):
-        return _Planned(problems=(placed,))
-    where, nodes = placed
-    domains = planner.node_domains(nodes, run.domain_label)
-    if (unpowered := planner.budget_problem(run, domains)) is not None:
-        return _Planned(problems=(unpowered,))
-    found, lost = signal.health_of(spec.whole, observed, where, nodes, now)
-    if run.restarts_on_loss and (in_force := observed.layout.generation) is not None:
-        # An attempt keeps its first layout: its plan is that layout's nodes, the spares idle.
-        domains = {n: d for n, d in domains.items() if n in {g.node for g in in_force.gpus}}
-    plan = planner.plan(run, domains, found.failed)
-    return _Planned(where, plan, plan.problems, found, lost)

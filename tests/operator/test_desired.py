@@ -15,7 +15,7 @@ import yaml
 from tessera_contracts.generation import LAYOUT_KEY, Generation, Gpu
 from tessera_contracts.gpuhealth import PublishedHealth, read
 from tessera_contracts.jobspec import NTPTrainingJobSpec, defaulted
-from tessera_contracts.powertarget import format_time
+from tessera_contracts.powertarget import format_time, to_object
 from tessera_contracts.progress import NodeReport, State
 from tessera_contracts.unreadable import Unreadable
 from tessera_dev import paths
@@ -331,8 +331,9 @@ LIFE_CASES = {
 @pytest.mark.parametrize("case", LIFE_CASES.values(), ids=LIFE_CASES.keys())
 def test_the_desired_state_of_a_job_through_its_life(case: LifeCase) -> None:
     observed = case.observed
-    wanted = desired.desired(desired.job_spec(observed.job), observed, NOW,
-                             rejected=case.rejected)
+    wanted = desired.desired(desired.job_spec(observed.job), observed, NOW)
+    if case.rejected is not None:
+        wanted = wanted.pods_rejected(case.rejected)
     assert [(c["kind"], c["metadata"]["name"]) for c in wanted.children] == case.children
     assert bool(wanted.targets) == case.targets
     assert wanted.status["phase"] == case.phase
@@ -361,8 +362,8 @@ def test_a_job_that_runs_no_attempt_asks_for_no_placement() -> None:
 
 def test_the_rejection_and_the_edited_fields_are_named_in_the_conditions() -> None:
     rejected = LIFE_CASES["the job's pods rejected: no plan, no power"]
-    wanted = desired.desired(desired.job_spec(rejected.observed.job), rejected.observed, NOW,
-                             rejected=REJECTION)
+    wanted = desired.desired(desired.job_spec(rejected.observed.job), rejected.observed,
+                             NOW).pods_rejected(REJECTION)
     ready = next(c for c in wanted.status["conditions"] if c["type"] == "Ready")
     assert ready["message"].startswith(REJECTION)
     assert ("Warning", "PodRejected") in {(e.type, e.reason) for e in wanted.events}
@@ -372,6 +373,31 @@ def test_the_rejection_and_the_edited_fields_are_named_in_the_conditions() -> No
     assert current["message"].startswith("spec.image changed since the running pods were made")
     assert "spec.template" not in current["message"]
     assert ("Warning", "RestartPending") in {(e.type, e.reason) for e in edited.events}
+
+
+def test_what_the_api_server_refuses_is_written_into_the_decision_not_decided_again(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Refused pods leave the job without a plan, its power targets released; refused power
+    targets are named in Ready, no raise said to wait. Neither places the job anew."""
+    cordoned = CASES["a cordoned GPU: a planned generation at the last step reported"].observed
+    at_base = _desired(TRAINING, NOW).targets
+    observed = replace(cordoned, targets=tuple(to_object(t) for t in at_base.values()))
+    wanted = _desired(observed, NOW)
+    assert wanted.layout is not None and wanted.targets[A] != at_base[A]
+
+    def placed_again(*_: Any) -> None:
+        raise AssertionError("decided again")
+
+    monkeypatch.setattr(placement, "place", placed_again)
+    refused = wanted.power_refused("spec.gpus[0].watts: too many")
+    ready = next(c for c in refused.status["conditions"] if c["type"] == "Ready")
+    assert ready["message"].endswith("; power targets refused: spec.gpus[0].watts: too many")
+    assert refused.held == ()
+    assert (refused.layout, refused.targets) == (wanted.layout, wanted.targets)
+    rejected = wanted.pods_rejected(REJECTION)
+    ready = next(c for c in rejected.status["conditions"] if c["type"] == "Ready")
+    assert (ready["reason"], rejected.layout, rejected.targets) == ("PodRejected", None, {})
+    assert rejected.children == wanted.children  # the pods it tried are the ones wanted
 
 
 def test_a_planned_switch_is_published_for_a_step_the_ranks_have_not_passed() -> None:
