@@ -12,8 +12,8 @@ in a room of its own (`tessera_operator.policies`):
 4. The plan (`planner.plan`), its boosts and power targets (`power.boosted`), and the next
    generation document (`publish.to_publish`); a layout the job may not publish leaves it
    without a plan.
-5. Written up (`_written`): the status rebuilt from all that (`conditions.render`) and one
-   event per decision.
+5. Written up (`_written`): the status rebuilt from all that (`conditions.render`), one event
+   per decision, and the one pass of power target writes (`power.sync`).
 
 What applying it then meets is fed back without deciding again: pods the API server refused
 (`Desired.pods_rejected`: the job has no plan) and power targets it refused
@@ -36,7 +36,7 @@ from tessera_operator.lifecycle import Lifecycle, Stage
 from tessera_operator.observed import Observed, Spec
 from tessera_operator.planner import Problem
 from tessera_operator.policies import life, placement, power, publish, signal
-from tessera_operator.power_planning import plan_sync
+from tessera_operator.power_planning import SyncPlan
 
 
 @dataclass(frozen=True)
@@ -61,8 +61,8 @@ class _Planned:
 
 @dataclass(frozen=True)
 class Decision:
-    """What steps 0-4 decided for a running attempt, and what applying it met: the status and
-    events are written up from it (`_written`)."""
+    """What steps 0-4 decided for a running attempt, and what applying it met: the status,
+    events and power writes are written up from it (`_written`)."""
 
     observed: Observed  # as the attempt sees it (`life.of_attempt`)
     previous: Mapping[str, Any]  # the status as observed
@@ -105,6 +105,8 @@ class Desired:
     ended: bool = False  # an attempt ends: the status (its account) is written before the rest
     delete_job: bool = False  # ttlSecondsAfterFinished has passed
     requeue_after: float | None = None  # seconds until the job needs a reconcile of its own
+    # The one pass of writes that brings the job's power targets to `targets`.
+    sync: SyncPlan = field(default_factory=lambda: SyncPlan({}, (), ()))
     decision: Decision | None = None  # a running attempt's, to write up anew
 
     @property
@@ -123,10 +125,10 @@ class Desired:
 
     def power_refused(self, why: str) -> Desired:
         """This decision once the API server refused its power targets (`why`): Ready's
-        message says so, and no raise is said to wait."""
+        message says so, and no raise is said to wait (the writes were made as they are)."""
         if self.decision is None:
             return self
-        return _written(replace(self.decision, refused=why))
+        return _written(replace(self.decision, refused=why), self.sync)
 
 
 def job_spec(job: Mapping[str, Any]) -> Spec | Problem:
@@ -181,7 +183,7 @@ def desired(spec: Spec | Problem, observed: Observed, now: datetime) -> Desired:
         except publish.LayoutBlocked as exc:
             plan, blocked, targets, layout = None, Problem(exc.reason, str(exc)), {}, None
     children = placement.children(observed.job, spec.whole, planned.placement, found.attempt)
-    # 5. Written up: the status, the events.
+    # 5. Written up: the status, the events, the power writes.
     return _written(Decision(
         observed, previous, now, found, planned, children, stale, outdated, reports,
         refused_reports, plan, blocked, targets, layout, in_force))
@@ -206,8 +208,9 @@ def _plan(spec: Spec, observed: Observed, now: datetime) -> _Planned:
     return _Planned(where, plan, plan.problems, found, lost)
 
 
-def _written(decision: Decision) -> Desired:
-    """The running attempt's `Desired` from what was decided and what applying it met."""
+def _written(decision: Decision, sync: SyncPlan | None = None) -> Desired:
+    """The running attempt's `Desired` from what was decided and what applying it met; `sync`:
+    the power writes already made (not planned again)."""
     d = decision
     job, signal_ = d.observed.job, d.planned.signal
     plan, targets, layout, in_force = d.plan, d.targets, d.layout, d.in_force
@@ -217,11 +220,10 @@ def _written(decision: Decision) -> Desired:
         problems = (Problem("PodRejected", d.rejected), *d.planned.problems)
     layout_generation = int(d.previous.get("layoutGeneration", 0)) if in_force is None \
         else in_force.generation
-    notes, held = (*signal_.problems, *d.refused_reports), ()
-    if d.refused is None:
-        held = plan_sync(d.observed.targets, list(targets.values())).held
-    else:
-        notes = (*notes, f"power targets refused: {d.refused}")
+    sync = power.sync(d.observed, targets) if sync is None else sync
+    notes, held = (*signal_.problems, *d.refused_reports), sync.held
+    if d.refused is not None:
+        notes, held = (*notes, f"power targets refused: {d.refused}"), ()
     trained = None if in_force is None else progress.summarize(
         d.reports, in_force.generation, sorted({g.node for g in in_force.gpus}), d.life.earlier)
     status = conditions.render(
@@ -240,7 +242,7 @@ def _written(decision: Decision) -> Desired:
                    targets, held, status, (*events, *_condition_events(d.previous, status)),
                    delete_configmaps=d.stale,
                    requeue_after=None if recheck is None else recheck - d.now.timestamp(),
-                   decision=d)
+                   sync=sync, decision=d)
 
 
 def _stopped(spec: Spec, observed: Observed, now: datetime, found: Lifecycle,
@@ -277,7 +279,8 @@ def _stopped(spec: Spec, observed: Observed, now: datetime, found: Lifecycle,
                    delete_pods=found.delete_pods, force_delete_pods=life.unconfirmable(observed),
                    delete_configmaps=() if finished else tuple(observed.configmap_attempts),
                    ended=found.ended, delete_job=ttl is not None and ttl <= 0,
-                   requeue_after=ttl if ttl is not None and ttl > 0 else None)
+                   requeue_after=ttl if ttl is not None and ttl > 0 else None,
+                   sync=power.sync(observed, {}))
 
 
 def _unreadable(problem: Problem, observed: Observed, now: datetime) -> Desired:
@@ -288,7 +291,8 @@ def _unreadable(problem: Problem, observed: Observed, now: datetime) -> Desired:
         None, (problem,), previous, now=format_time(now),
         generation=int(observed.job["metadata"].get("generation", 0)),
         layout_generation=int(previous.get("layoutGeneration", 0)))
-    return Desired(status=status, events=_condition_events(previous, status))
+    return Desired(status=status, events=_condition_events(previous, status),
+                   sync=power.sync(observed, {}))
 
 
 def _condition_events(previous: Mapping[str, Any], status: Mapping[str, Any]

@@ -383,7 +383,7 @@ def test_what_the_api_server_refuses_is_written_into_the_decision_not_decided_ag
     at_base = _desired(TRAINING, NOW).targets
     observed = replace(cordoned, targets=tuple(to_object(t) for t in at_base.values()))
     wanted = _desired(observed, NOW)
-    assert wanted.layout is not None and wanted.targets[A] != at_base[A]
+    assert wanted.layout is not None and set(wanted.sync.write) == {A}
 
     def placed_again(*_: Any) -> None:
         raise AssertionError("decided again")
@@ -392,11 +392,12 @@ def test_what_the_api_server_refuses_is_written_into_the_decision_not_decided_ag
     refused = wanted.power_refused("spec.gpus[0].watts: too many")
     ready = next(c for c in refused.status["conditions"] if c["type"] == "Ready")
     assert ready["message"].endswith("; power targets refused: spec.gpus[0].watts: too many")
-    assert refused.held == ()
+    assert refused.held == () and refused.sync == wanted.sync
     assert (refused.layout, refused.targets) == (wanted.layout, wanted.targets)
     rejected = wanted.pods_rejected(REJECTION)
     ready = next(c for c in rejected.status["conditions"] if c["type"] == "Ready")
     assert (ready["reason"], rejected.layout, rejected.targets) == ("PodRejected", None, {})
+    assert rejected.sync.write == {} and set(rejected.sync.delete) == {A, B}
     assert rejected.children == wanted.children  # the pods it tried are the ones wanted
 
 

@@ -1,11 +1,12 @@
-"""The power policy (pure): the boosts a plan's reduced replicas run at, and the power targets
-that ask for them.
+"""The power policy (pure): the boosts a plan's reduced replicas run at, the power targets that
+ask for them, and the one pass of writes that brings the job's targets there.
 
 The closed loop (`planner.follow_compute`) steps each reduced replica's boost from the compute
 times its nodes report, starting where the status left it (`conditions.boosts`: the loop's
 state is the operator's own output, kept where users read it). The targets read the job's
 targets as they are: the racks they name, the watts a GPU lost under its process is still
-counted at.
+counted at. `sync` is the pass of writes, cuts before the raises that need them
+(`power_planning.plan_sync`), computed once and applied as it is (`power_targets.write_sync`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from tessera_contracts.powertarget import InvalidTarget, PowerTarget, parse_obje
 from tessera_contracts.progress import NodeReport
 from tessera_operator import conditions, planner
 from tessera_operator.observed import Observed
+from tessera_operator.power_planning import SyncPlan, plan_sync
 
 
 def boosted(plan: planner.JobPlan, observed: Observed,
@@ -54,3 +56,8 @@ def _counted_watts(current: Mapping[str, Mapping[str, Any]], lost: frozenset[pla
             continue
     return counted
 
+
+def sync(observed: Observed, targets: Mapping[str, PowerTarget]) -> SyncPlan:
+    """The one pass of writes that brings the job's targets as observed towards `targets`
+    (empty: release them all)."""
+    return plan_sync(observed.targets, list(targets.values()))
