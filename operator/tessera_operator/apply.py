@@ -9,7 +9,8 @@ deterministic name, and a write is made only where the world differs from what i
 - The layout ConfigMap: created for generation 1, server-side applied for each later one with
   the resourceVersion it was read at (a concurrent writer makes the write fail, and the retry
   re-observes).
-- The power targets (`power_targets.sync_targets`): only those that changed, cuts first.
+- The power targets: the pass of writes decided (`Desired.sync`, `power_targets.write_sync`):
+  only those that changed, cuts first.
 - The status: one JSON merge patch, with an explicit null for each key the previous status had
   and the new one has not, so a key the status no longer holds is cleared; none when equal.
 - One Kubernetes Event per decision.
@@ -173,11 +174,15 @@ def layout(api: client.ApiClient, body: Mapping[str, Any], resource_version: str
 
 
 def power(api: client.ApiClient, observed: Observed, wanted: Desired) -> str | None:
-    """Bring the job's power targets to the wanted ones, from those observed; returns why the
-    API server refused them as invalid, when it did (retrying cannot help: the status says
-    so, and the resync timer tries again)."""
+    """Make the wanted pass of power target writes (`Desired.sync`, planned from the targets
+    observed); returns why the API server refused them as invalid, when it did (retrying
+    cannot help: the status says so, and the resync timer tries again)."""
+    job = observed.job
     try:
-        _sync(api, observed.job, wanted, observed.targets)
+        power_targets.write_sync(api, wanted.sync, observed.targets,
+                                 job_owner=workload.owner(job),
+                                 job_label=(JOB_LABEL, job["metadata"]["name"]),
+                                 timeout_s=API_TIMEOUT_S)
     except ApiException as exc:
         if exc.status not in (400, 422):
             raise
@@ -188,14 +193,9 @@ def power(api: client.ApiClient, observed: Observed, wanted: Desired) -> str | N
 def release_power(api: client.ApiClient, job: Mapping[str, Any]) -> None:
     """Delete every power target of the job (it is gone): each agent then settles its GPUs at
     the base cap inside its last budget share."""
-    _sync(api, job, Desired(), None)
-
-
-def _sync(api: client.ApiClient, job: Mapping[str, Any], wanted: Desired,
-          listed: tuple[Mapping[str, Any], ...] | None) -> None:
-    power_targets.sync_targets(api, list(wanted.targets.values()), job_owner=workload.owner(job),
+    power_targets.sync_targets(api, [], job_owner=workload.owner(job),
                                job_label=(JOB_LABEL, job["metadata"]["name"]),
-                               timeout_s=API_TIMEOUT_S, listed=listed)
+                               timeout_s=API_TIMEOUT_S)
 
 
 def status(api: client.ApiClient, job: Mapping[str, Any], wanted: Mapping[str, Any]) -> None:

@@ -1,56 +1,42 @@
 """A job's desired state (pure): from its spec, what was observed and the time, one `Desired`.
 
-`desired(spec, observed, now)` takes the steps a reconcile decides on, with no I/O:
-0. Where the job is in its life (`lifecycle`); under failurePolicy.mode CKPT-RESTART a GPU lost
-   under the running attempt's layout fails it as a failed trainer pod does (`_lost_layout`).
-1. The spec the operator runs (`job_spec`; else InvalidSpec, PipelineParallelNotSupported:
-   nothing made).
-2. Placement (`workload.place`): nodes for the trainer pods the job lacks, among the candidates
-   observed (CKPT-RESTART: for an attempt that has none, on nodes without a failed GPU, spares
-   as found); too few gives Unschedulable and no child at all. The children are every object
-   the job runs, under deterministic names (`workload`).
-3. Health: failed and unknown GPUs of its nodes from its sources (cordons, lost nodes, DCGM's
-   GPUHealth), unknown ones held where the generation in force has them (`health`).
-4. The plan (`planner.plan`), its boosts stepped by the closed loop on the trainers' reported
-   compute times (`planner.follow_compute`), its power targets, and the next generation
-   document when the layout changed (once the rendezvous pod has an address); a layout the
-   job may not publish (not its own, lost, too large) leaves it without a plan.
-5. The status rebuilt from all that (`conditions.render`) and one event per decision.
+`desired(spec, observed, now)` takes the steps a reconcile decides on, with no I/O, each policy
+in a room of its own (`tessera_operator.policies`):
+0. Where the job is in its life (`life.life`); a job that runs no attempt gets no plan and no
+   child (`_stopped`).
+1. The spec the operator runs (`job_spec`, read once at the reconcile's edge; else InvalidSpec,
+   PipelineParallelNotSupported: nothing made).
+2. Placement (`placement.place`): nodes for the trainer pods the job lacks; too few gives
+   Unschedulable and no child at all. The children are every object the job runs.
+3. Health: failed and unknown GPUs of its nodes from its sources (`signal.health_of`).
+4. The plan (`planner.plan`), its boosts and power targets (`power.boosted`), and the next
+   generation document (`publish.to_publish`); a layout the job may not publish leaves it
+   without a plan.
+5. Written up (`_written`): the status rebuilt from all that (`conditions.render`), one event
+   per decision, and the one pass of power target writes (`power.sync`).
+
+What applying it then meets is fed back without deciding again: pods the API server refused
+(`Desired.pods_rejected`: the job has no plan) and power targets it refused
+(`Desired.power_refused`) only write step 5 up anew.
 """
 
 from __future__ import annotations
 
-import json
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import Any
 
 from tessera_contracts import progress
-from tessera_contracts.api import ATTEMPT_LABEL, JOB_LABEL, JOB_MANAGER
-from tessera_contracts.generation import (
-    LAYOUT_KEY,
-    Generation,
-    GenerationError,
-    Gpu,
-    Rendezvous,
-    layout_configmap,
-)
-from tessera_contracts.powertarget import (
-    InvalidTarget,
-    PowerTarget,
-    format_time,
-    parse_object,
-    reported_limits,
-)
-from tessera_core.plan import generation_layout
-from tessera_operator import conditions, health, lifecycle, planner, workload
+from tessera_contracts.generation import Generation
+from tessera_contracts.jobspec import NTPTrainingJobSpec, SpecError
+from tessera_contracts.powertarget import PowerTarget, format_time
+from tessera_operator import conditions, health, planner, workload
 from tessera_operator.lifecycle import Lifecycle, Stage
-from tessera_operator.observed import Layout, Observed
-from tessera_operator.power_planning import plan_sync
-
-CONFIGMAP_MAX_BYTES = 1024 * 1024  # the API server's limit on a ConfigMap's data
+from tessera_operator.observed import Observed, Spec
+from tessera_operator.planner import Problem
+from tessera_operator.policies import life, placement, power, publish, signal
+from tessera_operator.power_planning import SyncPlan
 
 
 @dataclass(frozen=True)
@@ -60,6 +46,41 @@ class Event:
     type: str  # Normal or Warning
     reason: str
     message: str
+
+
+@dataclass(frozen=True)
+class _Planned:
+    """Where the job runs and its plan there, or why there is none."""
+
+    placement: Mapping[int, str] = field(default_factory=dict)
+    plan: planner.JobPlan | None = None
+    problems: tuple[Problem, ...] = ()
+    signal: health.Health = health.Health()  # its GPUs' health, all sources
+    lost: health.Health = health.Health()  # the GPUs lost under their processes
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What steps 0-4 decided for a running attempt, and what applying it met: the status,
+    events and power writes are written up from it (`_written`)."""
+
+    observed: Observed  # as the attempt sees it (`life.of_attempt`)
+    previous: Mapping[str, Any]  # the status as observed
+    now: datetime
+    life: Lifecycle
+    planned: _Planned
+    children: tuple[dict[str, Any], ...]
+    stale: tuple[str, ...]  # ConfigMaps of an earlier attempt
+    outdated: tuple[str, ...]  # spec fields the running pods were not made with
+    reports: Mapping[str, progress.NodeReport | None]  # those that agree with the pods
+    refused_reports: tuple[str, ...]
+    plan: planner.JobPlan | None  # boosted; None without one, or `blocked`
+    blocked: Problem | None  # why a plan made cannot be carried out
+    targets: Mapping[str, PowerTarget]
+    layout: dict[str, Any] | None  # the layout ConfigMap with a new generation, or None
+    in_force: Generation | None  # the generation in force once it is published
+    rejected: str | None = None  # why the API server refused the job's pods
+    refused: str | None = None  # why it refused the power targets
 
 
 @dataclass(frozen=True)
@@ -84,6 +105,9 @@ class Desired:
     ended: bool = False  # an attempt ends: the status (its account) is written before the rest
     delete_job: bool = False  # ttlSecondsAfterFinished has passed
     requeue_after: float | None = None  # seconds until the job needs a reconcile of its own
+    # The one pass of writes that brings the job's power targets to `targets`.
+    sync: SyncPlan = field(default_factory=lambda: SyncPlan({}, (), ()))
+    decision: Decision | None = None  # a running attempt's, to write up anew
 
     @property
     def waits_for_nodes(self) -> bool:
@@ -92,245 +116,156 @@ class Desired:
                       if c.get("type") == "Ready"), {})
         return ready.get("reason") == "Unschedulable"
 
+    def pods_rejected(self, why: str) -> Desired:
+        """This decision once the API server refused the job's pods (`why`): no plan
+        (Ready=False, reason PodRejected), no layout, its power targets released."""
+        if self.decision is None:
+            return self
+        return _written(replace(self.decision, rejected=why))
 
-class LayoutBlocked(Exception):
-    """The layout document cannot be published; `reason` is the condition reason."""
-
-    def __init__(self, reason: str, message: str) -> None:
-        super().__init__(message)
-        self.reason = reason
-
-
-@dataclass(frozen=True)
-class _Planned:
-    """Where the job runs and its plan there, or why there is none."""
-
-    placement: Mapping[int, str] = field(default_factory=dict)
-    plan: planner.JobPlan | None = None
-    problems: tuple[planner.Problem, ...] = ()
-    signal: health.Health = health.Health()  # its GPUs' health, all sources
-    lost: health.Health = health.Health()  # the GPUs lost under their processes
+    def power_refused(self, why: str) -> Desired:
+        """This decision once the API server refused its power targets (`why`): Ready's
+        message says so, and no raise is said to wait (the writes were made as they are)."""
+        if self.decision is None:
+            return self
+        return _written(replace(self.decision, refused=why), self.sync)
 
 
-def ours(job: Mapping[str, Any]) -> bool:
-    """Whether this operator reconciles the job (`spec.managedBy` absent or ours)."""
-    return (job.get("spec") or {}).get("managedBy") in (None, JOB_MANAGER)
-
-
-def job_spec(job: Mapping[str, Any]) -> planner.JobSpec | planner.Problem:
-    """The job's spec, if the operator can run it; else why not."""
+def job_spec(job: Mapping[str, Any]) -> Spec | Problem:
+    """The job's spec as the operator reads it, once per reconcile: typed and defaulted, with
+    what planning runs of it; a Problem when the schema would not store it."""
     try:
-        spec = planner.JobSpec.from_spec(job["spec"])
-    except planner.SpecError as exc:
-        return planner.Problem("InvalidSpec", str(exc))
-    if spec.pp > 1:
-        return planner.Problem("PipelineParallelNotSupported", (
-            f"pipelineParallelSize {spec.pp}: the trainer runs tensor and data parallelism "
-            "only; set it to 1"))
-    return spec
+        whole = NTPTrainingJobSpec.from_spec(job["spec"])
+    except SpecError as exc:
+        return Problem("InvalidSpec", str(exc))
+    try:
+        run = planner.JobSpec.of(whole)
+    except SpecError as exc:
+        return Spec(whole, Problem("InvalidSpec", str(exc)))
+    if run.pp > 1:
+        return Spec(whole, Problem("PipelineParallelNotSupported", (
+            f"pipelineParallelSize {run.pp}: the trainer runs tensor and data parallelism "
+            "only; set it to 1")))
+    return Spec(whole, run)
 
 
-def needs_placement(spec: planner.JobSpec | planner.Problem, observed: Observed,
-                    now: datetime) -> bool:
-    """Whether the job runs an attempt and lacks a trainer pod: a reconcile then observes the
-    placement candidates (`observe.with_candidates`)."""
-    if isinstance(spec, planner.Problem) or _life(spec, observed, now)[0].stage \
-            is not Stage.RUNNING:
-        return False
-    return bool(_missing(observed.job, spec, workload.placed_nodes(observed.pods, observed.job)))
-
-
-def desired(spec: planner.JobSpec | planner.Problem, observed: Observed, now: datetime,
-            refused: str | None = None, rejected: str | None = None) -> Desired:
-    """The desired state of `observed.job` (its spec as `job_spec` reads it) at `now`.
-    `refused`: why the API server refused the power targets, when it did (Ready's message says
-    so, and no raise is said to wait); `rejected`: why it refused the job's pods (the job has
-    no plan then: Ready=False, reason PodRejected)."""
-    job = observed.job
-    previous = job.get("status") or {}
+def desired(spec: Spec | Problem, observed: Observed, now: datetime) -> Desired:
+    """The desired state of `observed.job` (its spec as `job_spec` reads it) at `now`."""
+    if isinstance(spec, Problem):
+        return _unreadable(spec, observed, now)
     # 0. Where the job is in its life; what earlier attempts left behind goes.
-    life, lost = _life(spec, observed, now)
-    if life.stage is not Stage.RUNNING:
-        return _stopped(observed, now, life, lost)
+    found, lost = life.life(spec, observed, now)
+    if found.stage is not Stage.RUNNING:
+        return _stopped(spec, observed, now, found, lost)
     stale = tuple(name for name, attempt in observed.configmap_attempts.items()
-                  if attempt != life.attempt)
-    observed = _current(observed, life)
+                  if attempt != found.attempt)
+    previous = observed.job.get("status") or {}
+    outdated = tuple(life.outdated(spec, observed))
+    observed = life.of_attempt(observed, found.attempt)
     # 1-3. Placement, health and the plan.
     planned = _plan(spec, observed, now)
-    plan, problems = planned.plan, planned.problems
-    if rejected is not None:
-        plan, problems = None, (planner.Problem("PodRejected", rejected), *problems)
     # 4. The trainers' progress drives the boosts and the step a planned switch happens at.
-    told = workload.steps_told(observed.pods, job)
-    reports, refused_reports = _agreed(
-        progress.read_reports(observed.reports, sorted(set(planned.placement.values()))),
-        told)
-    layout_generation = int(previous.get("layoutGeneration", 0))
+    told = workload.steps_told(observed.pods, observed.job)
+    reports, refused_reports = publish.agreed(
+        observed.reports_of(sorted(set(planned.placement.values()))), told)
+    plan, blocked = planned.plan, None
     targets: dict[str, PowerTarget] = {}
     layout: dict[str, Any] | None = None
     in_force: Generation | None = None
     if plan is not None:
         try:
-            plan, targets = _power(plan, observed, reports, planned.lost.failed)
-            layout, in_force = _generation(observed, plan, reports, planned.lost.failed, now,
-                                           told or int(job["spec"]["steps"]))
-        except planner.SpecError as exc:
-            plan, problems = None, (planner.Problem("InvalidSpec", str(exc)), *problems)
-            targets = {}
-        except LayoutBlocked as exc:
-            plan, problems = None, (planner.Problem(exc.reason, str(exc)), *problems)
-            targets, layout = {}, None
-    if in_force is not None:
-        layout_generation = in_force.generation
-    # 5. The status, rebuilt; an event per decision.
-    notes = (*planned.signal.problems, *refused_reports)
-    held: tuple[str, ...] = ()
-    if refused is None:
-        held = plan_sync(observed.targets, list(targets.values())).held
-    else:
-        notes = (*notes, f"power targets refused: {refused}")
+            plan, targets = power.boosted(plan, observed, reports, planned.lost.failed)
+            layout, in_force = publish.to_publish(spec.whole, observed, plan, reports,
+                                                  planned.lost.failed, now,
+                                                  told or spec.whole.steps)
+        except SpecError as exc:
+            plan, blocked, targets = None, Problem("InvalidSpec", str(exc)), {}
+        except publish.LayoutBlocked as exc:
+            plan, blocked, targets, layout = None, Problem(exc.reason, str(exc)), {}, None
+    children = placement.children(observed.job, spec.whole, planned.placement, found.attempt)
+    # 5. Written up: the status, the events, the power writes.
+    return _written(Decision(
+        observed, previous, now, found, planned, children, stale, outdated, reports,
+        refused_reports, plan, blocked, targets, layout, in_force))
+
+
+def _plan(spec: Spec, observed: Observed, now: datetime) -> _Planned:
+    run = spec.planning
+    if isinstance(run, Problem):
+        return _Planned(problems=(run,))
+    placed = placement.place(spec.whole, run, observed, now)
+    if isinstance(placed, Problem):
+        return _Planned(problems=(placed,))
+    where, nodes = placed
+    domains = planner.node_domains(nodes, run.domain_label)
+    if (unpowered := planner.budget_problem(run, domains)) is not None:
+        return _Planned(problems=(unpowered,))
+    found, lost = signal.health_of(spec.whole, observed, where, nodes, now)
+    if run.restarts_on_loss and (in_force := observed.layout.generation) is not None:
+        # An attempt keeps its first layout: its plan is that layout's nodes, the spares idle.
+        domains = {n: d for n, d in domains.items() if n in {g.node for g in in_force.gpus}}
+    plan = planner.plan(run, domains, found.failed)
+    return _Planned(where, plan, plan.problems, found, lost)
+
+
+def _written(decision: Decision, sync: SyncPlan | None = None) -> Desired:
+    """The running attempt's `Desired` from what was decided and what applying it met; `sync`:
+    the power writes already made (not planned again)."""
+    d = decision
+    job, signal_ = d.observed.job, d.planned.signal
+    plan, targets, layout, in_force = d.plan, d.targets, d.layout, d.in_force
+    problems = d.planned.problems if d.blocked is None else (d.blocked, *d.planned.problems)
+    if d.rejected is not None:
+        plan, targets, layout, in_force = None, {}, None, None
+        problems = (Problem("PodRejected", d.rejected), *d.planned.problems)
+    layout_generation = int(d.previous.get("layoutGeneration", 0)) if in_force is None \
+        else in_force.generation
+    sync = power.sync(d.observed, targets) if sync is None else sync
+    notes, held = (*signal_.problems, *d.refused_reports), sync.held
+    if d.refused is not None:
+        notes, held = (*notes, f"power targets refused: {d.refused}"), ()
     trained = None if in_force is None else progress.summarize(
-        reports, in_force.generation, sorted({g.node for g in in_force.gpus}), life.earlier)
+        d.reports, in_force.generation, sorted({g.node for g in in_force.gpus}), d.life.earlier)
     status = conditions.render(
-        plan, problems, previous, now=format_time(now),
+        plan, problems, d.previous, now=format_time(d.now),
         generation=int(job["metadata"].get("generation", 0)),
         layout_generation=layout_generation, notes=notes, held=held, trained=trained,
-        life=life, outdated=_outdated(observed),
+        life=d.life, outdated=d.outdated,
         tp_layout=None if in_force is None else planner.format_layout(in_force.tp_degrees),
-        why=planned.signal.reasons)
+        why=signal_.reasons)
     events = []
-    if layout_generation != int(previous.get("layoutGeneration", 0)) and plan is not None:
+    if layout_generation != int(d.previous.get("layoutGeneration", 0)) and plan is not None:
         events.append(Event("Normal", "LayoutChanged",
                             f"layout generation {layout_generation}: TP {plan.tp_layout or '-'}"))
-    return Desired(planned.placement, _children(job, planned.placement, life.attempt), layout,
-                   observed.layout.resource_version, targets, held, status,
-                   (*events, *_condition_events(previous, status)), delete_configmaps=stale,
-                   requeue_after=None if (recheck := planned.signal.recheck_at) is None
-                   else recheck - now.timestamp())
+    recheck = signal_.recheck_at
+    return Desired(d.planned.placement, d.children, layout, d.observed.layout.resource_version,
+                   targets, held, status, (*events, *_condition_events(d.previous, status)),
+                   delete_configmaps=d.stale,
+                   requeue_after=None if recheck is None else recheck - d.now.timestamp(),
+                   sync=sync, decision=d)
 
 
-def _agreed(reports: Mapping[str, progress.NodeReport | None], until: int | None
-            ) -> tuple[dict[str, progress.NodeReport | None], tuple[str, ...]]:
-    """The reports that agree with what the node's ranks were told (`until`: the job's steps,
-    `workload.steps_told`), and a line for each one refused (read as no report): a node's pod
-    writes its own report, so it can claim anything of itself, but not a job of other steps
-    than its pods run, nor to have finished short of them. The job's step is then the lowest
-    node's, and its success every trainer pod's."""
-    agreed: dict[str, progress.NodeReport | None] = {}
-    refused = []
-    for node, report in reports.items():
-        agreed[node] = report
-        if report is None or until is None:
-            continue
-        if report.steps != until:
-            why = f"it claims a job of {report.steps} steps, its pods run {until}"
-        elif report.state is progress.State.FINISHED and report.step < until:
-            why = f"it claims to have finished at step {report.step} of {until}"
-        else:
-            continue
-        agreed[node] = None
-        refused.append(f"node {node}'s progress report refused: {why}")
-    return agreed, tuple(refused)
-
-
-def _life(spec: planner.JobSpec | planner.Problem, observed: Observed, now: datetime
-          ) -> tuple[Lifecycle, dict[planner.GpuId, str]]:
-    """The job's lifecycle from its pods and its attempt's progress reports (every node that
-    reported: an attempt that ends folds them all into the job's account), and the GPUs lost
-    under its layout that end its attempt, with why (CKPT-RESTART; none otherwise): its
-    trainer pod there reads as failed, so the attempt ends as for any failed trainer pod,
-    within the same restart budget."""
-    status = observed.job.get("status") or {}
-    name = progress.progress_configmap(observed.job["metadata"]["name"])
-    current = observed.configmap_attempts.get(name) == int(status.get("attempt", 0))
-    data = observed.reports if current else {}
-    nodes = [key.removesuffix(".json") for key in data if key.endswith(".json")]
-    reports = progress.read_reports(data, nodes)
-    life = lifecycle.lifecycle(observed.job, observed.pods, reports, now)
-    if isinstance(spec, planner.Problem) or not spec.restarts_on_loss \
-            or life.stage is not Stage.RUNNING:
-        return life, {}
-    lost = _lost_layout(spec, _current(observed, life), now)
-    if not lost:
-        return life, {}
-    pods = _failed_by_loss(observed.pods, observed.job, lost)
-    return lifecycle.lifecycle(observed.job, pods, reports, now), lost
-
-
-def _lost_layout(spec: planner.JobSpec, observed: Observed, now: datetime
-                 ) -> dict[planner.GpuId, str]:
-    """CKPT-RESTART: the GPUs whose loss ends the running attempt, with what their health
-    source says ("" when it says no more): those of the generation in force that a source
-    fails (DCGM, a cordon, a node lost) or whose node's trainer pod is gone; before one is in
-    force, the failed GPUs of its nodes once they leave too few whole TP groups for the
-    replicas."""
-    placement = workload.placed_nodes(observed.pods, observed.job)
-    if not placement:
-        return {}
-    signal, _ = _health(observed, spec, placement, observed.nodes, now)
-    in_force = observed.layout.generation
-    if in_force is None:
-        plan = planner.plan(spec, planner.node_domains(observed.nodes, spec.domain_label),
-                            signal.failed)
-        return {gpu: signal.reasons.get(gpu, "") for gpu in sorted(plan.failed)} \
-            if plan.degraded else {}
-    used = {(g.node, g.index) for g in in_force.gpus}
-    gone = {gpu: "its trainer pod is gone" for gpu in sorted(used)
-            if gpu[0] not in placement.values()}
-    return gone | {gpu: signal.reasons.get(gpu, "") for gpu in sorted(used & signal.failed)}
-
-
-def _failed_by_loss(pods: tuple[Mapping[str, Any], ...], job: Mapping[str, Any],
-                    lost: Mapping[planner.GpuId, str]) -> tuple[Mapping[str, Any], ...]:
-    """`pods` with the trainer pod on the first lost GPU's node (the first trainer pod, when
-    that one is gone) read as failed: without a live relayout its ranks cannot go on."""
-    (node, index), why = min(lost.items())
-    reason = f"GPU {node}/{index} lost" + (f": {why}" if why else "")
-    trainers = workload.trainer_pods(pods, job)
-    hit = next((p for p in trainers if workload.pod_node(p) == node), trainers[0])
-    failed = dict(hit) | {"status": {"phase": lifecycle.FAILED, "reason": reason}}
-    return tuple(failed if p is hit else p for p in pods)
-
-
-def _current(observed: Observed, life: Lifecycle) -> Observed:
-    """`observed` without what belongs to an earlier attempt: its layout and progress
-    ConfigMaps (deleted by this reconcile) read as absent."""
-    job = observed.job["metadata"]["name"]
-    attempts = observed.configmap_attempts
-    if attempts.get(layout_configmap(job), life.attempt) != life.attempt:
-        observed = replace(observed, layout=Layout(),
-                           job=_with_status(observed.job, layoutGeneration=0))
-    if attempts.get(progress.progress_configmap(job), life.attempt) != life.attempt:
-        observed = replace(observed, reports={})
-    return observed
-
-
-def _with_status(job: Mapping[str, Any], **values: Any) -> dict[str, Any]:
-    return dict(job) | {"status": dict(job.get("status") or {}) | values}
-
-
-def _stopped(observed: Observed, now: datetime, life: Lifecycle,
-             lost: Mapping[planner.GpuId, str] | None = None) -> Desired:
+def _stopped(spec: Spec, observed: Observed, now: datetime, found: Lifecycle,
+             lost: Mapping[planner.GpuId, str]) -> Desired:
     """A job that runs no attempt (suspended, between two, finished): no child is made and
     every power target released; an attempt that ends takes its layout with it, a finished
     job keeps its last one (and its step and goodput) for the record. `lost`: the GPUs whose
     loss ended the attempt (CKPT-RESTART), named in an event."""
-    job = observed.job
-    previous = job.get("status") or {}
-    finished = life.stage is Stage.FINISHED
-    wall = life.earlier.wall_seconds
+    previous = observed.job.get("status") or {}
+    finished = found.stage is Stage.FINISHED
+    wall = found.earlier.wall_seconds
     trained = progress.JobProgress(
         progress.Phase.PENDING, int(previous.get("step", 0)), None,
         previous.get("goodput") if finished else (
-            life.earlier.productive_seconds / wall if wall else None), "")
+            found.earlier.productive_seconds / wall if wall else None), "")
     status = conditions.render(
         None, (), previous, now=format_time(now),
-        generation=int(job["metadata"].get("generation", 0)),
+        generation=int(observed.job["metadata"].get("generation", 0)),
         layout_generation=int(previous.get("layoutGeneration", 0)) if finished else 0,
-        trained=trained, life=life, outdated=_outdated(observed))
+        trained=trained, life=found, outdated=life.outdated(spec, observed))
     if finished:  # the layout it ended on
         status |= {key: previous[key] for key in ("tpLayout", "replicas") if key in previous}
-    ttl = life.delete_job_in
+    ttl = found.delete_job_in
     events = _condition_events(previous, status)
     if lost:
         gpus = ", ".join(planner.gpu_name(gpu) + (f" ({why})" if why else "")
@@ -341,31 +276,23 @@ def _stopped(observed: Observed, now: datetime, life: Lifecycle,
             f"GPU {gpus} of attempt {previous.get('attempt', 0)}'s layout lost: "
             f"failurePolicy.mode CKPT-RESTART ends the attempt; {then}")), *events)
     return Desired(status=status, events=events,
-                   delete_pods=life.delete_pods, force_delete_pods=unconfirmable(observed),
+                   delete_pods=found.delete_pods, force_delete_pods=life.unconfirmable(observed),
                    delete_configmaps=() if finished else tuple(observed.configmap_attempts),
-                   ended=life.ended, delete_job=ttl is not None and ttl <= 0,
-                   requeue_after=ttl if ttl is not None and ttl > 0 else None)
+                   ended=found.ended, delete_job=ttl is not None and ttl <= 0,
+                   requeue_after=ttl if ttl is not None and ttl > 0 else None,
+                   sync=power.sync(observed, {}))
 
 
-def unconfirmable(observed: Observed) -> tuple[str, ...]:
-    """The job's pods being deleted on a node that stopped reporting (Ready Unknown): no kubelet
-    will confirm their end, and the next attempt must not wait for one (Kubernetes' own pod
-    garbage collector takes those of nodes deleted from the API). Deleting them at once is
-    safe for a job: their processes are fenced by the attempt (its own rendezvous and layout),
-    and a kubelet that comes back stops what runs for a pod the API no longer has."""
-    lost = {n["metadata"]["name"] for n in observed.nodes if health.node_lost(n)}
-    return tuple(sorted(
-        pod["metadata"]["name"] for pod in observed.pods
-        if pod["metadata"].get("deletionTimestamp") and workload.pod_node(pod) in lost))
-
-
-def _outdated(observed: Observed) -> list[str]:
-    """The spec fields some trainer pod of the job was not made with."""
-    spec = observed.job["spec"]
-    found = {name for pod in workload.trainer_pods(observed.pods, observed.job)
-             if not (pod.get("metadata") or {}).get("deletionTimestamp")
-             for name in workload.outdated(pod, spec)}
-    return [name for name in workload.POD_INPUTS if name in found]
+def _unreadable(problem: Problem, observed: Observed, now: datetime) -> Desired:
+    """A job whose spec the schema would not store (it was stored under another schema): why,
+    in its status; no child made or deleted, its power targets released."""
+    previous = observed.job.get("status") or {}
+    status = conditions.render(
+        None, (problem,), previous, now=format_time(now),
+        generation=int(observed.job["metadata"].get("generation", 0)),
+        layout_generation=int(previous.get("layoutGeneration", 0)))
+    return Desired(status=status, events=_condition_events(previous, status),
+                   sync=power.sync(observed, {}))
 
 
 def _condition_events(previous: Mapping[str, Any], status: Mapping[str, Any]
@@ -379,300 +306,3 @@ def _condition_events(previous: Mapping[str, Any], status: Mapping[str, Any]
         events.append(Event("Warning" if bad else "Normal", c["reason"],
                             f"{c['type']}={c['status']}: {c['message']}"))
     return tuple(events)
-
-
-def layout_document(job: Mapping[str, Any], generation: Generation, attempt: int = 0
-                    ) -> dict[str, Any]:
-    """The layout ConfigMap holding `generation`; LayoutTooLarge when it outgrows one."""
-    meta = job["metadata"]
-    # Compact: 32,768 GPUs (the paper's job, short node names) take about 650 kB.
-    data = json.dumps(generation.to_dict(), separators=(",", ":"))
-    size = len(LAYOUT_KEY) + len(data.encode())
-    if size > CONFIGMAP_MAX_BYTES:
-        raise LayoutBlocked("LayoutTooLarge", (
-            f"the layout document takes {size} bytes, more than a ConfigMap holds "
-            f"({CONFIGMAP_MAX_BYTES}): fewer GPUs per job, or shorter node names"))
-    return {"apiVersion": "v1", "kind": "ConfigMap",
-            "metadata": {"name": layout_configmap(meta["name"]), "namespace": meta["namespace"],
-                         "labels": {JOB_LABEL: meta["name"], ATTEMPT_LABEL: str(attempt)},
-                         "ownerReferences": [workload.owner(job)]},
-            "data": {LAYOUT_KEY: data}}
-
-
-# ----------------------------------------------------------------------------------------------
-# Placement, health, plan
-# ----------------------------------------------------------------------------------------------
-
-
-def _trainers(job: Mapping[str, Any], spec: planner.JobSpec) -> int:
-    return int(job["spec"]["totalGPUs"]) // spec.gpus_per_node
-
-
-def _missing(job: Mapping[str, Any], spec: planner.JobSpec, placed: Mapping[int, str]
-             ) -> list[int]:
-    """The trainer pods to place: those the job lacks. Under CKPT-RESTART all of them for an
-    attempt that has none, else none: an attempt keeps the nodes it started on (a pod gone
-    from its layout's nodes ends it)."""
-    wanted = range(_trainers(job, spec))
-    if spec.restarts_on_loss:
-        return [] if placed else list(wanted)
-    return [i for i in wanted if i not in placed]
-
-
-def _plan(spec: planner.JobSpec | planner.Problem, observed: Observed, now: datetime
-          ) -> _Planned:
-    if isinstance(spec, planner.Problem):
-        return _Planned(problems=(spec,))
-    placed = _place(observed, spec, now)
-    if isinstance(placed, planner.Problem):
-        return _Planned(problems=(placed,))
-    placement, nodes = placed
-    domains = planner.node_domains(nodes, spec.domain_label)
-    if (unpowered := planner.budget_problem(spec, domains)) is not None:
-        return _Planned(problems=(unpowered,))
-    signal, lost = _health(observed, spec, placement, nodes, now)
-    if spec.restarts_on_loss and (in_force := observed.layout.generation) is not None:
-        # An attempt keeps its first layout: its plan is that layout's nodes, the spares idle.
-        domains = {n: d for n, d in domains.items() if n in {g.node for g in in_force.gpus}}
-    plan = planner.plan(spec, domains, signal.failed)
-    return _Planned(placement, plan, plan.problems, signal, lost)
-
-
-def chosen_nodes(spec: planner.JobSpec | planner.Problem, observed: Observed
-                 ) -> tuple[str, ...]:
-    """The nodes placement chooses among `observed.candidates` for the trainer pods the job
-    lacks; none when they do not fit."""
-    if isinstance(spec, planner.Problem):
-        return ()
-    placed = _place(observed, spec, None)
-    if isinstance(placed, planner.Problem):
-        return ()
-    before = set(workload.placed_nodes(observed.pods, observed.job).values())
-    return tuple(sorted(set(placed[0].values()) - before))
-
-
-def _place(observed: Observed, spec: planner.JobSpec, now: datetime | None
-           ) -> tuple[dict[int, str], tuple[Mapping[str, Any], ...]] | planner.Problem:
-    """Every trainer pod's node (those placed, and nodes chosen for the missing ones) and the
-    job's nodes as observed; or why the missing ones cannot be placed. `now` None: the
-    candidates' DCGM health is not read yet (`chosen_nodes`, which only picks the nodes whose
-    other pods are read)."""
-    job = observed.job
-    placed = workload.placed_nodes(observed.pods, job)
-    missing = _missing(job, spec, placed)
-    if not missing:
-        return placed, observed.nodes
-    candidates = observed.candidates
-    if candidates is None:
-        raise ValueError("placing a job needs its candidates observed")
-    selector = workload.node_selector(job["spec"])
-    views = [v for v in workload.node_views(candidates.nodes, candidates.taken, selector,
-                                            spec.domain_label)
-             if v.name not in placed.values()]
-    chosen = _healthy_nodes(observed, spec, views, len(missing), now) \
-        if spec.restarts_on_loss else workload.place(spec, len(missing), views)
-    if isinstance(chosen, planner.Problem):
-        return chosen
-    # CKPT-RESTART may find fewer nodes than pods asked for: the spares it lacks are left out.
-    placement = placed | dict(zip(missing, chosen, strict=False))
-    return placement, tuple(n for n in candidates.nodes
-                            if n["metadata"]["name"] in placement.values())
-
-
-def _healthy_nodes(observed: Observed, spec: planner.JobSpec, views: list[workload.NodeView],
-                   wanted: int, now: datetime | None) -> tuple[str, ...] | planner.Problem:
-    """CKPT-RESTART's placement of an attempt: whole nodes none of whose GPUs the job's health
-    sources fail (a trainer pod needs every GPU of its node), `wanted` of them or as many as
-    there are, at least those DP x TP x PP GPUs fill; or why not."""
-    assert observed.candidates is not None
-    signal, _ = _health(observed, spec, {}, observed.candidates.nodes, now)
-    bad = {node for node, _ in signal.failed}
-    chosen = workload.place(spec, wanted, [v for v in views if v.name not in bad],
-                            fewest=spec.fewest_nodes)
-    if isinstance(chosen, planner.Problem):
-        return replace(chosen, message=(
-            f"{chosen.message}; under failurePolicy.mode CKPT-RESTART a node with a failed or "
-            f"cordoned GPU is no candidate ({len(bad)} such)"))
-    return chosen
-
-
-def _health(observed: Observed, spec: planner.JobSpec, placement: Mapping[int, str],
-            nodes: tuple[Mapping[str, Any], ...], now: datetime | None
-            ) -> tuple[health.Health, health.Health]:
-    """The job's GPU health from its sources, merged (GPUs of unknown health held where the
-    generation in force has them), and the part lost under their processes rather than
-    drained: the GPUs of nodes that stopped reporting (their kubelet, or their node agent to
-    the job's other agents), those whose rank the node agents saw die and those DCGM failed
-    (`now` None: without the last two, which need the time)."""
-    job = observed.job
-    policy = job["spec"].get("failurePolicy") or {}
-    sources = set(policy.get("healthSources", ("dcgm", "cordon")))
-    placed = sorted(set(placement.values()))
-    reports = progress.read_reports(observed.reports, placed)
-    silent = {node for report in reports.values() if report is not None
-              for node in report.silent_nodes}
-    lost = health.from_lost_nodes(nodes, spec.gpus_per_node, placed=placed,
-                                  leaving=workload.leaving_nodes(observed.pods, job),
-                                  silent=silent)
-    signal = health.from_cordons(nodes, spec.gpus_per_node) if "cordon" in sources \
-        else health.Health()
-    if now is None:
-        return signal.merge(lost), lost
-    names = sorted({n["metadata"]["name"] for n in nodes})
-    objects = sorted((o for o in observed.gpu_health if o["metadata"]["name"] in set(names)),
-                     key=lambda o: o["metadata"]["name"])
-    dcgm = "dcgm" in sources
-    lost = lost.merge(health.from_rank_deaths(
-        reports, spec.gpus_per_node, now=now.timestamp(),
-        told_at=health.observed_at(objects) if dcgm else None, settled=spec.restarts_on_loss,
-        hold_s=float(policy.get("rankDeathHoldSeconds", health.RANK_DEATH_HOLD_S))))
-    signal = signal.merge(lost)
-    if not dcgm:
-        return signal, lost
-    dcgm_health = health.from_gpu_health(objects, spec.gpus_per_node, policy.get("fatalXIDs"),
-                                         now=now.timestamp(), nodes=names)
-    in_force = observed.layout.generation
-    kept = None if in_force is None else [(g.node, g.index) for g in in_force.gpus]
-    reporting = [o["metadata"]["name"] for o in objects]
-    return health.hold_unknown(signal.merge(dcgm_health), kept, reporting), \
-        lost.merge(dcgm_health)
-
-
-def _children(job: Mapping[str, Any], placement: Mapping[int, str], attempt: int
-              ) -> tuple[dict[str, Any], ...]:
-    if not placement:
-        return ()
-    return (*workload.identity(job), workload.progress_configmap(job, attempt),
-            workload.rendezvous_pod(job, attempt),
-            *(workload.trainer_pod(job, i, node, attempt) for i, node in sorted(placement.items())))
-
-
-# ----------------------------------------------------------------------------------------------
-# Power and layout
-# ----------------------------------------------------------------------------------------------
-
-
-def _power(plan: planner.JobPlan, observed: Observed,
-           reports: Mapping[str, progress.NodeReport | None], lost: frozenset[planner.GpuId]
-           ) -> tuple[planner.JobPlan, dict[str, PowerTarget]]:
-    """The plan with its boosts stepped by the closed loop, and its power targets. The loop's
-    ratio, the parked nodes and the lost GPUs' watts all read the targets as they are."""
-    current = {obj["metadata"]["name"]: obj for obj in observed.targets}
-    racks = {node: rack for node, obj in current.items()
-             if isinstance(spec := obj.get("spec"), dict)
-             and isinstance(rack := spec.get("rack"), str)}
-    plan = replace(plan, stuck=_counted_watts(current, lost))
-    previous = observed.job.get("status") or {}
-    plan = planner.follow_compute(plan, reports, conditions.boosts(previous), racks)
-    return plan, plan.power_targets(racks)
-
-
-def _counted_watts(current: Mapping[str, Mapping[str, Any]], lost: frozenset[planner.GpuId]
-                   ) -> dict[planner.GpuId, int]:
-    """The watts each agent still counts a GPU lost under its process at: the limit it reports,
-    else what its target last asked for (no target: nothing was ever set, nothing is held)."""
-    counted = {}
-    for node, index in lost:
-        obj = current.get(node)
-        if obj is None:
-            continue
-        reported = reported_limits(obj)
-        if index in reported:
-            counted[(node, index)] = reported[index]
-            continue
-        try:
-            counted[(node, index)] = parse_object(obj, node).watts_for(index)
-        except InvalidTarget:
-            continue
-    return counted
-
-
-# Between a report's reading and its generation reaching every rank: the status and document
-# writes, the node agents' watch and their copy for the ranks.
-PUBLISH_LEAD_S = 2.0
-
-
-def planned_step(reports: Mapping[str, progress.NodeReport | None], now: float) -> int:
-    """The step a planned change is published for (`now`: Unix seconds): one the ranks have
-    not reached yet, so that they switch exactly there. They may be past the last step reported
-    by what they trained since (the report's age, at most one report period; the whole period
-    for a report that does not say when it was made) and until the document reaches them
-    (PUBLISH_LEAD_S), at the fastest pace reported. Before any pace, the step reported (the
-    ranks switch at the first boundary after it)."""
-    found = [r for r in reports.values() if r is not None]
-    if not found:
-        return 0
-    newest = max(found, key=lambda r: r.step)
-    paces = [r.step_seconds for r in found if r.step_seconds]
-    if not paces:
-        return newest.step
-    period = progress.report_period(len(reports))
-    age = period if newest.reported_at is None else min(max(now - newest.reported_at, 0.0),
-                                                        period)
-    return newest.step + math.ceil((age + PUBLISH_LEAD_S) / min(paces))
-
-
-def _generation(observed: Observed, plan: planner.JobPlan,
-                reports: Mapping[str, progress.NodeReport | None],
-                lost: frozenset[planner.GpuId], now: datetime, steps: int
-                ) -> tuple[dict[str, Any] | None, Generation | None]:
-    """The layout ConfigMap to publish (None: nothing new) and the generation in force then.
-
-    A new generation follows the plan once the rendezvous pod has an address (planned changes
-    at `planned_step`; `lost`: GPUs whose processes died with them), and never once a rank
-    reported the job's last step (`steps`) or for a switch after it: the last step its ranks
-    were told, which an edit of spec.steps moves only for the next attempt.
-    LayoutBlocked when the ConfigMap is someone else's (never overwritten nor adopted: an
-    ownerReference would have the garbage collector delete it with the job), when the
-    generation published is lost, or when the next one outgrows a ConfigMap."""
-    job = observed.job
-    name = layout_configmap(job["metadata"]["name"])
-    if not observed.layout.owned:
-        raise LayoutBlocked("LayoutNotOwned", (
-            f"ConfigMap {name} exists and is not controlled by this job; the layout is not "
-            f"published until it is removed or the job renamed"))
-    previous = observed.layout.generation
-    published = int((job.get("status") or {}).get("layoutGeneration", 0))
-    if previous is None and published:
-        raise LayoutBlocked("LayoutLost", (
-            f"ConfigMap {name} no longer holds generation {published} (deleted or changed by "
-            "someone else): the running trainers cannot follow a layout derived from nothing. "
-            "Restore it, or delete the job's trainer pods and the ConfigMap's data to restart "
-            "from generation 1"))
-    if previous is not None and plan.spec.restarts_on_loss \
-            and workload.replicas_of(plan) != previous.replicas:
-        return None, previous  # an attempt keeps its first layout: a GPU lost there restarts it
-    rendezvous = _rendezvous(job, observed.pods)
-    if previous is None:
-        if rendezvous is None:
-            return None, None  # its pod has no address yet; the pod's watch brings the job back
-    else:
-        rendezvous = rendezvous or previous.rendezvous
-    batch = int(job["spec"].get("globalBatch", workload.DEFAULT_GLOBAL_BATCH))
-    following = workload.generation_for(plan, batch, rendezvous, previous,
-                                         [Gpu(n, i) for n, i in lost],
-                                         at_step=planned_step(reports, now.timestamp()))
-    if following is None:
-        return None, previous
-    reported = max((r.step for r in reports.values() if r is not None), default=0)
-    if previous is not None and (reported >= steps or (following.at_step or 0) >= steps):
-        # The ranks finish the job in the generation in force: a new one would start ranks (a
-        # GPU back) that nobody comes to meet.
-        return None, previous
-    try:
-        generation_layout(following)  # what every rank computes from it
-    except GenerationError as exc:
-        raise LayoutBlocked("LayoutUnplannable", (
-            f"generation {following.generation} cannot be trained (globalBatch {batch}, TP "
-            f"{plan.tp_layout}): {exc}; it is not published")) from exc
-    attempt = int((job.get("status") or {}).get("attempt", 0))
-    return layout_document(job, following, attempt), following
-
-
-def _rendezvous(job: Mapping[str, Any], pods: tuple[Mapping[str, Any], ...]
-                ) -> Rendezvous | None:
-    name = workload.rendezvous_name(job["metadata"]["name"])
-    for pod in pods:
-        if pod["metadata"]["name"] == name and (ip := (pod.get("status") or {}).get("podIP")):
-            return Rendezvous(ip, workload.RENDEZVOUS_PORT)
-    return None

@@ -13,7 +13,7 @@ for it, or a target someone else deleted. Watch-triggered reconciles go through 
 
 Indices (kept by kopf from its watches, complete before any handler runs): jobs by UID, the
 jobs by phase (the metrics' gauge), the jobs placed on each node and the GPUs they hold there
-(from their trainer pods), each node's GPUHealth, and each job's children as
+(from their trainer pods), each node's GPUHealth (parsed), and each job's children as
 `observed.child_view` sees them. The jobs too few nodes fit are the job queue's
 (`JobQueue.wait_for_nodes`), set by their reconcile before it last reads the node cache.
 Every handler is a coroutine: kopf runs a plain function in a thread, a hand-off per watch
@@ -32,11 +32,12 @@ import kopf
 from kubernetes.client.exceptions import ApiException
 from urllib3.exceptions import HTTPError
 
-from tessera_contracts import api
+from tessera_contracts import api, gpuhealth
 from tessera_contracts.api import JOB_LABEL, ROLE_LABEL
-from tessera_operator import apply, desired, metrics, observe, power_targets, reconcile, workload
+from tessera_contracts.unreadable import Unreadable
+from tessera_operator import apply, metrics, observe, power_targets, reconcile, workload
 from tessera_operator.jobqueue import JobKey
-from tessera_operator.observed import child_view
+from tessera_operator.observed import child_view, ours
 from tessera_operator.workload import TRAINER
 
 GROUP, VERSION, PLURAL = api.GROUP, api.VERSION, api.JOB_PLURAL
@@ -62,7 +63,7 @@ async def job_keys(namespace: str, name: str, uid: str, **_: Any) -> dict[str, J
 async def job_phases(namespace: str, name: str, status: kopf.Status, body: kopf.Body, **_: Any
                      ) -> dict[str, JobKey]:
     """Phase -> the operator's jobs in it (none written yet: Pending), for its metrics."""
-    return {status.get("phase") or "Pending": (namespace, name)} if desired.ours(body) else {}
+    return {status.get("phase") or "Pending": (namespace, name)} if ours(body) else {}
 
 
 @kopf.index("", "v1", "pods", labels=TRAINERS)
@@ -84,9 +85,11 @@ async def held_gpus(body: kopf.Body, status: kopf.Status, **_: Any) -> dict[str,
 
 
 @kopf.index(GROUP, VERSION, "gpuhealths")
-async def gpu_health(name: str, status: kopf.Status, **_: Any) -> dict[str, dict[str, Any]]:
-    """Node -> its GPUHealth, as its health agent last published it."""
-    return {name: {"metadata": {"name": name}, "status": dict(status)}}
+async def gpu_health(name: str, status: kopf.Status, **_: Any
+                     ) -> dict[str, gpuhealth.PublishedHealth | Unreadable]:
+    """Node -> its GPUHealth as its health agent last published it, parsed once as it arrives
+    (or why it does not parse)."""
+    return {name: gpuhealth.read({"metadata": {"name": name}, "status": dict(status)})}
 
 
 @kopf.index("", "v1", "serviceaccounts", labels=JOBS_OWN)
@@ -118,7 +121,7 @@ async def on_job(type: str | None, namespace: str, name: str, body: kopf.Body, m
         memo.seen.changed(("NTPTrainingJob", namespace, name), None)
         await asyncio.to_thread(_released, memo, key, dict(body), logger)
         return
-    if not desired.ours(body):
+    if not ours(body):
         return
     if apply.FINALIZER in (body["metadata"].get("finalizers") or ()):
         await asyncio.to_thread(_attempt, lambda: apply.drop_finalizer(memo.api, dict(body)),

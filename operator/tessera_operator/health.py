@@ -17,8 +17,15 @@ from typing import Any
 from tessera_contracts import gpuhealth
 from tessera_contracts.api import CORDON_ANNOTATION
 from tessera_contracts.cordon import parse_indices
-from tessera_contracts.gpuhealth import REFRESH_S, STALE_REFRESHES, State, is_fatal
+from tessera_contracts.gpuhealth import (
+    REFRESH_S,
+    STALE_REFRESHES,
+    PublishedHealth,
+    State,
+    is_fatal,
+)
 from tessera_contracts.progress import NodeReport
+from tessera_contracts.unreadable import Unreadable
 
 GpuId = tuple[str, int]
 
@@ -160,27 +167,22 @@ def from_rank_deaths(reports: Mapping[str, NodeReport | None], gpus_per_node: in
                   recheck_at=min(ends, default=None))
 
 
-def observed_at(objects: Iterable[object]) -> dict[str, float]:
-    """When each node's GPUHealth was observed (Unix seconds), for the objects that parse."""
-    found = {}
-    for obj in objects:
-        try:
-            report = gpuhealth.parse(obj)
-        except gpuhealth.MalformedHealth:
-            continue
-        found[report.node] = report.observed_at
-    return found
+def observed_at(published: Iterable[PublishedHealth | Unreadable]) -> dict[str, float]:
+    """When each node's GPUHealth was observed (Unix seconds), for those that parsed."""
+    return {report.node: report.observed_at for report in published
+            if isinstance(report, PublishedHealth)}
 
 
 def _ranges(indices: Iterable[int]) -> str:
     return ", ".join(map(str, sorted(indices)))
 
 
-def from_gpu_health(objects: Iterable[object], gpus_per_node: int,
+def from_gpu_health(published: Iterable[PublishedHealth | Unreadable], gpus_per_node: int,
                     fatal_xids: Iterable[int] | None, *, now: float,
                     nodes: Iterable[str] | None = None,
                     max_age: float = GPU_HEALTH_STALE_AFTER_S) -> Health:
-    """GPUs that DCGM shows failed for the job, from the nodes' GPUHealth objects.
+    """GPUs that DCGM shows failed for the job, from the nodes' GPUHealth objects as read
+    (`gpuhealth.read`).
 
     A GPU is failed when its node reports it Failed (a DCGM health watch failing on something
     other than an XID, or an XID after which the device is gone: 79, off the bus) or lists a
@@ -191,12 +193,12 @@ def from_gpu_health(objects: Iterable[object], gpus_per_node: int,
     published last more than `max_age` seconds before `now` (Unix seconds) or published nothing
     at all (`nodes`: the job's nodes, when given; one without an object is unknown, and objects
     of other nodes are not read). Each node with unknown GPUs gets one line in the problems,
-    saying which and why; an object that does not parse (`gpuhealth.parse`) makes its node's
-    GPUs unknown, and what parsing skipped is in the problems too. The reasons say why each
+    saying which and why; an object that did not parse (`Unreadable`) makes its node's GPUs
+    unknown, and what parsing skipped is in the problems too. The reasons say why each
     failed GPU is failed, for the job's status.
     """
-    failed, unknown, problems = _judge(objects, gpus_per_node, fatal_xids, now=now, nodes=nodes,
-                                       max_age=max_age)
+    failed, unknown, problems = _judge(published, gpus_per_node, fatal_xids, now=now,
+                                       nodes=nodes, max_age=max_age)
     return Health(frozenset(failed), problems, unknown, failed)
 
 
@@ -215,7 +217,8 @@ def _why_failed(gpu: gpuhealth.GpuHealth, fatal: frozenset[int] | None) -> str |
     return f"recent XID {_ranges(ending)}, fatal by {rule}"
 
 
-def _judge(objects: Iterable[object], gpus_per_node: int, fatal_xids: Iterable[int] | None, *,
+def _judge(reports: Iterable[PublishedHealth | Unreadable], gpus_per_node: int,
+           fatal_xids: Iterable[int] | None, *,
            now: float, nodes: Iterable[str] | None, max_age: float,
            ) -> tuple[dict[GpuId, str], frozenset[GpuId], tuple[str, ...]]:
     """Failed GPUs with why, unknown GPUs, problems: `from_gpu_health` says how."""
@@ -233,15 +236,13 @@ def _judge(objects: Iterable[object], gpus_per_node: int, fatal_xids: Iterable[i
             unknown.update((node, i) for i in indices)
             problems.append(f"node {node}: GPU health unknown for GPUs {_ranges(indices)}: {why}")
 
-    for obj in objects:
-        try:
-            report = gpuhealth.parse(obj)
-        except gpuhealth.MalformedHealth as exc:
-            if exc.node is None:
+    for report in reports:
+        if isinstance(report, Unreadable):
+            if report.node is None:
                 problems.append("a GPUHealth object without a name, ignored")
-            elif wanted is None or exc.node in wanted:
-                published.add(exc.node)
-                not_known(exc.node, every, f"its GPUHealth is malformed ({exc})")
+            elif wanted is None or report.node in wanted:
+                published.add(report.node)
+                not_known(report.node, every, f"its GPUHealth is malformed ({report.why})")
             continue
         name, observed = report.node, report.observed_at
         if wanted is not None and name not in wanted:

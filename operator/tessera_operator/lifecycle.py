@@ -24,6 +24,7 @@ from datetime import datetime
 from enum import StrEnum
 from typing import Any
 
+from tessera_contracts.jobspec import NTPTrainingJobSpec
 from tessera_contracts.powertarget import format_time
 from tessera_contracts.progress import Account, NodeReport
 from tessera_operator import workload
@@ -74,10 +75,12 @@ def attempt_pods(pods: Sequence[Mapping[str, Any]], attempt: int
     return mine, older
 
 
-def lifecycle(job: Mapping[str, Any], pods: Sequence[Mapping[str, Any]],
-              reports: Mapping[str, NodeReport | None], now: datetime) -> Lifecycle:
-    """Where `job` is, given the pods it controls and its attempt's progress reports."""
-    spec, status = job["spec"], job.get("status") or {}
+def lifecycle(job: Mapping[str, Any], spec: NTPTrainingJobSpec,
+              pods: Sequence[Mapping[str, Any]], reports: Mapping[str, NodeReport | None],
+              now: datetime) -> Lifecycle:
+    """Where `job` (its spec typed: `spec`) is, given the pods it controls and its attempt's
+    progress reports."""
+    status = job.get("status") or {}
     attempt, restarts = int(status.get("attempt", 0)), int(status.get("restarts", 0))
     earlier = Account.from_status(status.get("earlierAttempts"))
     since = status.get("restartingSince")
@@ -85,7 +88,7 @@ def lifecycle(job: Mapping[str, Any], pods: Sequence[Mapping[str, Any]],
     finish = finished(status)
     if finish is None:
         failed, done = outcome(workload.trainer_pods(mine, job))
-        budget = int(spec["failurePolicy"]["maxRestarts"])
+        budget = spec.failure_policy.max_restarts
         if failed is not None and restarts < budget:
             # The restart's downtime counts from the failure: the attempt's reports end at
             # their last write, and the failed node's agent wrote none after.
@@ -102,14 +105,14 @@ def lifecycle(job: Mapping[str, Any], pods: Sequence[Mapping[str, Any]],
             finish = Finish(True, "StepsDone", "every trainer pod finished the job's steps",
                             format_time(now))
     if finish is not None:
-        ttl = spec.get("ttlSecondsAfterFinished")
+        ttl = spec.ttl_seconds_after_finished
         due = None if ttl is None else (
-            datetime.fromisoformat(finish.at).timestamp() + int(ttl) - now.timestamp())
+            datetime.fromisoformat(finish.at).timestamp() + ttl - now.timestamp())
         if due is not None and finished(status) is None:
             due = max(due, RECORD_FIRST_S)  # the job is deleted only once its end is recorded
         return Lifecycle(Stage.FINISHED, attempt, restarts, earlier, finish=finish,
                          delete_pods=_live(pods, running_only=True), delete_job_in=due)
-    if spec.get("suspend"):
+    if spec.suspend:
         if since is not None:
             # a restart under way: its time up to now was restart badput, the rest is not
             earlier = earlier.plus(_gap(spec, since, now))
@@ -129,25 +132,19 @@ def lifecycle(job: Mapping[str, Any], pods: Sequence[Mapping[str, Any]],
     return Lifecycle(Stage.RUNNING, attempt, restarts, earlier, since)
 
 
-def _gap(spec: Mapping[str, Any], since: str, now: datetime) -> Account:
+def _gap(spec: NTPTrainingJobSpec, since: str, now: datetime) -> Account:
     return Account.restart_gap((now - datetime.fromisoformat(since)).total_seconds(),
-                               trainers(spec))
+                               spec.trainers)
 
 
-def trainers(spec: Mapping[str, Any]) -> int:
-    """The job's trainer pods: one per node."""
-    return int(spec["totalGPUs"]) // int(spec.get("gpusPerNode", 8))
-
-
-def resumes_at(spec: Mapping[str, Any], reports: Mapping[str, NodeReport | None]) -> int:
+def resumes_at(spec: NTPTrainingJobSpec, reports: Mapping[str, NodeReport | None]) -> int:
     """The step the next attempt resumes at: the last checkpoint the trainers wrote (every
     intervalSteps), or the start without a checkpoint path."""
-    checkpoint = spec.get("checkpointPolicy") or {}
-    if not checkpoint.get("path"):
+    checkpoint = spec.checkpoint_policy
+    if not checkpoint.path:
         return 0
-    interval = int(checkpoint.get("intervalSteps", 1000))
     step = min((r.step for r in reports.values() if r is not None), default=0)
-    return step // interval * interval
+    return step // checkpoint.interval_steps * checkpoint.interval_steps
 
 
 def finished(status: Mapping[str, Any]) -> Finish | None:

@@ -1,9 +1,10 @@
 """Observe a job's world, reads only: one frozen `Observed` value per reconcile.
 
-From the API: the job, its pods, its layout and progress ConfigMaps, its power targets, and,
-while a trainer pod is missing, the pods on the nodes placement would choose. From the
-watches: its nodes and the placement candidates (`cache.NodeCache`), their GPUHealth, the
-GPUs the operator's trainer pods hold and the job's children (kopf's indices, as `Indices`).
+From the API: the job, its pods, its layout and progress ConfigMaps (the reports parsed here,
+once), its power targets, and, while a trainer pod is missing, the pods on the nodes placement
+would choose. From the watches: its nodes and the placement candidates (`cache.NodeCache`),
+their GPUHealth (parsed by kopf's index as it arrives), the GPUs the operator's trainer pods hold
+and the job's children (kopf's indices, as `Indices`).
 A placed job's reconcile reads five objects or lists from the API whatever its size.
 """
 
@@ -20,6 +21,8 @@ from kubernetes.client.exceptions import ApiException
 from tessera_contracts import progress
 from tessera_contracts.api import GROUP, JOB_LABEL, JOB_PLURAL, VERSION
 from tessera_contracts.generation import LAYOUT_KEY, Generation, GenerationError, layout_configmap
+from tessera_contracts.gpuhealth import PublishedHealth
+from tessera_contracts.unreadable import Unreadable
 from tessera_operator import power_targets, workload
 from tessera_operator.cache import NodeCache
 from tessera_operator.jobqueue import JobKey
@@ -31,7 +34,7 @@ from tessera_operator.settings import API_TIMEOUT_S
 class Indices:
     """kopf's indices that a reconcile reads (live views: read, never kept)."""
 
-    gpu_health: Mapping[str, Iterable[Mapping[str, Any]]]  # node -> its GPUHealth
+    gpu_health: Mapping[str, Iterable[PublishedHealth | Unreadable]]  # node -> its GPUHealth
     children: Mapping[JobKey, Iterable[Mapping[str, Any]]]  # job -> `child_view` of each child
     # node -> the GPUs each unfinished trainer pod of the operator's there asks for
     held: Mapping[str, Iterable[int]]
@@ -71,14 +74,14 @@ def world(api: client.ApiClient, cache: NodeCache, indices: Indices,
 
 
 def with_candidates(api: client.ApiClient, cache: NodeCache, indices: Indices,
-                    observed: Observed, choose: Callable[[Observed], Iterable[str]]
-                    ) -> Observed:
-    """`observed` with the nodes placement chooses among and the GPUs other pods hold there,
-    and their GPUHealth. The nodes come from the node watch, the GPUs from the operator's own
-    trainer pods (`Indices.held`); only the nodes placement would choose (`choose`) are asked
-    for other pods, one list each, until it chooses no node it has not asked about. So a
-    placement costs reads in the job's nodes, not the cluster's nodes and pods."""
-    selector = workload.node_selector(observed.job["spec"])
+                    observed: Observed, selector: Mapping[str, str],
+                    choose: Callable[[Observed], Iterable[str]]) -> Observed:
+    """`observed` with the nodes placement chooses among (those `selector` matches) and the
+    GPUs other pods hold there, and their GPUHealth. The nodes come from the node watch, the
+    GPUs from the operator's own trainer pods (`Indices.held`); only the nodes placement would
+    choose (`choose`) are asked for other pods, one list each, until it chooses no node it has
+    not asked about. So a placement costs reads in the job's nodes, not the cluster's nodes
+    and pods."""
     matching = tuple(facts.node(name) for name, facts in cache.matching(selector))
     taken = {name: held for name in (n["metadata"]["name"] for n in matching)
              if (held := sum(indices.held.get(name, ())))}
@@ -138,7 +141,8 @@ def nodes(api: client.ApiClient, cache: NodeCache, names: list[str]) -> list[dic
     return found
 
 
-def _gpu_health(indices: Indices, nodes: Iterable[str]) -> tuple[Mapping[str, Any], ...]:
+def _gpu_health(indices: Indices, nodes: Iterable[str]
+                ) -> tuple[PublishedHealth | Unreadable, ...]:
     return tuple(obj for node in nodes for obj in list(indices.gpu_health.get(node, ())))
 
 
@@ -163,9 +167,10 @@ def _layout(api: client.ApiClient, job: Mapping[str, Any]) -> tuple[Layout, int 
     return Layout(version, generation=document), workload.attempt_of(body) or 0
 
 
-def _reports(api: client.ApiClient, job: Mapping[str, Any]) -> tuple[dict[str, str], int | None]:
-    """The node agents' progress reports as the ConfigMap holds them (node key -> JSON), and
-    the attempt they are of (None: no ConfigMap, or not the job's)."""
+def _reports(api: client.ApiClient, job: Mapping[str, Any]
+             ) -> tuple[dict[str, progress.NodeReport | Unreadable], int | None]:
+    """The node agents' progress reports in the ConfigMap, parsed (node -> its report, or why
+    it is unreadable), and the attempt they are of (None: no ConfigMap, or not the job's)."""
     meta = job["metadata"]
     try:
         cm = client.CoreV1Api(api).read_namespaced_config_map(
@@ -178,4 +183,4 @@ def _reports(api: client.ApiClient, job: Mapping[str, Any]) -> tuple[dict[str, s
     body = api.sanitize_for_serialization(cm)
     if not workload.controlled_by(body, job):
         return {}, None
-    return dict(cm.data or {}), workload.attempt_of(body) or 0
+    return progress.parse_reports(cm.data), workload.attempt_of(body) or 0

@@ -1,15 +1,39 @@
 """What one reconcile observed of a job's world (pure data): the `Observed` value that
-`observe` reads and `desired` decides from; a test builds one by hand, no API server needed."""
+`observe` reads and `desired` decides from, its inputs parsed once (progress reports, GPUHealth),
+and the job's spec as the operator reads it (`Spec`); a test builds one by hand, no API server
+needed."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from tessera_contracts import progress
+from tessera_contracts.api import JOB_MANAGER
 from tessera_contracts.generation import Generation
+from tessera_contracts.gpuhealth import PublishedHealth
+from tessera_contracts.jobspec import NTPTrainingJobSpec
+from tessera_contracts.progress import NodeReport
+from tessera_contracts.unreadable import Unreadable
+from tessera_operator.planner import JobSpec, Problem
 
 ChildKey = tuple[str, str]  # (kind, name)
+
+
+def ours(job: Mapping[str, Any]) -> bool:
+    """Whether this operator reconciles the job (`spec.managedBy` absent or ours): read before
+    the spec is, by the watches that skip another controller's jobs."""
+    return (job.get("spec") or {}).get("managedBy") in (None, JOB_MANAGER)
+
+
+@dataclass(frozen=True)
+class Spec:
+    """A job's spec as one reconcile reads it (`desired.job_spec`): typed and defaulted whole,
+    and what planning runs of it, or why the operator cannot run it."""
+
+    whole: NTPTrainingJobSpec
+    planning: JobSpec | Problem
 
 
 @dataclass(frozen=True)
@@ -40,13 +64,19 @@ class Observed:
     # for one not delivered yet); one gone from the API is left out.
     nodes: tuple[Mapping[str, Any], ...] = ()
     layout: Layout = Layout()
-    reports: Mapping[str, str] = field(default_factory=dict)  # progress ConfigMap's data
+    # Every node's progress report in the progress ConfigMap, by node, as parsed.
+    reports: Mapping[str, NodeReport | Unreadable] = field(default_factory=dict)
     targets: tuple[Mapping[str, Any], ...] = ()  # the job's GPUPowerTargets
-    gpu_health: tuple[Mapping[str, Any], ...] = ()  # the GPUHealth of its (candidate) nodes
+    # The GPUHealth of its (candidate) nodes, as parsed (kopf's index holds them so).
+    gpu_health: tuple[PublishedHealth | Unreadable, ...] = ()
     children: Mapping[ChildKey, Mapping[str, Any]] = field(default_factory=dict)
     candidates: Candidates | None = None  # observed only while a trainer pod is missing
     # The job's layout and progress ConfigMaps that exist: name -> the attempt they are of.
     configmap_attempts: Mapping[str, int] = field(default_factory=dict)
+
+    def reports_of(self, nodes: Iterable[str]) -> dict[str, NodeReport | None]:
+        """Each of `nodes`' progress report; None where it has none or an unreadable one."""
+        return progress.usable(self.reports, nodes)
 
 
 def child_view(obj: Mapping[str, Any]) -> dict[str, Any]:

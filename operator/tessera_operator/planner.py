@@ -24,7 +24,12 @@ from functools import cached_property
 from itertools import groupby
 from typing import Any
 
-from tessera_contracts.jobspec import SpecError, defaulted, schema_default
+from tessera_contracts.jobspec import (
+    NTPTrainingJobSpec,
+    PowerPolicySpec,
+    SpecError,
+    schema_default,
+)
 from tessera_contracts.model_shape import ModelShape, PlanError
 from tessera_contracts.powertarget import PowerTarget
 from tessera_contracts.progress import NodeReport, State
@@ -41,7 +46,7 @@ ReplicaKey = tuple[int, int, tuple[str, ...], tuple[str, ...]]
 
 @dataclass(frozen=True)
 class JobSpec:
-    """The parts of an NTPTrainingJob spec that planning needs."""
+    """What planning needs of an NTPTrainingJob's spec (`of`: a view of its typed value)."""
 
     shape: ModelShape
     tp: int
@@ -59,9 +64,7 @@ class JobSpec:
 
     @property
     def restarts_on_loss(self) -> bool:
-        """CKPT-RESTART: a GPU lost under the layout ends the attempt (every trainer pod
-        replaced, the job resumed from its last checkpoint) instead of a live relayout."""
-        return self.mode is FailurePolicy.CKPT_RESTART
+        return self.mode.restarts_on_loss
 
     @property
     def fewest_nodes(self) -> int:
@@ -69,31 +72,20 @@ class JobSpec:
         return -(-self.dp * self.tp * self.pp // self.gpus_per_node)
 
     @classmethod
-    def from_spec(cls, spec: Mapping[str, Any]) -> JobSpec:
-        """Read the API object's spec (defaults as in the CRD); SpecError names the bad field."""
-        spec = defaulted(spec)
-        model = spec.get("model") or {}
+    def of(cls, spec: NTPTrainingJobSpec) -> JobSpec:
+        """What planning needs of a job's typed spec; SpecError names a field the operator
+        cannot plan with (a model that does not split into heads, a power policy that does
+        not hold, a size below 1, NTP-PW without a power policy)."""
         try:
-            shape = ModelShape.from_spec(model)
-        except KeyError as exc:
-            raise SpecError(f"model.{exc.args[0]}", "is required") from exc
+            shape = spec.model.shape()
         except PlanError as exc:
             raise SpecError("model", str(exc)) from exc
-        failure = spec["failurePolicy"]
-        mode = failure["mode"]
-        if mode not in FailurePolicy.__members__.values():
-            raise SpecError("failurePolicy.mode",
-                            f"{mode!r} is not one of {', '.join(FailurePolicy)}")
-        try:
-            job = cls(
-                shape=shape, tp=int(spec["tensorParallelSize"]),
-                dp=int(spec["dataParallelReplicas"]), pp=int(spec["pipelineParallelSize"]),
-                gpus_per_node=int(spec["gpusPerNode"]), mode=FailurePolicy(mode),
-                min_tp=int(failure.get("minTensorParallelSize", 0)),
-                domain_label=spec["scaleUpDomainLabel"],
-                power=_power_policy(spec.get("powerPolicy")))
-        except KeyError as exc:
-            raise SpecError(str(exc.args[0]), "is required") from exc
+        failure = spec.failure_policy
+        job = cls(
+            shape=shape, tp=spec.tensor_parallel_size, dp=spec.data_parallel_replicas,
+            pp=spec.pipeline_parallel_size, gpus_per_node=spec.gpus_per_node, mode=failure.mode,
+            min_tp=failure.min_tensor_parallel_size or 0,
+            domain_label=spec.scale_up_domain_label, power=_power_policy(spec.power_policy))
         if min(job.tp, job.dp, job.pp, job.gpus_per_node) < 1:
             raise SpecError("tensorParallelSize", "TP, DP, PP and gpusPerNode must be positive")
         if job.mode is FailurePolicy.NTP_PW and job.power is None:
@@ -101,16 +93,13 @@ class JobSpec:
         return job
 
 
-def _power_policy(power: Mapping[str, Any] | None) -> PowerPolicy | None:
+def _power_policy(power: PowerPolicySpec | None) -> PowerPolicy | None:
     if power is None:
         return None
     try:
-        return PowerPolicy(
-            base_w=int(power["baseCapWatts"]), boost_cap_w=int(power["boostCapWatts"]),
-            rack_budget_w=power.get("rackBudgetWatts"),
-            ramp_step_w=power["ramp"]["stepWatts"])
-    except KeyError as exc:
-        raise SpecError(f"powerPolicy.{exc.args[0]}", "is required") from exc
+        return PowerPolicy(base_w=power.base_cap_watts, boost_cap_w=power.boost_cap_watts,
+                           rack_budget_w=power.rack_budget_watts,
+                           ramp_step_w=power.ramp_step_watts)
     except ValueError as exc:
         raise SpecError("powerPolicy", str(exc)) from exc
 

@@ -1,7 +1,7 @@
 """The operator's side of the power channel: one cluster-scoped `GPUPowerTarget` per node, named
 after it.
 
-The operator writes the spec (`sync_targets`: only what changed, cuts before the raises that depend
+The operator writes the spec (`write_sync`: only what changed, cuts before the raises that depend
 on them); the agent reads it and writes only its status (`tessera_agents.power.target_source`). RBAC
 and admission in manifests/power-controller/ let only the operator's service account write specs and
 an agent only its own node's status, and the agent re-validates every object it reads
@@ -25,7 +25,7 @@ from tessera_contracts.powertarget import (
     PowerTarget,
     to_object,
 )
-from tessera_operator.power_planning import plan_sync
+from tessera_operator.power_planning import SyncPlan, plan_sync
 
 DEFAULT_TIMEOUT_S = 5.0
 FIELD_MANAGER = OPERATOR_MANAGER
@@ -37,7 +37,7 @@ def _api(api_client: client.ApiClient) -> client.CustomObjectsApi:
 
 @dataclass(frozen=True)
 class SyncResult:
-    """What one `sync_targets` pass did: nodes written, deleted, and raises held back until the
+    """What one pass (`write_sync`) did: nodes written, deleted, and raises held back until the
     cuts they depend on are reported in effect (`pending`: call again when a status changes)."""
 
     written: tuple[str, ...]
@@ -64,29 +64,38 @@ def sync_targets(
     job_owner: Mapping[str, Any],
     job_label: tuple[str, str],
     timeout_s: float = DEFAULT_TIMEOUT_S,
-    listed: Sequence[Mapping[str, Any]] | None = None,
 ) -> SyncResult:
-    """Bring a job's targets to `desired` without taking any rack over its budget.
+    """Bring a job's targets to `desired` without taking any rack over its budget: its targets
+    read (by `job_label` and the owner's UID), one pass planned from them and written
+    (`write_sync`). Cuts go out at once, raises only once every node of the rack reports its
+    current budget in effect (`power_planning.stage`); a target for a node not in `desired`
+    is deleted in a rack `desired` no longer plans (its agent then settles at the base cap
+    inside its last share), and kept, settled, in a rack it still plans, whose raises then wait
+    until `desired` plans the node again (parked) (`power_planning.plan_sync`). `desired`
+    empty releases every target of the job."""
+    listed = list_job_targets(api_client, job_label, str(job_owner["uid"]), timeout_s)
+    return write_sync(api_client, plan_sync(listed, desired), listed, job_owner=job_owner,
+                      job_label=job_label, timeout_s=timeout_s)
 
-    Reads the job's targets (by `job_label` and the owner's UID), writes those whose spec
-    changed by server-side apply (field manager `tessera-operator`): cuts at once, raises only
-    once every node of the rack reports its current budget in effect (`power_planning.stage`), and
-    deletes the job's targets for nodes not in `desired` in racks `desired` no longer plans
-    (their agents then settle at the base cap inside their last share); in a rack it still
-    plans, such a node's target is kept, settled, and the rack's raises wait until `desired`
-    plans the node again (parked) (`power_planning.plan_sync`). `desired` empty releases every
-    target of the job.
-    `job_owner` is the job's ownerReference (apiVersion, kind, name, uid); only its UID is
-    written (as the label `tessera.dev/job-uid`): see JOB_UID_LABEL. `listed`: the job's
-    targets as the caller has just listed them (`list_job_targets`), not listed again.
-    """
+
+def write_sync(
+    api_client: client.ApiClient,
+    plan: SyncPlan,
+    listed: Sequence[Mapping[str, Any]],
+    *,
+    job_owner: Mapping[str, Any],
+    job_label: tuple[str, str],
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> SyncResult:
+    """Write one pass of `plan` (`power_planning.plan_sync` over `listed`, the job's targets as
+    listed; it decides what goes out and what waits, `sync_targets` says how): each target it
+    writes by server-side apply (field manager `tessera-operator`), after a merge patch of
+    what another writer left in its spec, then each deletion. `job_owner` is the job's
+    ownerReference (apiVersion, kind, name, uid); only its UID is written (as the label
+    `tessera.dev/job-uid`): see JOB_UID_LABEL."""
     api = _api(api_client)
-    uid = str(job_owner["uid"])
-    if listed is None:
-        listed = list_job_targets(api_client, job_label, uid, timeout_s)
     objects = {obj["metadata"]["name"]: obj for obj in listed}
-    plan = plan_sync(listed, desired)
-    labels = {job_label[0]: job_label[1], JOB_UID_LABEL: uid}
+    labels = {job_label[0]: job_label[1], JOB_UID_LABEL: str(job_owner["uid"])}
     for node, target in sorted(plan.write.items()):
         body = to_object(target)
         body["metadata"]["labels"] |= labels

@@ -1,12 +1,14 @@
 """Reconcile one NTPTrainingJob from its name and the world as observed, level-triggered.
 
 Every trigger runs the same `reconcile`, which never asks which event arrived, in the steps of
-controller-runtime's reconcilers: observe (`observe`, reads only) -> decide the desired state
-(`desired`, a pure function of the observation and the clock) -> act idempotently (`apply`:
-deterministic child names, writes only where the world differs) -> the status rebuilt from the
-world, with Conditions and one event per decision. A job waiting for something (a rendezvous
-address, an agent's report) is brought back by that thing's watch event (`handlers`), and the
-resync catches up with anything missed.
+controller-runtime's reconcilers: observe (`observe`, reads only; the job's spec typed and its
+inputs parsed once, here) -> decide the desired state once (`desired`, a pure function of the
+spec, the observation and the clock) -> act idempotently (`apply`: deterministic child names,
+writes only where the world differs), what the API server refuses written into the decision
+(`Desired.pods_rejected`, `Desired.power_refused`) rather than deciding again -> the status
+rebuilt from the world, with Conditions and one event per decision. A job waiting for something
+(a rendezvous address, an agent's report) is brought back by that thing's watch event
+(`handlers`), and the resync catches up with anything missed.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import kopf
 
 from tessera_operator import apply, desired, metrics, observe
 from tessera_operator.jobqueue import JobKey
+from tessera_operator.observed import ours
+from tessera_operator.policies import placement
 
 # Watches drive every change; the resync only re-observes what a watch may have missed. Its
 # cost is five reads per job per interval, whatever the number of nodes.
@@ -42,29 +46,30 @@ def reconcile(memo: kopf.Memo, key: JobKey, logger: logging.Logger,
         if job is None:
             queue.forget(key)
             return None
-        if job["metadata"].get("deletionTimestamp") or not desired.ours(job):
+        if job["metadata"].get("deletionTimestamp") or not ours(job):
             return None
         queue.hold(key, True)  # an agent's report made once the targets are read is not lost
         observed = observe.world(api, memo.nodes, indices, job)
-        # 2. Decide, and make the children. A job that lacks a trainer pod is placed one at a
-        #    time: another job's placement, listing the pods before this one's exist, would
-        #    choose the same free GPUs (and its pods would stay Pending). An attempt that ends
-        #    writes its status (its account) before its pods and reports go.
+        # 2. Decide, once, and make the children. A job that lacks a trainer pod is placed one
+        #    at a time: another job's placement, listing the pods before this one's exist,
+        #    would choose the same free GPUs (and its pods would stay Pending). An attempt
+        #    that ends writes its status (its account) before its pods and reports go; pods
+        #    the API server refuses leave the job without a plan.
         spec = desired.job_spec(job)
-        placing = desired.needs_placement(spec, observed, now)
+        placing = placement.needs_placement(spec, observed, now)
         nodes_seen = memo.nodes.changes
         with memo.placing if placing else contextlib.nullcontext():
             if placing:
                 observed = observe.with_candidates(
-                    api, memo.nodes, indices, observed,
-                    lambda seen: desired.chosen_nodes(spec, seen))
+                    api, memo.nodes, indices, observed, placement.selector(spec),
+                    lambda seen: placement.chosen_nodes(spec, seen))
             wanted = desired.desired(spec, observed, now)
             if wanted.ended:
                 apply.status(api, job, wanted.status)
             apply.leftovers(api, job, wanted)
             rejected = apply.children(api, observed, wanted)
             if rejected is not None:
-                wanted = desired.desired(spec, observed, now, rejected=rejected)
+                wanted = wanted.pods_rejected(rejected)
         queue.wait_for_nodes(key, wanted.waits_for_nodes)
         if wanted.delete_job:
             apply.delete_job(api, job)
@@ -76,7 +81,7 @@ def reconcile(memo: kopf.Memo, key: JobKey, logger: logging.Logger,
             metrics.LAYOUT_GENERATIONS.inc()
         refused = apply.power(api, observed, wanted)
         if refused is not None:
-            wanted = desired.desired(spec, observed, now, refused, rejected)
+            wanted = wanted.power_refused(refused)
         queue.hold(key, bool(wanted.held))
         # 4. The status, written when it differs; an event per decision.
         if not wanted.ended:

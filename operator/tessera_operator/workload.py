@@ -36,7 +36,7 @@ from tessera_contracts.generation import (
     next_generation,
 )
 from tessera_contracts.invocation import AgentInvocation, InvocationError
-from tessera_contracts.jobspec import schema_default
+from tessera_contracts.jobspec import NTPTrainingJobSpec
 from tessera_contracts.progress import progress_configmap as progress_name
 from tessera_operator.planner import JobPlan, JobSpec, Problem
 
@@ -45,8 +45,6 @@ TRAINER, RENDEZVOUS = "trainer", "rendezvous"
 FINISHED = ("Succeeded", "Failed")  # pod phases that hold no GPU
 RENDEZVOUS_PORT = 29400
 METRICS_PORT = 9300
-DEFAULT_STEPS = 1000
-DEFAULT_GLOBAL_BATCH = 64
 _TRAINER_POD = re.compile(r"-node-(\d+)$")
 # The trainers' shared memory, unless the template mounts its own at SHM_PATH.
 SHM_VOLUME, SHM_PATH = "tessera-shm", "/dev/shm"
@@ -262,12 +260,12 @@ def leaving_nodes(pods: Iterable[Mapping[str, Any]], job: Mapping[str, Any]) -> 
 # ----------------------------------------------------------------------------------------------
 
 
-def identity(job: Mapping[str, Any]) -> list[dict[str, Any]]:
+def identity(job: Mapping[str, Any], spec: NTPTrainingJobSpec) -> list[dict[str, Any]]:
     """The trainer pods' rights: a Role to read the layout (a watch by name) and patch the
     progress report, nothing else, bound to their ServiceAccount; that account too unless the
     template names its own."""
     name, jobname = identity_name(job["metadata"]["name"]), job["metadata"]["name"]
-    account = service_account(job)
+    account = service_account(job, spec)
     own = [{"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _meta(job, name)}] \
         if account == name else []
     return [
@@ -293,32 +291,34 @@ def progress_configmap(job: Mapping[str, Any], attempt: int = 0) -> dict[str, An
     return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": meta, "data": {}}
 
 
-def template(spec: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+def template(spec: NTPTrainingJobSpec) -> tuple[dict[str, Any], dict[str, Any]]:
     """The spec's pod template: its metadata and its pod spec (copies)."""
-    tpl = spec.get("template") or {}
+    tpl = spec.template
     return (copy.deepcopy(dict(tpl.get("metadata") or {})),
             copy.deepcopy(dict(tpl.get("spec") or {})))
 
 
-def node_selector(spec: Mapping[str, Any]) -> dict[str, str]:
+def node_selector(spec: NTPTrainingJobSpec) -> dict[str, str]:
     """The labels every node of the job must carry (the template's nodeSelector)."""
     return dict(template(spec)[1].get("nodeSelector") or {})
 
 
-def service_account(job: Mapping[str, Any]) -> str:
+def service_account(job: Mapping[str, Any], spec: NTPTrainingJobSpec) -> str:
     """The trainer pods' identity: the template's, else the one the operator makes."""
-    return str(template(job["spec"])[1].get("serviceAccountName")
+    return str((spec.template.get("spec") or {}).get("serviceAccountName")
                or identity_name(job["metadata"]["name"]))
 
 
-def pod_inputs(spec: Mapping[str, Any]) -> dict[str, str]:
-    """A digest of each spec field a pod is made from: a running pod keeps what it was made
-    with, so a changed one waits for the job's next attempt (`outdated`)."""
-    return {name: hashlib.sha256(json.dumps(spec.get(name), sort_keys=True).encode())
+def pod_inputs(spec: NTPTrainingJobSpec) -> dict[str, str]:
+    """A digest of each spec field a pod is made from, as the API server stores it: a running
+    pod keeps what it was made with, so a changed one waits for the job's next attempt
+    (`outdated`)."""
+    stored = spec.to_spec()
+    return {name: hashlib.sha256(json.dumps(stored.get(name), sort_keys=True).encode())
             .hexdigest()[:16] for name in POD_INPUTS}
 
 
-def outdated(pod: Mapping[str, Any], spec: Mapping[str, Any]) -> list[str]:
+def outdated(pod: Mapping[str, Any], spec: NTPTrainingJobSpec) -> list[str]:
     """The spec fields whose value `pod` was not made with (all of them for a pod that does
     not say)."""
     try:
@@ -357,83 +357,81 @@ def _labelled(job: Mapping[str, Any], name: str, role: str, attempt: int,
     return meta
 
 
-def trainer_pod(job: Mapping[str, Any], index: int, node: str, attempt: int = 0
-                ) -> dict[str, Any]:
+def trainer_pod(job: Mapping[str, Any], spec: NTPTrainingJobSpec, index: int, node: str,
+                attempt: int = 0) -> dict[str, Any]:
     """The node agent on `node`, with every GPU of the node: it runs one rank per GPU the
     current generation gives it; the template merged around it (docs/jobapi.md).
 
     Container args: the agent's invocation (the job, its steps in all), then `--`, then the
     trainer options for every rank: `rank_args`, the spec's `args`. A memory-backed /dev/shm
     unless the template mounts one (the data loaders' and NCCL's shared memory)."""
-    spec, name = job["spec"], job["metadata"]["name"]
+    name = job["metadata"]["name"]
     tmeta, pod_spec = template(spec)
     containers = list(pod_spec.get("containers") or [])
     own = next((c for c in containers if c.get("name") == TRAINER), {})
     sidecars = [c for c in containers if c.get("name") != TRAINER]
     resources = {k: dict(v) if k in ("requests", "limits") else v
                  for k, v in (own.get("resources") or {}).items()}
-    gpus = str(spec.get("gpusPerNode", 8))
+    gpus = str(spec.gpus_per_node)
     resources.setdefault("limits", {})[GPU_RESOURCE] = gpus
     if "requests" in resources:
         resources["requests"][GPU_RESOURCE] = gpus
-    agent = AgentInvocation(until_step=spec.get("steps", DEFAULT_STEPS), job=name,
-                            trainer_args=(*rank_args(spec), *(spec.get("args") or [])))
+    agent = AgentInvocation(until_step=spec.steps, job=name,
+                            trainer_args=(*rank_args(spec), *(spec.args or ())))
     mounts = list(own.get("volumeMounts") or [])
     volumes = list(pod_spec.get("volumes") or [])
     if not any(m.get("mountPath", "").rstrip("/") == SHM_PATH for m in mounts):
         mounts.append({"name": SHM_VOLUME, "mountPath": SHM_PATH})
         volumes.append({"name": SHM_VOLUME, "emptyDir": {"medium": "Memory"}})
     container = own | {
-        "name": TRAINER, "image": spec["image"], "args": agent.to_args(), "env": _env(own),
+        "name": TRAINER, "image": spec.image, "args": agent.to_args(), "env": _env(own),
         "resources": resources, "volumeMounts": mounts,
         "ports": [*(own.get("ports") or []), {"name": "metrics", "containerPort": METRICS_PORT}],
     }
-    if spec.get("command"):
-        container["command"] = list(spec["command"])
+    if spec.command:
+        container["command"] = list(spec.command)
     meta = _labelled(job, trainer_name(name, index), TRAINER, attempt, tmeta.get("labels") or {})
     meta["annotations"] = dict(tmeta.get("annotations") or {}) | {
         "prometheus.io/scrape": "true", "prometheus.io/port": str(METRICS_PORT),
         INPUTS_ANNOTATION: json.dumps(pod_inputs(spec), sort_keys=True)}
     affinity = dict(pod_spec.get("affinity") or {}) | _pinned(node)
     return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": pod_spec | {
-        "serviceAccountName": service_account(job),
+        "serviceAccountName": service_account(job, spec),
         # A failed trainer restarts the whole job from its checkpoint (the operator's
         # restart budget), never alone: its ranks cannot rejoin running collectives.
         "restartPolicy": "Never",
         "affinity": affinity, "volumes": volumes, "containers": [container, *sidecars]}}
 
 
-def rank_args(spec: Mapping[str, Any]) -> list[str]:
+def rank_args(spec: NTPTrainingJobSpec) -> list[str]:
     """Trainer options every rank gets from the spec: checkpoints where the job keeps them, the
     weights it starts from, the dataset it reads, its precision (`spec.args` come after them,
     and so win over them)."""
     args: list[str] = []
-    checkpoint = spec.get("checkpointPolicy") or {}
-    if checkpoint.get("path"):
-        args += ["--save", checkpoint["path"], "--resume",
-                 "--save-every", str(checkpoint.get(
-                     "intervalSteps", schema_default("checkpointPolicy.intervalSteps"))),
-                 "--keep", str(checkpoint.get("keep", schema_default("checkpointPolicy.keep")))]
-    if spec.get("initialWeights"):
-        args += ["--init", spec["initialWeights"]["path"]]
-    data = spec.get("data") or {}
-    if data:
-        args += ["--data", data["path"]]
-        if data.get("tokenizer"):
-            args += ["--tokenizer", data["tokenizer"]]
-    return [*args, "--precision", str(spec.get("precision", schema_default("precision")))]
+    checkpoint = spec.checkpoint_policy
+    if checkpoint.path:
+        args += ["--save", checkpoint.path, "--resume",
+                 "--save-every", str(checkpoint.interval_steps), "--keep", str(checkpoint.keep)]
+    if spec.initial_weights:
+        args += ["--init", spec.initial_weights]
+    if spec.data is not None:
+        args += ["--data", spec.data.path]
+        if spec.data.tokenizer:
+            args += ["--tokenizer", spec.data.tokenizer]
+    return [*args, "--precision", spec.precision]
 
 
-def rendezvous_pod(job: Mapping[str, Any], attempt: int = 0) -> dict[str, Any]:
+def rendezvous_pod(job: Mapping[str, Any], spec: NTPTrainingJobSpec, attempt: int = 0
+                   ) -> dict[str, Any]:
     """The job's TCPStore host: no GPU, no API access, no privilege; from the template only
     what places it and lets it start (node selector, tolerations, priority, scheduler, pull
     secrets, the pod's security context), so it lands where the trainers may and passes the
     same Pod Security level. No pod affinity: a rule written for the trainers could keep it
     from any node, or a trainer from its own."""
-    spec, name = job["spec"], job["metadata"]["name"]
+    name = job["metadata"]["name"]
     tmeta, pod_spec = template(spec)
     kept = {k: pod_spec[k] for k in RENDEZVOUS_FIELDS if k in pod_spec}
-    container = {"name": RENDEZVOUS, "image": spec["image"],
+    container = {"name": RENDEZVOUS, "image": spec.image,
                  "command": ["python", "-m", "ntp.rendezvous"],
                  # Its pod IP only: pods that share the host's network (hostNetwork, the
                  # local cluster's simulated nodes) then never share the store's port.
@@ -447,7 +445,7 @@ def rendezvous_pod(job: Mapping[str, Any], attempt: int = 0) -> dict[str, Any]:
             "metadata": _labelled(job, rendezvous_name(name), RENDEZVOUS, attempt,
                                   tmeta.get("labels") or {}),
             "spec": kept | {
-                "serviceAccountName": service_account(job),
+                "serviceAccountName": service_account(job, spec),
                 "automountServiceAccountToken": False,
                 "restartPolicy": "Always", "containers": [container]}}
 

@@ -20,6 +20,7 @@ from typing import Any
 from tessera_contracts.api import API_VERSION, GPU_HEALTH_KIND
 from tessera_contracts.cordon import shown
 from tessera_contracts.powertarget import format_time
+from tessera_contracts.unreadable import Unreadable
 
 # The NVIDIA device plugin's rule: every XID is fatal except these application errors.
 APPLICATION_XIDS = frozenset({13, 31, 43, 45, 68, 109})
@@ -186,6 +187,14 @@ def parse(obj: object) -> PublishedHealth:
     health = NodeHealth(_gpus(status.get("gpus"), problems), tuple(problems),
                         None if error is None else _clip(error))
     return PublishedHealth(name, _clip(url), observed, health)
+
+
+def read(obj: object) -> PublishedHealth | Unreadable:
+    """`parse`, with an object no reader can use kept as why (its node, when it has a name)."""
+    try:
+        return parse(obj)
+    except MalformedHealth as exc:
+        return Unreadable(exc.node, str(exc))
 
 
 def _shown(value: object) -> str:

@@ -1,7 +1,7 @@
 """The trainer pods' progress reports and what the operator makes of them.
 
 Each node's agent writes one `NodeReport` as JSON into the job's ConfigMap `<job>-progress`,
-key `<node>.json` (`report_key`); the operator reads them all (`read_reports`) and sets the
+key `<node>.json` (`report_key`); the operator reads them all (`parse_reports`) and sets the
 job's status from `summarize`. Pure: no I/O, no Kubernetes; a report that does not parse is a
 `ReportError` (a ValueError), never anything else.
 
@@ -26,12 +26,13 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
 from tessera_contracts import vocabulary
+from tessera_contracts.unreadable import Unreadable
 from tessera_contracts.vocabulary import BADPUT_CATEGORIES, LOST_PROGRESS
 
 RESTART = vocabulary.Phase.RESTART.value  # the badput of a job's pods replaced
@@ -287,18 +288,34 @@ def _seconds(d: Mapping[str, Any], key: str, name: str | None = None) -> float:
     return number
 
 
+def parse_reports(data: Mapping[str, str] | None) -> dict[str, NodeReport | Unreadable]:
+    """Every node's report in the progress ConfigMap's data (key `report_key(node)`), or why it
+    is not a valid one (an agent of another version, a hand edit)."""
+    reports: dict[str, NodeReport | Unreadable] = {}
+    for key, text in (data or {}).items():
+        if not key.endswith(".json"):
+            continue
+        node = key.removesuffix(".json")
+        try:
+            reports[node] = NodeReport.from_json(text)
+        except ReportError as exc:
+            reports[node] = Unreadable(node, str(exc))
+    return reports
+
+
+def usable(reports: Mapping[str, NodeReport | Unreadable], nodes: Iterable[str]
+           ) -> dict[str, NodeReport | None]:
+    """Each of `nodes`' report among `reports` (`parse_reports`); None where a node has none or
+    an unreadable one."""
+    return {node: found if isinstance(found := reports.get(node), NodeReport) else None
+            for node in nodes}
+
+
 def read_reports(data: Mapping[str, str] | None, nodes: Sequence[str]
                  ) -> dict[str, NodeReport | None]:
     """Each node's report from the progress ConfigMap's data; None where a node has none or
-    its report is not valid (an agent of another version, a hand edit)."""
-    reports: dict[str, NodeReport | None] = {}
-    for node in nodes:
-        text = (data or {}).get(report_key(node))
-        try:
-            reports[node] = None if text is None else NodeReport.from_json(text)
-        except ReportError:
-            reports[node] = None
-    return reports
+    its report is not valid."""
+    return usable(parse_reports(data), nodes)
 
 
 @dataclass(frozen=True)

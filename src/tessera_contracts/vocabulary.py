@@ -41,6 +41,12 @@ class FailurePolicy(StrEnum):
         return self in (FailurePolicy.NTP, FailurePolicy.NTP_PW)
 
     @property
+    def restarts_on_loss(self) -> bool:
+        """Whether a GPU lost under the layout ends the attempt (every trainer pod replaced,
+        the job resumed from its last checkpoint) instead of a live relayout."""
+        return self is FailurePolicy.CKPT_RESTART
+
+    @property
     def batch_rule(self) -> str:
         """How the global batch is split (tessera_core.plan): only NTP-PW gives every replica
         the same batch (its reduced replicas keep pace through power); the others give

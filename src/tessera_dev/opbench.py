@@ -14,7 +14,8 @@ and after 300 s the eviction of every pod on them, which no healthy cluster sees
    long that took.
 2. `--cordons` GPUs cordoned one at a time, each on a different job: cordon-to-status latency
    (from the node patch to the job's status showing the reduced replica, seen on a watch),
-   p50 and p99 against the 1 s target; the apiserver requests each change costs.
+   p50 and p99 against the 1 s target; the apiserver requests and the operator's CPU each
+   change costs.
 3. The operator's resident memory (VmRSS) after start, with every job Running, after the
    cordons, and after one more job at the schema's largest model shape is degraded, against the
    Deployment's 512 Mi limit.
@@ -92,6 +93,7 @@ class Figures:
     steady: Counter[str]  # the same with the operator running, nothing changing
     latencies_s: tuple[float, ...]
     requests_per_cordon: float
+    cpu_per_cordon_s: float  # the operator's CPU seconds from a cordon to the status that shows it
     rss_mib: dict[str, float]
     backlog_s: float  # from every job Running to the operator idle
     creation_s: float  # from the first job created to every job Running
@@ -296,6 +298,7 @@ def run(nodes: int, jobs: int, cordons: int, window_s: float, timeout_s: float,
                 backlog_s = wait_idle(proc.pid, max(timeout_s, IDLE_TIMEOUT_S))
                 log(f"operator idle after {backlog_s:.1f} s more; cordoning {cordons} GPUs")
                 latencies, before = [], sum(_requests(api).values())
+                cpu_before = _cpu_s(proc.pid)
                 for job in list(groups)[:cordons]:
                     node = groups[job][0]
                     t0 = time.monotonic()
@@ -305,6 +308,7 @@ def run(nodes: int, jobs: int, cordons: int, window_s: float, timeout_s: float,
                         ","), timeout_s)
                     latencies.append(seen - t0)
                 per_cordon = (sum(_requests(api).values()) - before) / cordons
+                cpu_per_cordon = (_cpu_s(proc.pid) - cpu_before) / cordons
                 rss["after cordons"] = rss_mib(proc.pid)
                 _largest(api, jobs_watch, timeout_s)
                 rss["largest shape degraded"] = rss_mib(proc.pid)
@@ -320,8 +324,8 @@ def run(nodes: int, jobs: int, cordons: int, window_s: float, timeout_s: float,
             idle = _rate(api, window_s)
         finally:
             jobs_watch.stop()
-    return Figures(per_job * jobs, jobs, idle, steady, tuple(latencies), per_cordon, rss,
-                   backlog_s, creation_s, creation_cpu)
+    return Figures(per_job * jobs, jobs, idle, steady, tuple(latencies), per_cordon,
+                   cpu_per_cordon, rss, backlog_s, creation_s, creation_cpu)
 
 
 def _largest(api: client.ApiClient, jobs_watch: JobWatch, timeout_s: float) -> None:
@@ -360,7 +364,8 @@ def report(f: Figures) -> tuple[list[str], bool]:
         f"{RESYNC_INTERVAL_S:.0f} s = {RESYNC_READS * f.jobs / RESYNC_INTERVAL_S:.2f}/s for "
         f"{f.jobs} jobs",
         f"apiserver requests per cordon (the change, re-plan, status, targets): "
-        f"{f.requests_per_cordon:.1f}",
+        f"{f.requests_per_cordon:.1f}; operator CPU per cordon: "
+        f"{f.cpu_per_cordon_s * 1000:.0f} ms",
         "operator RSS (MiB): " + ", ".join(f"{k} {v:.0f}" for k, v in f.rss_mib.items())
         + f"; peak {peak / MEMORY_LIMIT_MIB:.2f} of the {MEMORY_LIMIT_MIB} Mi limit",
     ]

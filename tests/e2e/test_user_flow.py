@@ -37,10 +37,10 @@ from kubernetes import client
 from ntp.launch import launch_local
 from tessera_agents.power.sim_backend import SimGpuSpec
 from tessera_contracts.generation import Generation, Gpu, Rendezvous
+from tessera_contracts.jobspec import NTPTrainingJobSpec
 from tessera_contracts.powertarget import parse_object
 from tessera_dev import demo_data, install, paths, probes
 from tessera_dev.controlplane import cluster, launcher
-from tessera_operator import planner
 
 pytestmark = pytest.mark.e2e
 
@@ -174,7 +174,7 @@ def _failure_free(tmp: Path, steps: int) -> tuple[dict[int, float], float]:
     local launcher), and how long a checkpoint restart of the same job onto TP3 + TP4 takes to
     its first step there."""
     spec = yaml.safe_load(EXAMPLE.read_text())["spec"]
-    shape = planner.JobSpec.from_spec(spec).shape
+    shape = NTPTrainingJobSpec.from_spec(spec).model.shape()
 
     def run(replicas: tuple[tuple[Gpu, ...], ...], args: list[str]) -> None:
         store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)

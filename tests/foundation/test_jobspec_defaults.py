@@ -1,5 +1,7 @@
 """The CRD's defaults have one source: `jobspec.defaulted` fills a spec exactly as the API server
-stores it, for the shipped examples and a minimal job that leaves every defaulted field out."""
+stores it, and the spec's typed value (`NTPTrainingJobSpec`, what the operator decides from) is
+the one the API server stores, for the shipped examples and a minimal job that leaves every
+defaulted field out."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import yaml
 from kubernetes import client
 
 from tessera_contracts import api
-from tessera_contracts.jobspec import defaulted
+from tessera_contracts.jobspec import NTPTrainingJobSpec, defaulted
 from tessera_dev import paths
 
 pytestmark = pytest.mark.foundation
@@ -36,13 +38,18 @@ def _specs() -> list[tuple[str, dict[str, Any]]]:
 
 
 @pytest.mark.parametrize(("name", "spec"), _specs(), ids=[n for n, _ in _specs()])
-def test_defaulted_spec_is_what_the_api_server_stores(name, spec, admin_api, tessera_crds,
-                                                      namespace):
+def test_defaulted_spec_and_its_typed_value_are_what_the_api_server_stores(
+        name, spec, admin_api, tessera_crds, namespace):
     body = {"apiVersion": api.API_VERSION, "kind": api.JOB_KIND,
             "metadata": {"name": f"d-{uuid.uuid4().hex[:8]}"}, "spec": spec}
     stored = client.CustomObjectsApi(admin_api).create_namespaced_custom_object(
         api.GROUP, api.VERSION, namespace, api.JOB_PLURAL, body, dry_run="All")
     assert defaulted(spec) == stored["spec"]
+    # The typed value of the spec as written is the stored spec's, and gives it back whole:
+    # no field lost, none defaulted otherwise (the digests of a pod's inputs are taken of it).
+    typed = NTPTrainingJobSpec.from_spec(spec)
+    assert typed == NTPTrainingJobSpec.from_spec(stored["spec"])
+    assert typed.to_spec() == stored["spec"]
 
 
 def test_defaulting_leaves_the_callers_spec_alone():

@@ -23,7 +23,7 @@ from tessera_agents.health.agent import FetchError, KubePublisher, as_facts, fet
 from tessera_agents.health.dcgm import classify
 from tessera_agents.power.sim_backend import SimBackend
 from tessera_contracts.api import GPU_HEALTH_PLURAL, GROUP, VERSION
-from tessera_contracts.gpuhealth import PublishedHealth, render
+from tessera_contracts.gpuhealth import PublishedHealth, read, render
 from tessera_dev import probes
 from tessera_dev.simnode import dcgm
 from tessera_operator import health
@@ -181,11 +181,12 @@ def test_a_gpu_off_the_bus_is_failed_for_every_job_and_the_job_decides_other_xid
     assert obj["status"]["failedGPUs"] == "3" and obj["status"]["xidGPUs"] == "3,5"
 
     def failures(fatal_xids: list[int] | None) -> dict[tuple[str, int], str]:
-        return health.from_gpu_health([obj], GPUS, fatal_xids, now=now, nodes=[node]).reasons
+        return health.from_gpu_health([read(obj)], GPUS, fatal_xids, now=now,
+                                      nodes=[node]).reasons
 
     tolerant = failures([])
     assert tolerant.keys() == {(node, 3)}
-    assert health.from_gpu_health([obj], GPUS, [], now=now, nodes=[node]).failed == \
+    assert health.from_gpu_health([read(obj)], GPUS, [], now=now, nodes=[node]).failed == \
         tolerant.keys()
     assert "reports it Failed: XID 79: the GPU fell off the bus" in tolerant[(node, 3)]
     strict = failures([48])

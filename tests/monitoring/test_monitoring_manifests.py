@@ -23,6 +23,7 @@ from tessera_agents.health import metrics as health_metrics
 from tessera_agents.health.agent import FixedExporter, HealthAgent
 from tessera_agents.power.metrics import AgentCollector, GpuStatus, NodeStatus
 from tessera_agents.power.sim_backend import SimBackend
+from tessera_contracts.jobspec import NTPTrainingJobSpec
 from tessera_contracts.vocabulary import Phase
 from tessera_core.goodput import Ledger
 from tessera_dev.controlplane.prometheus import Prometheus
@@ -332,11 +333,12 @@ def test_the_trainer_podmonitor_selects_the_operators_trainer_pods_only() -> Non
     cluster scrapes), and not its rendezvous pod, which serves no metrics."""
     job = yaml.safe_load((ROOT / "manifests/examples/ntpjob-local.yaml").read_text())
     job["metadata"] |= {"namespace": "default", "uid": "u-1"}
-    trainer = workload.trainer_pod(job, 0, "gpu-node-0")
+    spec = NTPTrainingJobSpec.from_spec(job["spec"])
+    trainer = workload.trainer_pod(job, spec, 0, "gpu-node-0")
     monitor = _podmonitors()["tessera-trainers"]
     annotated = int(trainer["metadata"]["annotations"]["prometheus.io/port"])
     assert _scraped_ports(monitor, trainer) == [annotated]
-    assert _scraped_ports(monitor, workload.rendezvous_pod(job)) is None
+    assert _scraped_ports(monitor, workload.rendezvous_pod(job, spec)) is None
 
 
 def test_kustomize_builds_the_monitoring_bundle_for_kube_prometheus_stack() -> None:

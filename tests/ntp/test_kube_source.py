@@ -14,6 +14,7 @@ from collections.abc import Iterator
 
 import pytest
 import test_node_agent as node_agent
+import yaml
 from kubernetes import client
 from kubernetes import utils as kube_utils
 
@@ -25,6 +26,7 @@ from ntp.nodeagent.kube_source import (
     progress_writer,
 )
 from tessera_contracts.generation import Generation, Gpu, Rendezvous, next_generation
+from tessera_contracts.jobspec import NTPTrainingJobSpec
 from tessera_contracts.progress import (
     NodeReport,
     State,
@@ -32,7 +34,7 @@ from tessera_contracts.progress import (
     read_reports,
     report_key,
 )
-from tessera_dev import probes
+from tessera_dev import paths, probes
 from tessera_dev.controlplane import kubeconfig
 from tessera_dev.simnode.faults import holders
 from tessera_operator import workload
@@ -71,9 +73,12 @@ def publish(core: client.CoreV1Api, namespace: str, text: str) -> None:
 def trainer_api(control_plane, admin_api, namespace) -> Iterator[client.ApiClient]:
     """The trainer pod's identity as the operator makes it (`workload.identity`: get/list/watch
     on its job's layout ConfigMap, get/patch on its progress ConfigMap, nothing else)."""
+    example = yaml.safe_load((paths.repo_root() / "manifests/examples/ntpjob-local.yaml")
+                             .read_text())
     job = {"apiVersion": "tessera.dev/v1alpha1", "kind": "NTPTrainingJob",
-           "metadata": {"name": JOB, "namespace": namespace, "uid": "no-job"}, "spec": {}}
-    for obj in workload.identity(job):
+           "metadata": {"name": JOB, "namespace": namespace, "uid": "no-job"},
+           "spec": example["spec"]}
+    for obj in workload.identity(job, NTPTrainingJobSpec.from_spec(job["spec"])):
         # No job object exists here: an owner reference to it would have the garbage
         # collector remove the identity.
         del obj["metadata"]["ownerReferences"]

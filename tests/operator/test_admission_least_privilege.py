@@ -17,6 +17,7 @@ from kubernetes import client, config
 from kubernetes import utils as kube_utils
 from opharness import MANIFESTS, OPERATOR_SA, ROOT, SYSTEM_NS, apply_manifests
 
+from tessera_contracts.jobspec import NTPTrainingJobSpec
 from tessera_contracts.progress import NodeReport, State, progress_configmap, report_key
 from tessera_dev import probes, simnodes
 from tessera_dev.controlplane import launcher
@@ -79,6 +80,10 @@ def _job(admin: client.ApiClient, namespace: str, name: str, account: str | None
         body["spec"]["template"]["spec"]["serviceAccountName"] = account
     return client.CustomObjectsApi(admin).create_namespaced_custom_object(
         "tessera.dev", "v1alpha1", namespace, "ntptrainingjobs", body)
+
+
+def _spec(job: dict[str, Any]) -> NTPTrainingJobSpec:
+    return NTPTrainingJobSpec.from_spec(job["spec"])
 
 
 def _dry_run(api: client.ApiClient, pod: dict[str, Any]) -> object:
@@ -173,9 +178,9 @@ def test_the_operator_creates_only_pods_of_the_shape_it_builds(
     client.CoreV1Api(admin_api).create_namespaced_service_account(
         namespace, {"metadata": {"name": "root"}})  # say one bound to cluster-admin
     job = _job(admin_api, namespace, "shape")
-    for obj in workload.identity(job):
+    for obj in workload.identity(job, _spec(job)):
         kube_utils.create_from_dict(admin_api, obj, namespace=namespace)
-    built = workload.trainer_pod(job, 0, "gpu-a")
+    built = workload.trainer_pod(job, _spec(job), 0, "gpu-a")
     issue = copy.deepcopy(built)
     issue["metadata"]["ownerReferences"][0] |= {"name": "ghost", "uid": str(uuid.uuid4())}
     issue["metadata"]["name"] = workload.trainer_name("ghost", 0)
@@ -193,7 +198,8 @@ def test_the_operator_creates_only_pods_of_the_shape_it_builds(
         lambda: _dry_run(operator_api, _with(built, _account("root")))), \
         "the refusal names the accounts it allows"
 
-    for pod in (built, workload.trainer_pod(job, 1, "gpu-b"), workload.rendezvous_pod(job)):
+    for pod in (built, workload.trainer_pod(job, _spec(job), 1, "gpu-b"),
+                workload.rendezvous_pod(job, _spec(job))):
         _dry_run(operator_api, pod)
 
 
@@ -205,7 +211,8 @@ def test_a_template_account_runs_where_the_namespace_lists_it(
     core = client.CoreV1Api(admin_api)
     core.create_namespaced_service_account(namespace, {"metadata": {"name": "llm-runner"}})
     job = _job(admin_api, namespace, "own-account", account="llm-runner")
-    pods = (workload.trainer_pod(job, 0, "gpu-a"), workload.rendezvous_pod(job))
+    pods = (workload.trainer_pod(job, _spec(job), 0, "gpu-a"),
+            workload.rendezvous_pod(job, _spec(job)))
     _in_effect(lambda: _dry_run(operator_api, pods[0]), "tessera-operator-pods-as-built")
     assert "not llm-runner" in _forbidden(lambda: _dry_run(operator_api, pods[1]))
     core.patch_namespace(namespace, {"metadata": {"annotations": {
@@ -226,7 +233,7 @@ def test_a_pod_whose_job_does_not_exist_is_collected(
         "tessera.dev", "v1alpha1", namespace, "ntptrainingjobs", "gone")
     account = {"metadata": {"name": workload.identity_name("gone")}}
     client.CoreV1Api(admin_api).create_namespaced_service_account(namespace, account)
-    pod = workload.trainer_pod(job, 0, "gpu-a")
+    pod = workload.trainer_pod(job, _spec(job), 0, "gpu-a")
     core = client.CoreV1Api(operator_api)
     core.create_namespaced_pod(namespace, pod)
 
@@ -282,12 +289,12 @@ def test_a_trainer_pod_writes_only_its_own_nodes_report(
     job = _job(admin_api, namespace, name)
     nodes = simnodes.register(admin_api, [f"prog-{uuid.uuid4().hex[:6]}-{i}" for i in (0, 1)],
                               name)
-    for obj in workload.identity(job):
+    for obj in workload.identity(job, _spec(job)):
         kube_utils.create_from_dict(admin_api, obj, namespace=namespace)
     core_admin = client.CoreV1Api(admin_api)
     pods = []
     for i, node in enumerate(nodes):
-        pod = workload.trainer_pod(job, i, node)
+        pod = workload.trainer_pod(job, _spec(job), i, node)
         pod["spec"]["nodeName"] = node  # as the scheduler binds it; no kubelet runs it here
         pods.append(admin_api.sanitize_for_serialization(
             core_admin.create_namespaced_pod(namespace, pod)))

@@ -15,12 +15,15 @@ import pytest
 import yaml
 
 from tessera_contracts.generation import LAYOUT_KEY, Generation
-from tessera_contracts.jobspec import defaulted
+from tessera_contracts.gpuhealth import PublishedHealth, read
+from tessera_contracts.jobspec import NTPTrainingJobSpec, defaulted
 from tessera_contracts.powertarget import format_time
-from tessera_contracts.progress import NodeReport, State, report_key
+from tessera_contracts.progress import NodeReport, State
+from tessera_contracts.unreadable import Unreadable
 from tessera_dev import paths
 from tessera_operator import desired, planner, workload
 from tessera_operator.observed import Candidates, Layout, Observed
+from tessera_operator.policies import placement
 
 pytestmark = [pytest.mark.operator, pytest.mark.recovery]
 
@@ -58,22 +61,25 @@ def _node(name: str, cordon: str | None = None, gpus: int = 8, lost: bool = Fals
 
 def _pods(job: dict[str, Any], attempt: int = 0) -> tuple[dict[str, Any], ...]:
     """The attempt's pods on A and B, the rendezvous with an address."""
-    return (workload.rendezvous_pod(job, attempt) | {"status": {"podIP": IP}},
-            workload.trainer_pod(job, 0, A, attempt), workload.trainer_pod(job, 1, B, attempt))
+    spec = NTPTrainingJobSpec.from_spec(job["spec"])
+    return (workload.rendezvous_pod(job, spec, attempt) | {"status": {"podIP": IP}},
+            workload.trainer_pod(job, spec, 0, A, attempt),
+            workload.trainer_pod(job, spec, 1, B, attempt))
 
 
-def _gpu_health(node: str, xids: dict[int, list[int]]) -> dict[str, Any]:
-    return {"metadata": {"name": node},
-            "status": {"observedAt": format_time(NOW), "gpus": [
-                {"index": i, "state": "Healthy", "xids": xids.get(i, [])} for i in range(8)]}}
+def _gpu_health(node: str, xids: dict[int, list[int]]) -> PublishedHealth | Unreadable:
+    """The node's GPUHealth as the operator's index holds it."""
+    return read({"metadata": {"name": node},
+                 "status": {"observedAt": format_time(NOW), "gpus": [
+                     {"index": i, "state": "Healthy", "xids": xids.get(i, [])}
+                     for i in range(8)]}})
 
 
-def _report(node: str, step: int) -> tuple[str, str]:
+def _report(node: str, step: int) -> tuple[str, NodeReport]:
     """A node's report at `step` after 1,300 s, 2 s a step, the rest startup."""
-    report = NodeReport(node, 1, step, 1000, State.TRAINING, step_seconds=2.0,
-                        productive_seconds=1240.0, wall_seconds=1300.0,
-                        badput_seconds={"startup": 60.0})
-    return report_key(node), report.to_json()
+    return node, NodeReport(node, 1, step, 1000, State.TRAINING, step_seconds=2.0,
+                            productive_seconds=1240.0, wall_seconds=1300.0,
+                            badput_seconds={"startup": 60.0})
 
 
 def _document(layout: dict[str, Any] | None) -> dict[str, Any]:
@@ -106,7 +112,9 @@ def test_the_layout_starts_on_the_first_healthy_node_at_full_tp(running: Observe
     assert running.layout.generation is not None
     assert [(g.node, g.index) for g in running.layout.generation.gpus] == [
         (A, i) for i in range(8)]
-    spec = desired.job_spec(running.job)
+    read_spec = desired.job_spec(running.job)
+    assert not isinstance(read_spec, planner.Problem)
+    spec = read_spec.planning
     assert isinstance(spec, planner.JobSpec) and spec.restarts_on_loss
     assert spec.fewest_nodes == 1
     # A lost GPU makes its group unusable: a spare group takes its place at full TP, none
@@ -210,10 +218,10 @@ RESTARTING = _job(attempt=1, restarts=1,
                   restartingSince=format_time(NOW - timedelta(seconds=60)))
 
 
-def _placed(*candidates: dict[str, Any], gpu_health: tuple[dict[str, Any], ...] = ()
-            ) -> desired.Desired:
+def _placed(*candidates: dict[str, Any],
+            gpu_health: tuple[PublishedHealth | Unreadable, ...] = ()) -> desired.Desired:
     observed = Observed(RESTARTING, candidates=Candidates(candidates), gpu_health=gpu_health)
-    assert desired.needs_placement(desired.job_spec(RESTARTING), observed, NOW)
+    assert placement.needs_placement(desired.job_spec(RESTARTING), observed, NOW)
     return _desired(observed)
 
 
@@ -245,6 +253,7 @@ def test_too_few_healthy_nodes_leave_the_attempt_waiting() -> None:
 
 
 def test_an_attempt_with_its_pods_adds_no_spare() -> None:
-    one = Observed(RESTARTING, pods=(workload.trainer_pod(RESTARTING, 0, B, 1),),
+    one = Observed(RESTARTING, pods=(workload.trainer_pod(
+        RESTARTING, NTPTrainingJobSpec.from_spec(RESTARTING["spec"]), 0, B, 1),),
                    nodes=(_node(B),))
-    assert not desired.needs_placement(desired.job_spec(RESTARTING), one, NOW)
+    assert not placement.needs_placement(desired.job_spec(RESTARTING), one, NOW)

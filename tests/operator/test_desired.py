@@ -13,12 +13,15 @@ import pytest
 import yaml
 
 from tessera_contracts.generation import LAYOUT_KEY, Generation, Gpu
-from tessera_contracts.jobspec import defaulted
-from tessera_contracts.powertarget import format_time
-from tessera_contracts.progress import NodeReport, State, report_key
+from tessera_contracts.gpuhealth import PublishedHealth, read
+from tessera_contracts.jobspec import NTPTrainingJobSpec, defaulted
+from tessera_contracts.powertarget import format_time, to_object
+from tessera_contracts.progress import NodeReport, State
+from tessera_contracts.unreadable import Unreadable
 from tessera_dev import paths
 from tessera_operator import desired, health, workload
 from tessera_operator.observed import Candidates, Layout, Observed
+from tessera_operator.policies import placement, publish
 
 pytestmark = pytest.mark.operator
 
@@ -54,21 +57,30 @@ def _node(name: str, cordon: str | None = None) -> dict[str, Any]:
                                    "conditions": [{"type": "Ready", "status": "True"}]}}
 
 
+def _spec(job: dict[str, Any]) -> NTPTrainingJobSpec:
+    return NTPTrainingJobSpec.from_spec(job["spec"])
+
+
 def _pods(job: dict[str, Any], ip: str | None) -> tuple[dict[str, Any], ...]:
     """The job's pods as the operator made them, placed on A and B; the rendezvous with an
     address when `ip` is given."""
-    rendezvous = workload.rendezvous_pod(job) | {"status": {"podIP": ip} if ip else {}}
-    return (rendezvous, workload.trainer_pod(job, 0, A), workload.trainer_pod(job, 1, B))
+    spec = _spec(job)
+    rendezvous = workload.rendezvous_pod(job, spec) | {"status": {"podIP": ip} if ip else {}}
+    return (rendezvous, workload.trainer_pod(job, spec, 0, A),
+            workload.trainer_pod(job, spec, 1, B))
 
 
-def _report(node: str, step: int) -> tuple[str, str]:
-    return report_key(node), NodeReport(node, 1, step, 1000, State.TRAINING).to_json()
+def _report(node: str, step: int) -> tuple[str, NodeReport]:
+    return node, NodeReport(node, 1, step, 1000, State.TRAINING)
 
 
-def _gpu_health(node: str, xids: dict[int, list[int]], at: datetime = NOW) -> dict[str, Any]:
-    return {"metadata": {"name": node},
-            "status": {"observedAt": format_time(at), "gpus": [
-                {"index": i, "state": "Healthy", "xids": xids.get(i, [])} for i in range(8)]}}
+def _gpu_health(node: str, xids: dict[int, list[int]], at: datetime = NOW
+                ) -> PublishedHealth | Unreadable:
+    """The node's GPUHealth as the operator's index holds it."""
+    return read({"metadata": {"name": node},
+                 "status": {"observedAt": format_time(at), "gpus": [
+                     {"index": i, "state": "Healthy", "xids": xids.get(i, [])}
+                     for i in range(8)]}})
 
 
 def _desired(observed: Observed, now: datetime) -> desired.Desired:
@@ -145,7 +157,7 @@ def test_the_desired_state_of_a_job(case: Case) -> None:
 def test_a_fresh_job_is_placed_on_free_nodes_under_deterministic_names() -> None:
     observed = CASES["a fresh job on two free nodes, its rendezvous without an address yet"
                      ].observed
-    assert desired.needs_placement(desired.job_spec(observed.job), observed, NOW)
+    assert placement.needs_placement(desired.job_spec(observed.job), observed, NOW)
     wanted = _desired(observed, NOW)
     assert wanted == _desired(observed, NOW)  # the same world, the same objects
     assert wanted.placement == {0: A, 1: B}
@@ -154,7 +166,7 @@ def test_a_fresh_job_is_placed_on_free_nodes_under_deterministic_names() -> None
     assert pinned == {"llama-rendezvous": None, "llama-node-0": A, "llama-node-1": B}
     assert all(c["metadata"]["ownerReferences"] == [workload.owner(JOB)] for c in wanted.children)
     # Placed, the job needs nothing more placed.
-    assert not desired.needs_placement(desired.job_spec(JOB), PLACED, NOW)
+    assert not placement.needs_placement(desired.job_spec(JOB), PLACED, NOW)
 
 
 def test_a_node_whose_gpus_other_pods_hold_is_not_chosen() -> None:
@@ -219,12 +231,11 @@ def test_a_status_key_no_longer_rendered_is_left_out() -> None:
 # ----------------------------------------------------------------------------------------------
 
 
-def _spent(node: str, step: int, productive: float, wall: float) -> tuple[str, str]:
+def _spent(node: str, step: int, productive: float, wall: float) -> tuple[str, NodeReport]:
     """A node's report at `step` after `wall` seconds, 2 s a step, the rest of it startup."""
-    report = NodeReport(node, 1, step, 1000, State.TRAINING, step_seconds=2.0,
-                        productive_seconds=productive, wall_seconds=wall,
-                        badput_seconds={"startup": wall - productive})
-    return report_key(node), report.to_json()
+    return node, NodeReport(node, 1, step, 1000, State.TRAINING, step_seconds=2.0,
+                            productive_seconds=productive, wall_seconds=wall,
+                            badput_seconds={"startup": wall - productive})
 
 
 def _failed(pods: tuple[dict[str, Any], ...]) -> tuple[dict[str, Any], ...]:
@@ -236,8 +247,10 @@ def _failed(pods: tuple[dict[str, Any], ...]) -> tuple[dict[str, Any], ...]:
 
 def _attempt(job: dict[str, Any], attempt: int) -> tuple[dict[str, Any], ...]:
     """The job's pods of `attempt` on A and B, the rendezvous with an address."""
-    return (workload.rendezvous_pod(job, attempt) | {"status": {"podIP": IP}},
-            workload.trainer_pod(job, 0, A, attempt), workload.trainer_pod(job, 1, B, attempt))
+    spec = _spec(job)
+    return (workload.rendezvous_pod(job, spec, attempt) | {"status": {"podIP": IP}},
+            workload.trainer_pod(job, spec, 0, A, attempt),
+            workload.trainer_pod(job, spec, 1, B, attempt))
 
 
 SUSPENDED_JOB = _job(suspend=True)
@@ -318,8 +331,9 @@ LIFE_CASES = {
 @pytest.mark.parametrize("case", LIFE_CASES.values(), ids=LIFE_CASES.keys())
 def test_the_desired_state_of_a_job_through_its_life(case: LifeCase) -> None:
     observed = case.observed
-    wanted = desired.desired(desired.job_spec(observed.job), observed, NOW,
-                             rejected=case.rejected)
+    wanted = desired.desired(desired.job_spec(observed.job), observed, NOW)
+    if case.rejected is not None:
+        wanted = wanted.pods_rejected(case.rejected)
     assert [(c["kind"], c["metadata"]["name"]) for c in wanted.children] == case.children
     assert bool(wanted.targets) == case.targets
     assert wanted.status["phase"] == case.phase
@@ -343,13 +357,13 @@ def test_a_job_that_runs_no_attempt_asks_for_no_placement() -> None:
     for name in ("suspended before it ran: nothing made, no power",
                  "a trainer pod failed: the attempt ends, a restart begins"):
         observed = LIFE_CASES[name].observed
-        assert not desired.needs_placement(desired.job_spec(observed.job), observed, NOW)
+        assert not placement.needs_placement(desired.job_spec(observed.job), observed, NOW)
 
 
 def test_the_rejection_and_the_edited_fields_are_named_in_the_conditions() -> None:
     rejected = LIFE_CASES["the job's pods rejected: no plan, no power"]
-    wanted = desired.desired(desired.job_spec(rejected.observed.job), rejected.observed, NOW,
-                             rejected=REJECTION)
+    wanted = desired.desired(desired.job_spec(rejected.observed.job), rejected.observed,
+                             NOW).pods_rejected(REJECTION)
     ready = next(c for c in wanted.status["conditions"] if c["type"] == "Ready")
     assert ready["message"].startswith(REJECTION)
     assert ("Warning", "PodRejected") in {(e.type, e.reason) for e in wanted.events}
@@ -361,23 +375,49 @@ def test_the_rejection_and_the_edited_fields_are_named_in_the_conditions() -> No
     assert ("Warning", "RestartPending") in {(e.type, e.reason) for e in edited.events}
 
 
+def test_what_the_api_server_refuses_is_written_into_the_decision_not_decided_again(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Refused pods leave the job without a plan, its power targets released; refused power
+    targets are named in Ready, no raise said to wait. Neither places the job anew."""
+    cordoned = CASES["a cordoned GPU: a planned generation at the last step reported"].observed
+    at_base = _desired(TRAINING, NOW).targets
+    observed = replace(cordoned, targets=tuple(to_object(t) for t in at_base.values()))
+    wanted = _desired(observed, NOW)
+    assert wanted.layout is not None and set(wanted.sync.write) == {A}
+
+    def placed_again(*_: Any) -> None:
+        raise AssertionError("decided again")
+
+    monkeypatch.setattr(placement, "place", placed_again)
+    refused = wanted.power_refused("spec.gpus[0].watts: too many")
+    ready = next(c for c in refused.status["conditions"] if c["type"] == "Ready")
+    assert ready["message"].endswith("; power targets refused: spec.gpus[0].watts: too many")
+    assert refused.held == () and refused.sync == wanted.sync
+    assert (refused.layout, refused.targets) == (wanted.layout, wanted.targets)
+    rejected = wanted.pods_rejected(REJECTION)
+    ready = next(c for c in rejected.status["conditions"] if c["type"] == "Ready")
+    assert (ready["reason"], rejected.layout, rejected.targets) == ("PodRejected", None, {})
+    assert rejected.sync.write == {} and set(rejected.sync.delete) == {A, B}
+    assert rejected.children == wanted.children  # the pods it tried are the ones wanted
+
+
 def test_a_planned_switch_is_published_for_a_step_the_ranks_have_not_passed() -> None:
     now = NOW.timestamp()
     # Read 3 s after it was made, at 0.5 s a step at the fastest: the ranks may be 6 steps past
     # the newest report, and 4 more before the document reaches them.
     fresh = NodeReport("a", 1, 100, 1000, State.TRAINING, step_seconds=1.0, reported_at=now - 3)
     fast = NodeReport("b", 1, 98, 1000, State.TRAINING, step_seconds=0.5, reported_at=now - 9)
-    assert desired.planned_step({"a": fresh, "b": fast}, now) == 100 + 6 + 4
+    assert publish.planned_step({"a": fresh, "b": fast}, now) == 100 + 6 + 4
     # a report that does not say when: a whole report period (10 s) old
     unstamped = replace(fresh, reported_at=None)
-    assert desired.planned_step({"a": unstamped, "b": fast}, now) == 100 + 20 + 4
+    assert publish.planned_step({"a": unstamped, "b": fast}, now) == 100 + 20 + 4
     # a clock ahead or far behind counts as no older than 0 s or one period
     ahead = replace(fresh, reported_at=now + 60)
-    assert desired.planned_step({"a": ahead, "b": fast}, now) == 100 + 0 + 4
+    assert publish.planned_step({"a": ahead, "b": fast}, now) == 100 + 0 + 4
     # before any pace: the step reported, the ranks switching at the first boundary after it
     starting = NodeReport("a", 1, 3, 1000, State.TRAINING)
-    assert desired.planned_step({"a": starting, "b": None}, now) == 3
-    assert desired.planned_step({}, now) == 0
+    assert publish.planned_step({"a": starting, "b": None}, now) == 3
+    assert publish.planned_step({}, now) == 0
 
 
 @pytest.mark.parametrize("forged", [
@@ -385,8 +425,7 @@ def test_a_planned_switch_is_published_for_a_step_the_ranks_have_not_passed() ->
     NodeReport(B, 1, 500, 1000, State.FINISHED),  # finished short of the steps
 ])
 def test_a_report_that_disagrees_with_its_pods_is_refused(forged: NodeReport) -> None:
-    observed = replace(TRAINING, reports=dict([_report(A, 118),
-                                               (report_key(B), forged.to_json())]))
+    observed = replace(TRAINING, reports=dict([_report(A, 118), (B, forged)]))
     status = _desired(observed, NOW).status
     ready = next(c for c in status["conditions"] if c["type"] == "Ready")
     assert f"node {B}'s progress report refused" in ready["message"]
@@ -419,8 +458,7 @@ def test_the_jobs_rank_death_hold_is_the_one_it_waits_out() -> None:
         "status": {"layoutGeneration": 1}}
     dead = NodeReport(A, 1, 118, 1000, State.RECONFIGURING,
                       rank_deaths={3: NOW.timestamp() - 0.5})
-    observed = replace(TRAINING, job=job, reports=dict([_report(B, 120)]) | {
-        report_key(A): dead.to_json()})
+    observed = replace(TRAINING, job=job, reports=dict([_report(B, 120)]) | {A: dead})
     assert _desired(observed, NOW).requeue_after == pytest.approx(10 - 0.5)
 
 
@@ -432,8 +470,7 @@ def test_a_dead_ranks_gpu_leaves_at_once_and_comes_back_on_a_later_healthy_verdi
     died = NOW.timestamp() - 0.5
     earlier = datetime.fromtimestamp(NOW.timestamp() - 30, UTC)
     dead = NodeReport(A, 1, 118, 1000, State.RECONFIGURING, rank_deaths={3: died})
-    observed = replace(TRAINING, reports=dict([_report(B, 120)]) | {
-        report_key(A): dead.to_json()},
+    observed = replace(TRAINING, reports=dict([_report(B, 120)]) | {A: dead},
         gpu_health=(_gpu_health(A, {}, earlier), _gpu_health(B, {}, earlier)))
     wanted = _desired(observed, NOW)
     lost = Generation.from_dict(_document(wanted.layout))

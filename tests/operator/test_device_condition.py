@@ -15,8 +15,8 @@ import yaml
 
 from ntp.nodeagent.progress import NodeProgress
 from tessera_contracts.generation import LAYOUT_KEY, Generation
-from tessera_contracts.jobspec import defaulted
-from tessera_contracts.progress import Device, report_key
+from tessera_contracts.jobspec import NTPTrainingJobSpec, defaulted
+from tessera_contracts.progress import Device, NodeReport
 from tessera_dev import paths
 from tessera_operator import desired, workload
 from tessera_operator.observed import Layout, Observed
@@ -46,8 +46,9 @@ def _node(name: str) -> dict[str, Any]:
 
 
 JOB = _job()
-PODS = (workload.rendezvous_pod(JOB) | {"status": {"podIP": "10.0.0.5"}},
-        *(workload.trainer_pod(JOB, i, node) for i, node in enumerate(NODES)))
+SPEC = NTPTrainingJobSpec.from_spec(JOB["spec"])
+PODS = (workload.rendezvous_pod(JOB, SPEC) | {"status": {"podIP": "10.0.0.5"}},
+        *(workload.trainer_pod(JOB, SPEC, i, node) for i, node in enumerate(NODES)))
 # What each trainer pod holds, as the operator made it: the reference the message is read by.
 HELD = {c["resources"]["limits"][workload.GPU_RESOURCE] for pod in PODS[1:]
         for c in pod["spec"]["containers"] if c["name"] == "trainer"}
@@ -57,14 +58,14 @@ assert _FIRST is not None
 GENERATION_1 = Generation.from_dict(json.loads(_FIRST["data"][LAYOUT_KEY]))
 
 
-def _report(node: str, device: Device | None) -> tuple[str, str]:
+def _report(node: str, device: Device | None) -> tuple[str, NodeReport]:
     """The node's report as its agent writes it: a rank started on `device`, a step done."""
     progress = NodeProgress(node, int(JOB["spec"]["steps"]), clock=lambda: 0.0)
     if device is not None:
         progress.ranks_on(device)
     progress.read(json.dumps({"step": 1, "rank": 0, "loss": 2.0, "step_s": 1.0, "samples": 64,
                               "generation": 1}).encode())
-    return report_key(node), progress.report().to_json()
+    return node, NodeReport.from_json(progress.report().to_json())  # as the operator reads it
 
 
 def _decide(devices: dict[str, Device | None], status: dict[str, Any] | None = None,

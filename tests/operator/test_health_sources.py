@@ -12,8 +12,9 @@ from tessera_agents.health.agent import as_facts
 from tessera_agents.health.dcgm import FlapDamper, classify
 from tessera_agents.power.sim_backend import SimBackend
 from tessera_contracts import api
-from tessera_contracts.gpuhealth import PublishedHealth, render
+from tessera_contracts.gpuhealth import PublishedHealth, read, render
 from tessera_contracts.progress import NodeReport, State
+from tessera_contracts.unreadable import Unreadable
 from tessera_dev.simnode import dcgm
 from tessera_operator import health
 
@@ -37,15 +38,20 @@ def published(node: str, fail: dict[int, int] = {}, *, at: float = NOW,  # noqa:
                                   FlapDamper(hold_xids=True).update(0, observed)))
 
 
+def _read(objects: list[Any]) -> list[PublishedHealth | Unreadable]:
+    """The objects as the operator's GPUHealth index holds them."""
+    return [read(obj) for obj in objects]
+
+
 def test_an_xid_fails_the_gpu_only_when_it_is_in_the_jobs_fatal_list() -> None:
     objects = [published("a", {3: 48}), published("b", {5: 13}), published("c")]
-    by_crd = health.from_gpu_health(objects, GPUS, CRD_DEFAULT, now=NOW)
+    by_crd = health.from_gpu_health(_read(objects), GPUS, CRD_DEFAULT, now=NOW)
     assert by_crd.failed == {("a", 3)}
     assert by_crd.unknown == frozenset() and by_crd.problems == ()
-    strict = health.from_gpu_health(objects, GPUS, [13], now=NOW)
+    strict = health.from_gpu_health(_read(objects), GPUS, [13], now=NOW)
     assert strict.failed == {("b", 5)}
     # no list: the NVIDIA device plugin's rule, every XID but the application errors
-    assert health.from_gpu_health(objects, GPUS, None, now=NOW).failed == {("a", 3)}
+    assert health.from_gpu_health(_read(objects), GPUS, None, now=NOW).failed == {("a", 3)}
 
 
 def test_a_health_watch_failing_on_something_else_than_an_xid_fails_the_gpu_for_any_job() -> None:
@@ -55,7 +61,7 @@ def test_a_health_watch_failing_on_something_else_than_an_xid_fails_the_gpu_for_
               if 'gpu="2",' in line and 'health_watch="MEM"' in line]
     page[mem] = page[mem].replace('"DCGM_FR_OK"} 0', '"DCGM_FR_VOLATILE_DBE_DETECTED"} 20')
     obj = published("a", page="\n".join(page))
-    assert health.from_gpu_health([obj], GPUS, [], now=NOW).failed == {("a", 2)}
+    assert health.from_gpu_health(_read([obj]), GPUS, [], now=NOW).failed == {("a", 2)}
 
 
 def test_unknown_stale_and_missing_gpus_are_neither_failed_nor_healthy() -> None:
@@ -65,8 +71,8 @@ def test_unknown_stale_and_missing_gpus_are_neither_failed_nor_healthy() -> None
     stale = published("b", {0: 79}, at=NOW - health.GPU_HEALTH_STALE_AFTER_S - 1)
     ahead = published("c", at=NOW + 3600)
     other_job = published("z", {0: 79})
-    got = health.from_gpu_health([partial, stale, ahead, other_job], GPUS, CRD_DEFAULT, now=NOW,
-                                 nodes=["a", "b", "c", "d"])
+    got = health.from_gpu_health(_read([partial, stale, ahead, other_job]), GPUS, CRD_DEFAULT,
+                                 now=NOW, nodes=["a", "b", "c", "d"])
     assert got.failed == {("a", 1)}  # a stale object's XID is not believed either
     every = {(n, i) for n in "bcd" for i in range(GPUS)}
     assert got.unknown == {("a", 4), ("a", 7)} | every
@@ -84,7 +90,7 @@ def test_unknown_stale_and_missing_gpus_are_neither_failed_nor_healthy() -> None
 
 def test_an_unreachable_exporter_makes_its_nodes_gpus_unknown() -> None:
     obj = published("a", page="")
-    got = health.from_gpu_health([obj], GPUS, CRD_DEFAULT, now=NOW)
+    got = health.from_gpu_health(_read([obj]), GPUS, CRD_DEFAULT, now=NOW)
     assert got.failed == frozenset() and got.unknown == {("a", i) for i in range(GPUS)}
     assert "no usable GPU health series" in got.problems[0]
 
@@ -108,7 +114,7 @@ def test_an_unreachable_exporter_makes_its_nodes_gpus_unknown() -> None:
 def test_a_hostile_object_is_ignored_with_the_reason(mangle, problem: str | None) -> None:
     obj = published("a", {5: 79})
     mangle(obj)
-    got = health.from_gpu_health([obj, {"metadata": {}}, ["not", "an", "object"]], GPUS,
+    got = health.from_gpu_health(_read([obj, {"metadata": {}}, ["not", "an", "object"]]), GPUS,
                                  CRD_DEFAULT, now=NOW)
     assert ("a", 2) not in got.failed
     assert got.problems.count("a GPUHealth object without a name, ignored") == 2
@@ -121,8 +127,8 @@ def test_a_hostile_object_is_ignored_with_the_reason(mangle, problem: str | None
 
 def test_merged_with_the_cordons() -> None:
     node = {"metadata": {"name": "a", "annotations": {api.CORDON_ANNOTATION: "0"}}}
-    dcgm_signal = health.from_gpu_health([published("a", {3: 79})], GPUS, CRD_DEFAULT, now=NOW,
-                                         nodes=["a", "b"])
+    dcgm_signal = health.from_gpu_health(_read([published("a", {3: 79})]), GPUS, CRD_DEFAULT,
+                                         now=NOW, nodes=["a", "b"])
     merged = health.from_cordons([node], GPUS).merge(dcgm_signal)
     assert merged.failed == {("a", 0), ("a", 3)}
     assert merged.unknown == {("b", i) for i in range(GPUS)} and len(merged.problems) == 1
@@ -136,7 +142,7 @@ def test_unknown_health_keeps_each_gpu_where_the_generation_in_force_has_it() ->
     stale = published("a", {3: 79}, at=NOW - health.GPU_HEALTH_STALE_AFTER_S - 1)
     vanished = published("b")
     vanished["status"]["gpus"][2].update(state="Unknown", reason="no health series")
-    got = health.from_gpu_health([stale, vanished], GPUS, CRD_DEFAULT, now=NOW,
+    got = health.from_gpu_health(_read([stale, vanished]), GPUS, CRD_DEFAULT, now=NOW,
                                  nodes=["a", "b", "c"])
     assert got.failed == frozenset()  # as reported: unknown, not failed
     held = health.hold_unknown(got, layout, reporting=["a", "b"])
@@ -149,7 +155,7 @@ def test_unknown_health_keeps_each_gpu_where_the_generation_in_force_has_it() ->
     assert ("b", 2) in got.unknown and {("c", i) for i in range(GPUS)} <= got.unknown
     assert health.hold_unknown(got, None, reporting=["a", "b"]) == got
     # Told again (healthy), the GPU is usable again.
-    back = health.from_gpu_health([published("a")], GPUS, CRD_DEFAULT, now=NOW, nodes=["a"])
+    back = health.from_gpu_health(_read([published("a")]), GPUS, CRD_DEFAULT, now=NOW, nodes=["a"])
     assert health.hold_unknown(back, layout, reporting=["a"]).failed == frozenset()
 
 
@@ -247,5 +253,5 @@ def test_the_soonest_recheck_survives_a_merge() -> None:
 
 
 def test_when_each_node_was_last_observed_skips_what_does_not_parse() -> None:
-    assert health.observed_at([published("a", at=NOW - 3), {"metadata": {"name": "b"}}, 7]) \
+    assert health.observed_at(_read([published("a", at=NOW - 3), {"metadata": {"name": "b"}}, 7])) \
         == {"a": NOW - 3}

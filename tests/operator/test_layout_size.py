@@ -15,7 +15,8 @@ from kubernetes import client
 from tessera_contracts.generation import LAYOUT_KEY, Generation, Rendezvous
 from tessera_contracts.model_shape import ModelShape
 from tessera_dev import paths, simnodes
-from tessera_operator import apply, conditions, desired, planner, workload
+from tessera_operator import apply, conditions, planner, workload
+from tessera_operator.policies import publish
 
 pytestmark = pytest.mark.operator
 
@@ -50,13 +51,13 @@ def test_the_largest_layout_is_published_and_a_larger_one_reported(
     lo, hi = 1, 1024
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if _size(_generation(mid)) <= desired.CONFIGMAP_MAX_BYTES else (lo, mid)
+        lo, hi = (mid, hi) if _size(_generation(mid)) <= publish.CONFIGMAP_MAX_BYTES else (lo, mid)
     fits, too_big = _generation(lo), _generation(hi)
-    apply.layout(admin_api, desired.layout_document(job, fits), None)
+    apply.layout(admin_api, publish.layout_document(job, fits), None)
     stored = client.CoreV1Api(admin_api).read_namespaced_config_map("big-layout", namespace)
     assert Generation.from_dict(json.loads(stored.data[LAYOUT_KEY])) == fits
-    with pytest.raises(desired.LayoutBlocked) as blocked:
-        desired.layout_document(job, too_big)
+    with pytest.raises(publish.LayoutBlocked) as blocked:
+        publish.layout_document(job, too_big)
     assert blocked.value.reason == "LayoutTooLarge" and "more than a ConfigMap holds" in str(
         blocked.value)
     # The bound is the API server's own: the same data sent anyway is refused.

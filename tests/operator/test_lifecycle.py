@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from tessera_contracts.api import ATTEMPT_LABEL, JOB_LABEL, ROLE_LABEL
-from tessera_contracts.jobspec import defaulted
+from tessera_contracts.jobspec import NTPTrainingJobSpec, defaulted
 from tessera_contracts.powertarget import format_time
 from tessera_contracts.progress import Account, NodeReport, State
 from tessera_dev import paths
@@ -35,6 +35,10 @@ def _job(status: dict[str, Any] | None = None, **spec: Any) -> dict[str, Any]:
     job["metadata"] = {"name": "llama", "namespace": "ml", "uid": "uid-1", "generation": 1}
     job["spec"] = defaulted(job["spec"] | {"checkpointPolicy": CHECKPOINTS} | spec)
     return job | ({"status": status} if status is not None else {})
+
+
+def _spec(job: dict[str, Any]) -> NTPTrainingJobSpec:
+    return NTPTrainingJobSpec.from_spec(job["spec"])
 
 
 def _restarts(budget: int) -> dict[str, Any]:
@@ -225,10 +229,12 @@ CASES = {
 
 @pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
 def test_where_a_job_is_in_its_life(case: Case) -> None:
-    assert lifecycle(case.job, case.pods, case.reports, NOW) == case.expected
+    assert lifecycle(case.job, _spec(case.job), case.pods, case.reports, NOW) == case.expected
 
 
 def test_a_job_whose_status_says_nothing_is_on_its_first_attempt() -> None:
-    assert lifecycle(_job(), [], {}, NOW) == Lifecycle(Stage.RUNNING, 0, 0, Account())
-    assert lifecycle(_job(suspend=True), [], {}, NOW) == Lifecycle(
+    assert lifecycle(_job(), _spec(_job()), [], {}, NOW) == Lifecycle(
+        Stage.RUNNING, 0, 0, Account())
+    suspended = _job(suspend=True)
+    assert lifecycle(suspended, _spec(suspended), [], {}, NOW) == Lifecycle(
         Stage.SUSPENDED, 0, 0, Account())

@@ -20,6 +20,7 @@ def test_the_operator_bench_runs_small(capsys: pytest.CaptureFixture[str]) -> No
     per_node = re.search(r"per node ([0-9.]+)/s -> ([0-9.]+)/s at 8192 nodes", out)
     assert p99 and rss and per_node, out
     assert "3 NTP-PW jobs" in out and "2 cordons" in out
+    assert re.search(r"operator CPU per cordon: \d+ ms", out), out
     assert code == (0 if int(p99[1]) < 1000 and float(rss[1]) < 0.5 else 1), out
     assert "largest shape degraded" in out
 

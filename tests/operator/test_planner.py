@@ -11,7 +11,7 @@ import pytest
 
 from tessera_contracts import api
 from tessera_contracts.generation import Gpu, Rendezvous
-from tessera_contracts.jobspec import SpecError
+from tessera_contracts.jobspec import NTPTrainingJobSpec, SpecError
 from tessera_contracts.model_shape import ModelShape
 from tessera_contracts.powertarget import parse_object, to_object
 from tessera_contracts.vocabulary import FailurePolicy
@@ -172,6 +172,7 @@ def test_a_rack_budget_below_the_gpus_minimum_is_a_spec_error() -> None:
 
 
 EXAMPLE_SPEC = {
+    "image": "tessera-trainer:0.1.0",
     "model": {"hidden": 4096, "heads": 32, "kvHeads": 8, "ffn": 14336, "vocab": 128256,
               "layers": 32, "seqLen": 8192},
     "tensorParallelSize": 8, "dataParallelReplicas": 2, "totalGPUs": 16,
@@ -181,7 +182,7 @@ EXAMPLE_SPEC = {
 
 
 def test_spec_reading_and_its_errors() -> None:
-    spec = JobSpec.from_spec(EXAMPLE_SPEC)
+    spec = JobSpec.of(NTPTrainingJobSpec.from_spec(EXAMPLE_SPEC))
     assert (spec.tp, spec.dp, spec.pp, spec.min_tp, spec.mode) == (8, 2, 1, 6, "NTP-PW")
     assert spec.power == PowerPolicy(base_w=600, boost_cap_w=700, ramp_step_w=25)
     assert spec.domain_label == planner.DEFAULT_DOMAIN_LABEL
@@ -194,7 +195,7 @@ def test_spec_reading_and_its_errors() -> None:
          "tensorParallelSize"),
     ):
         with pytest.raises(SpecError) as err:
-            JobSpec.from_spec(broken)
+            JobSpec.of(NTPTrainingJobSpec.from_spec(broken))
         assert err.value.field == field
 
 
@@ -289,11 +290,12 @@ def test_the_schema_and_the_planner_agree_on_every_bound() -> None:
     for caps, budget in (((floor, floor), None),
                          ((floor, power["boostCapWatts"]["maximum"]),
                           power["rackBudgetWatts"]["maximum"])):
-        spec = JobSpec.from_spec({
-            "model": model, "tensorParallelSize": tp, "dataParallelReplicas": 1,
-            "gpusPerNode": per_node, "failurePolicy": {"mode": "NTP-PW"},
+        spec = JobSpec.of(NTPTrainingJobSpec.from_spec({
+            "image": "tessera-trainer:0.1.0", "model": model, "tensorParallelSize": tp,
+            "dataParallelReplicas": 1, "gpusPerNode": per_node, "totalGPUs": tp,
+            "failurePolicy": {"mode": "NTP-PW"},
             "powerPolicy": {"baseCapWatts": caps[0], "boostCapWatts": caps[1]}
-            | ({} if budget is None else {"rackBudgetWatts": budget})})
+            | ({} if budget is None else {"rackBudgetWatts": budget})}))
         result = plan(spec, nodes, {("n00", 0)})
         assert result.tp_layout == str(tp - 1)
         for node, target in result.power_targets().items():

@@ -16,6 +16,7 @@ import yaml
 from ntp.train import parse_args
 from tessera_contracts.api import ATTEMPT_LABEL, INPUTS_ANNOTATION, JOB_LABEL, ROLE_LABEL
 from tessera_contracts.invocation import AgentInvocation, RankInvocation
+from tessera_contracts.jobspec import NTPTrainingJobSpec
 from tessera_dev import demo_data, paths
 from tessera_operator import workload
 from tessera_operator.planner import JobSpec, Problem
@@ -48,6 +49,10 @@ def _job(pod: Mapping[str, Any] | None = None, trainer: Mapping[str, Any] | None
     return job
 
 
+def _spec(job: Mapping[str, Any]) -> NTPTrainingJobSpec:
+    return NTPTrainingJobSpec.from_spec(job["spec"])
+
+
 def _trainer(pod: Mapping[str, Any]) -> dict[str, Any]:
     return next(c for c in pod["spec"]["containers"] if c["name"] == "trainer")
 
@@ -61,7 +66,7 @@ def test_the_trainer_pod_carries_the_specs_fields_and_its_template() -> None:
                         "resources": {"requests": {"cpu": "4", "memory": "8Gi"},
                                       "limits": {"memory": "16Gi"}}})
     before = copy.deepcopy(job)
-    pod = workload.trainer_pod(job, 1, "node-x")
+    pod = workload.trainer_pod(job, _spec(job), 1, "node-x")
     meta, spec = pod["metadata"], pod["spec"]
     assert meta["name"] == "tiny-llama-node-1" and meta["namespace"] == "team-a"
     assert meta["labels"] == {JOB_LABEL: "tiny-llama", ROLE_LABEL: "trainer",
@@ -96,7 +101,7 @@ def test_the_trainer_pod_carries_the_specs_fields_and_its_template() -> None:
     assert terms["nodeSelectorTerms"] == [{"matchFields": [
         {"key": "metadata.name", "operator": "In", "values": ["node-x"]}]}]
     assert workload.placed_nodes([pod], job) == {1: "node-x"}
-    assert workload.node_selector(job["spec"]) == {"pool": "a"}
+    assert workload.node_selector(_spec(job)) == {"pool": "a"}
     # The job is not changed by building pods from it.
     assert job == before
 
@@ -104,7 +109,7 @@ def test_the_trainer_pod_carries_the_specs_fields_and_its_template() -> None:
 def _trainer_options(job: Mapping[str, Any]) -> argparse.Namespace:
     """Every rank's options as the trainer reads them (`ntp.train.parse_args`) from the pod's
     command line, the node agent's invocation in between."""
-    args = _trainer(workload.trainer_pod(job, 0, "node-x"))["args"]
+    args = _trainer(workload.trainer_pod(job, _spec(job), 0, "node-x"))["args"]
     options = AgentInvocation.from_args(args).trainer_args
     _, opts = parse_args(RankInvocation(Path("gen1.json"), options=options).to_args())
     return opts
@@ -144,7 +149,7 @@ def test_the_templates_labels_and_annotations_reach_the_trainer_pod_under_the_op
         "labels": {"team": "nlp", JOB_LABEL: "theirs", ROLE_LABEL: "x", ATTEMPT_LABEL: "9"},
         "annotations": {"k8s.v1.cni.cncf.io/networks": "rdma-net", "prometheus.io/port": "1",
                         "prometheus.io/scrape": "false", INPUTS_ANNOTATION: "{}"}})
-    pod = workload.trainer_pod(job, 0, "node-x", attempt=2)
+    pod = workload.trainer_pod(job, _spec(job), 0, "node-x", attempt=2)
     assert pod["metadata"]["labels"] == {"team": "nlp", JOB_LABEL: "tiny-llama",
                                          ROLE_LABEL: "trainer", ATTEMPT_LABEL: "2"}
     annotations = pod["metadata"]["annotations"]
@@ -153,7 +158,7 @@ def test_the_templates_labels_and_annotations_reach_the_trainer_pod_under_the_op
     assert annotations["prometheus.io/scrape"] == "true"
     assert annotations["prometheus.io/port"] == str(workload.METRICS_PORT)
     # The pod says what it was made from, so an edit of the spec is seen as not in it yet.
-    assert workload.outdated(pod, job["spec"]) == []
+    assert workload.outdated(pod, _spec(job)) == []
 
 
 def test_what_the_template_gives_the_trainer_pod_passes_through() -> None:
@@ -183,7 +188,7 @@ def test_what_the_template_gives_the_trainer_pod_passes_through() -> None:
     }
     job = _job(pod=pod_fields, trainer=trainer,
                checkpointPolicy={"path": "/checkpoints/run", "intervalSteps": 100})
-    pod = workload.trainer_pod(job, 0, "node-x")
+    pod = workload.trainer_pod(job, _spec(job), 0, "node-x")
     spec, container = pod["spec"], _trainer(pod)
     for name in ("securityContext", "imagePullSecrets", "priorityClassName", "schedulerName",
                  "resourceClaims", "initContainers"):
@@ -206,7 +211,7 @@ def test_the_trainer_container_can_use_the_pods_resource_claims() -> None:
     job = _job(pod={"resourceClaims": [{"name": "ib", "resourceClaimTemplateName": "ib-nic"},
                                        {"name": "ib-2", "resourceClaimName": "nic-2"}]},
                trainer={"resources": {"requests": {"cpu": "8"}, "claims": claims}})
-    resources = _trainer(workload.trainer_pod(job, 0, "node-x"))["resources"]
+    resources = _trainer(workload.trainer_pod(job, _spec(job), 0, "node-x"))["resources"]
     assert resources == {"requests": {"cpu": "8", "nvidia.com/gpu": "4"},
                          "limits": {"nvidia.com/gpu": "4"}, "claims": claims}
 
@@ -218,7 +223,7 @@ def test_sidecar_containers_run_after_the_trainer_as_the_template_gives_them() -
                trainer={"volumeMounts": [{"name": "logs", "mountPath": "/logs"}]})
     # The template lists the sidecar first: the trainer still comes first in the pod.
     job["spec"]["template"]["spec"]["containers"].insert(0, shipper)
-    pod = workload.trainer_pod(job, 0, "node-x")
+    pod = workload.trainer_pod(job, _spec(job), 0, "node-x")
     assert [c["name"] for c in pod["spec"]["containers"]] == ["trainer", "log-shipper"]
     # A sidecar gets none of the trainer's: no GPU, no operator variables, no /dev/shm.
     assert pod["spec"]["containers"][1] == shipper
@@ -227,13 +232,13 @@ def test_sidecar_containers_run_after_the_trainer_as_the_template_gives_them() -
 
 @pytest.mark.parametrize("mount_path", ["/dev/shm", "/dev/shm/"])
 def test_a_memory_backed_dev_shm_unless_the_template_mounts_its_own(mount_path: str) -> None:
-    pod = workload.trainer_pod(_job(), 0, "node-x")
+    pod = workload.trainer_pod(_job(), _spec(_job()), 0, "node-x")
     assert pod["spec"]["volumes"] == [SHM_VOLUME]
     assert _trainer(pod)["volumeMounts"] == [SHM_MOUNT]
     own = {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": "64Gi"}}
     mount = {"name": "shm", "mountPath": mount_path}
-    pod = workload.trainer_pod(_job(pod={"volumes": [own]}, trainer={"volumeMounts": [mount]}),
-                               0, "node-x")
+    mounted = _job(pod={"volumes": [own]}, trainer={"volumeMounts": [mount]})
+    pod = workload.trainer_pod(mounted, _spec(mounted), 0, "node-x")
     assert pod["spec"]["volumes"] == [own]
     assert _trainer(pod)["volumeMounts"] == [mount]
 
@@ -268,7 +273,7 @@ FULL_TEMPLATE = {
 def test_the_rendezvous_pod_takes_only_what_places_and_starts_it_from_the_template() -> None:
     pod_fields = FULL_TEMPLATE["pod"]
     job = _job(**FULL_TEMPLATE)
-    pod = workload.rendezvous_pod(job, attempt=1)
+    pod = workload.rendezvous_pod(job, _spec(job), attempt=1)
     meta, spec = pod["metadata"], pod["spec"]
     assert meta["name"] == "tiny-llama-rendezvous" and workload.controlled_by(pod, job)
     assert meta["labels"] == {"team": "nlp", JOB_LABEL: "tiny-llama",
@@ -304,16 +309,16 @@ def test_template_affinity_is_kept_beside_the_operators_pin() -> None:
         "labelSelector": {"matchLabels": {"app": "dataset-cache"}},
         "topologyKey": "topology.kubernetes.io/zone"}]}
     job = _job(pod={"affinity": {"podAntiAffinity": spread, "podAffinity": near}})
-    pod = workload.trainer_pod(job, 0, "node-x")
+    pod = workload.trainer_pod(job, _spec(job), 0, "node-x")
     affinity = pod["spec"]["affinity"]
     assert affinity["podAntiAffinity"] == spread and affinity["podAffinity"] == near
     assert workload.pod_node(pod) == "node-x"
     # The rendezvous goes wherever the scheduler puts it: never pinned.
-    assert workload.pod_node(workload.rendezvous_pod(job)) is None
+    assert workload.pod_node(workload.rendezvous_pod(job, _spec(job))) is None
 
 
 def test_the_trainer_identity_reads_its_layout_and_patches_its_progress_only() -> None:
-    account, role, binding = workload.identity(_job())
+    account, role, binding = workload.identity(_job(), _spec(_job()))
     assert account["kind"] == "ServiceAccount" and account["metadata"]["name"] == \
         "tiny-llama-trainer"
     assert role["rules"] == [
@@ -327,11 +332,13 @@ def test_the_trainer_identity_reads_its_layout_and_patches_its_progress_only() -
 
 def test_a_template_service_account_takes_the_place_of_the_operators() -> None:
     job = _job(pod={"serviceAccountName": "llm-runner"})
-    assert workload.trainer_pod(job, 0, "node-x")["spec"]["serviceAccountName"] == "llm-runner"
-    assert workload.rendezvous_pod(job)["spec"]["serviceAccountName"] == "llm-runner"
+    spec = _spec(job)
+    assert workload.trainer_pod(job, spec, 0, "node-x")["spec"]["serviceAccountName"] == \
+        "llm-runner"
+    assert workload.rendezvous_pod(job, spec)["spec"]["serviceAccountName"] == "llm-runner"
     # No account of the operator's: the user's is bound the same rights.
-    role, binding = workload.identity(job)
-    (_, own_role, _) = workload.identity(_job())
+    role, binding = workload.identity(job, _spec(job))
+    (_, own_role, _) = workload.identity(_job(), _spec(_job()))
     assert role == own_role
     assert binding["kind"] == "RoleBinding" and binding["metadata"]["name"] == \
         "tiny-llama-trainer"
@@ -371,25 +378,27 @@ OUTDATING = {
 def test_a_pod_is_outdated_by_exactly_the_spec_fields_edited_since_it_was_made(
         edits: dict[str, Any], fields: list[str]) -> None:
     job = _job(trainer={"env": [{"name": "NCCL_DEBUG", "value": "INFO"}]})
-    pod = workload.trainer_pod(job, 0, "node-x")
-    assert workload.outdated(pod, copy.deepcopy(job["spec"]) | edits) == fields
+    pod = workload.trainer_pod(job, _spec(job), 0, "node-x")
+    edited = NTPTrainingJobSpec.from_spec(copy.deepcopy(job["spec"]) | edits)
+    assert workload.outdated(pod, edited) == fields
 
 
 def test_a_pod_that_does_not_say_what_it_was_made_from_is_outdated_in_every_field() -> None:
-    pod = workload.trainer_pod(_job(), 0, "node-x")
+    pod = workload.trainer_pod(_job(), _spec(_job()), 0, "node-x")
     del pod["metadata"]["annotations"][INPUTS_ANNOTATION]
-    assert workload.outdated(pod, _job()["spec"]) == list(workload.POD_INPUTS)
+    assert workload.outdated(pod, _spec(_job())) == list(workload.POD_INPUTS)
     pod["metadata"]["annotations"][INPUTS_ANNOTATION] = "not json"
-    assert workload.outdated(pod, _job()["spec"]) == list(workload.POD_INPUTS)
+    assert workload.outdated(pod, _spec(_job())) == list(workload.POD_INPUTS)
 
 
 def test_every_pod_and_the_progress_configmap_carry_their_attempt() -> None:
     job = _job()
-    made = [workload.trainer_pod(job, 0, "node-x", attempt=3), workload.rendezvous_pod(job, 3),
-            workload.progress_configmap(job, 3)]
+    spec = _spec(job)
+    made = [workload.trainer_pod(job, spec, 0, "node-x", attempt=3),
+            workload.rendezvous_pod(job, spec, 3), workload.progress_configmap(job, 3)]
     assert [workload.attempt_of(obj) for obj in made] == [3, 3, 3]
     assert [workload.attempt_of(obj) for obj in (
-        workload.trainer_pod(job, 0, "node-x"), workload.rendezvous_pod(job),
+        workload.trainer_pod(job, spec, 0, "node-x"), workload.rendezvous_pod(job, spec),
         workload.progress_configmap(job))] == [0, 0, 0]
     assert workload.attempt_of({"metadata": {"labels": {}}}) is None
     assert workload.attempt_of({"metadata": {"labels": {ATTEMPT_LABEL: "x"}}}) is None
@@ -412,7 +421,7 @@ def test_placement_counts_gpus_other_pods_hold_and_skips_unusable_nodes() -> Non
     pods = [_pod_on("a", 2), _pod_on("b", 8, phase="Succeeded")]
     views = workload.node_views(nodes, workload.taken_gpus(pods), {}, DOMAIN)
     assert {v.name: v.free_gpus for v in views} == {"a": 6, "b": 8, "c": 8, "d": 8}
-    spec = JobSpec.from_spec(_job(gpusPerNode=8, totalGPUs=16)["spec"])
+    spec = JobSpec.of(_spec(_job(gpusPerNode=8, totalGPUs=16)))
     assert workload.place(spec, 2, views) == ("b", "c")
     selected = workload.node_views(nodes, workload.taken_gpus(pods), {"pool": "other"}, DOMAIN)
     problem = workload.place(spec, 2, selected)
@@ -425,9 +434,9 @@ def test_placement_keeps_tp_groups_inside_a_domain() -> None:
     # nodes (one group, one node left over), y has two: two groups, from y and x.
     nodes = [_node(f"x{i}", 4, "x") for i in range(3)] + [_node(f"y{i}", 4, "y")
                                                          for i in range(2)]
-    spec = JobSpec.from_spec(_job(tensorParallelSize=8, dataParallelReplicas=2, gpusPerNode=4,
-                                  totalGPUs=16, model=EXAMPLE["spec"]["model"] | {
-                                      "heads": 8, "kvHeads": 2})["spec"])
+    spec = JobSpec.of(_spec(_job(tensorParallelSize=8, dataParallelReplicas=2, gpusPerNode=4,
+                                 totalGPUs=16, model=EXAMPLE["spec"]["model"] | {
+                                     "heads": 8, "kvHeads": 2})))
     views = workload.node_views(nodes, {}, {}, DOMAIN)
     assert workload.place(spec, 4, views) == ("x0", "x1", "y0", "y1")
     # Without the domain label every node is its own domain: no group fits.
@@ -438,13 +447,14 @@ def test_placement_keeps_tp_groups_inside_a_domain() -> None:
 
 def test_a_trainer_pod_being_deleted_marks_its_node_as_leaving() -> None:
     job = _job()
-    going = workload.trainer_pod(job, 0, "node-a")
+    going = workload.trainer_pod(job, _spec(job), 0, "node-a")
     going["metadata"]["deletionTimestamp"] = "2026-12-01T10:00:00Z"
-    staying = workload.trainer_pod(job, 1, "node-b")
-    rendezvous = workload.rendezvous_pod(job) | {"spec": {"nodeName": "node-c"}}
+    staying = workload.trainer_pod(job, _spec(job), 1, "node-b")
+    rendezvous = workload.rendezvous_pod(job, _spec(job)) | {
+        "spec": {"nodeName": "node-c"}}
     rendezvous["metadata"]["deletionTimestamp"] = "2026-12-01T10:00:00Z"
-    other = workload.trainer_pod(_job() | {"metadata": job["metadata"] | {"uid": "uid-2"}}, 2,
-                                 "node-d")
+    other = workload.trainer_pod(_job() | {"metadata": job["metadata"] | {"uid": "uid-2"}},
+                                 _spec(_job()), 2, "node-d")
     other["metadata"]["deletionTimestamp"] = "2026-12-01T10:00:00Z"
     assert workload.leaving_nodes([going, staying, rendezvous, other], job) == {"node-a"}
 
@@ -454,7 +464,7 @@ def test_a_job_takes_whole_nodes_only() -> None:
     # of the node held by a rendezvous pod, which asks for no GPU
     nodes = [_node("a", 8), _node("b", 16), _node("c", 8), _node("d", 8)]
     pods = [_pod_on("a", 2), _pod_on("c", 0)]
-    spec = JobSpec.from_spec(_job(gpusPerNode=8, totalGPUs=16)["spec"])
+    spec = JobSpec.of(_spec(_job(gpusPerNode=8, totalGPUs=16)))
     views = workload.node_views(nodes, workload.taken_gpus(pods), {}, DOMAIN)
     assert workload.place(spec, 2, views) == ("c", "d")
     problem = workload.place(spec, 3, views)

@@ -1,0 +1,117 @@
+"""The life policy (pure): where a job is in its life, and what an attempt that ends leaves.
+
+The lifecycle (`lifecycle.lifecycle`: running, stopping an ended attempt, suspended, finished)
+reads the job's status, pods and its attempt's progress reports. Under failurePolicy.mode
+CKPT-RESTART a GPU lost under the running attempt's layout fails that attempt as a failed
+trainer pod does (`_lost_layout`), within the same restart budget. An ended attempt's layout and
+progress ConfigMaps read as absent for the next one (`of_attempt`); its pods on a node that
+stopped reporting are deleted at once (`unconfirmable`); a spec field the running pods were not
+made with waits for the next attempt (`outdated`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import replace
+from datetime import datetime
+from typing import Any
+
+from tessera_contracts import progress
+from tessera_contracts.generation import layout_configmap
+from tessera_operator import health, lifecycle, planner, workload
+from tessera_operator.lifecycle import Lifecycle, Stage
+from tessera_operator.observed import Layout, Observed, Spec
+from tessera_operator.policies import signal
+
+
+def life(spec: Spec, observed: Observed, now: datetime
+         ) -> tuple[Lifecycle, dict[planner.GpuId, str]]:
+    """The job's lifecycle from its pods and its attempt's progress reports (every node that
+    reported: an attempt that ends folds them all into the job's account), and the GPUs lost
+    under its layout that end its attempt, with why (CKPT-RESTART; none otherwise): its
+    trainer pod there reads as failed, so the attempt ends as for any failed trainer pod,
+    within the same restart budget."""
+    status = observed.job.get("status") or {}
+    name = progress.progress_configmap(observed.job["metadata"]["name"])
+    current = observed.configmap_attempts.get(name) == int(status.get("attempt", 0))
+    reports = observed.reports_of(observed.reports) if current else {}
+    found = lifecycle.lifecycle(observed.job, spec.whole, observed.pods, reports, now)
+    run = spec.planning
+    if isinstance(run, planner.Problem) or not run.restarts_on_loss \
+            or found.stage is not Stage.RUNNING:
+        return found, {}
+    lost = _lost_layout(spec, run, of_attempt(observed, found.attempt), now)
+    if not lost:
+        return found, {}
+    pods = _failed_by_loss(observed.pods, observed.job, lost)
+    return lifecycle.lifecycle(observed.job, spec.whole, pods, reports, now), lost
+
+
+def _lost_layout(spec: Spec, run: planner.JobSpec, observed: Observed, now: datetime
+                 ) -> dict[planner.GpuId, str]:
+    """CKPT-RESTART: the GPUs whose loss ends the running attempt, with what their health
+    source says ("" when it says no more): those of the generation in force that a source
+    fails (DCGM, a cordon, a node lost) or whose node's trainer pod is gone; before one is in
+    force, the failed GPUs of its nodes once they leave too few whole TP groups for the
+    replicas."""
+    placement = workload.placed_nodes(observed.pods, observed.job)
+    if not placement:
+        return {}
+    found, _ = signal.health_of(spec.whole, observed, placement, observed.nodes, now)
+    in_force = observed.layout.generation
+    if in_force is None:
+        plan = planner.plan(run, planner.node_domains(observed.nodes, run.domain_label),
+                            found.failed)
+        return {gpu: found.reasons.get(gpu, "") for gpu in sorted(plan.failed)} \
+            if plan.degraded else {}
+    used = {(g.node, g.index) for g in in_force.gpus}
+    gone = {gpu: "its trainer pod is gone" for gpu in sorted(used)
+            if gpu[0] not in placement.values()}
+    return gone | {gpu: found.reasons.get(gpu, "") for gpu in sorted(used & found.failed)}
+
+
+def _failed_by_loss(pods: tuple[Mapping[str, Any], ...], job: Mapping[str, Any],
+                    lost: Mapping[planner.GpuId, str]) -> tuple[Mapping[str, Any], ...]:
+    """`pods` with the trainer pod on the first lost GPU's node (the first trainer pod, when
+    that one is gone) read as failed: without a live relayout its ranks cannot go on."""
+    (node, index), why = min(lost.items())
+    reason = f"GPU {node}/{index} lost" + (f": {why}" if why else "")
+    trainers = workload.trainer_pods(pods, job)
+    hit = next((p for p in trainers if workload.pod_node(p) == node), trainers[0])
+    failed = dict(hit) | {"status": {"phase": lifecycle.FAILED, "reason": reason}}
+    return tuple(failed if p is hit else p for p in pods)
+
+
+def of_attempt(observed: Observed, attempt: int) -> Observed:
+    """`observed` without what belongs to an attempt before `attempt`: its layout and progress
+    ConfigMaps (deleted by this reconcile) read as absent, and the generation the status says
+    was published with them as none."""
+    job = observed.job["metadata"]["name"]
+    attempts = observed.configmap_attempts
+    if attempts.get(layout_configmap(job), attempt) != attempt:
+        status = dict(observed.job.get("status") or {}) | {"layoutGeneration": 0}
+        observed = replace(observed, layout=Layout(), job=dict(observed.job) | {"status": status})
+    if attempts.get(progress.progress_configmap(job), attempt) != attempt:
+        observed = replace(observed, reports={})
+    return observed
+
+
+def unconfirmable(observed: Observed) -> tuple[str, ...]:
+    """The job's pods being deleted on a node that stopped reporting (Ready Unknown): no kubelet
+    will confirm their end, and the next attempt must not wait for one (Kubernetes' own pod
+    garbage collector takes those of nodes deleted from the API). Deleting them at once is
+    safe for a job: their processes are fenced by the attempt (its own rendezvous and layout),
+    and a kubelet that comes back stops what runs for a pod the API no longer has."""
+    lost = {n["metadata"]["name"] for n in observed.nodes if health.node_lost(n)}
+    return tuple(sorted(
+        pod["metadata"]["name"] for pod in observed.pods
+        if pod["metadata"].get("deletionTimestamp") and workload.pod_node(pod) in lost))
+
+
+def outdated(spec: Spec, observed: Observed) -> list[str]:
+    """The spec fields some trainer pod of the job was not made with: they take effect at its
+    next attempt."""
+    found = {name for pod in workload.trainer_pods(observed.pods, observed.job)
+             if not (pod.get("metadata") or {}).get("deletionTimestamp")
+             for name in workload.outdated(pod, spec.whole)}
+    return [name for name in workload.POD_INPUTS if name in found]

@@ -1,0 +1,57 @@
+"""The signal policy (pure): a job's GPU health from the sources its spec names, merged.
+
+`failurePolicy.healthSources` chooses among the administrative cordons (`cordon`) and DCGM's
+GPUHealth (`dcgm`); the nodes the job lost and the ranks its node agents saw die count whatever
+it chooses, as failures under the processes rather than drains. GPUs of unknown health are held
+where the generation in force has them (`health.hold_unknown`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from datetime import datetime
+from typing import Any
+
+from tessera_contracts.jobspec import NTPTrainingJobSpec
+from tessera_operator import health, workload
+from tessera_operator.observed import Observed
+
+
+def health_of(spec: NTPTrainingJobSpec, observed: Observed, placement: Mapping[int, str],
+              nodes: tuple[Mapping[str, Any], ...], now: datetime | None
+              ) -> tuple[health.Health, health.Health]:
+    """The health of the job's GPUs on `nodes` from its sources, merged, and the part lost
+    under their processes rather than drained: the GPUs of nodes that stopped reporting (their
+    kubelet, or their node agent to the job's other agents), those whose rank the node agents
+    saw die and those DCGM failed (`now` None: without the last two, which need the time)."""
+    policy = spec.failure_policy
+    sources = set(policy.health_sources)
+    placed = sorted(set(placement.values()))
+    reports = observed.reports_of(placed)
+    silent = {node for report in reports.values() if report is not None
+              for node in report.silent_nodes}
+    lost = health.from_lost_nodes(nodes, spec.gpus_per_node, placed=placed,
+                                  leaving=workload.leaving_nodes(observed.pods, observed.job),
+                                  silent=silent)
+    signal = health.from_cordons(nodes, spec.gpus_per_node) if "cordon" in sources \
+        else health.Health()
+    if now is None:
+        return signal.merge(lost), lost
+    names = sorted({n["metadata"]["name"] for n in nodes})
+    published = sorted((o for o in observed.gpu_health if o.node in set(names)),
+                       key=lambda o: o.node or "")
+    dcgm = "dcgm" in sources
+    lost = lost.merge(health.from_rank_deaths(
+        reports, spec.gpus_per_node, now=now.timestamp(),
+        told_at=health.observed_at(published) if dcgm else None,
+        settled=policy.mode.restarts_on_loss, hold_s=float(policy.rank_death_hold_seconds)))
+    signal = signal.merge(lost)
+    if not dcgm:
+        return signal, lost
+    dcgm_health = health.from_gpu_health(published, spec.gpus_per_node, policy.fatal_xids,
+                                         now=now.timestamp(), nodes=names)
+    in_force = observed.layout.generation
+    kept = None if in_force is None else [(g.node, g.index) for g in in_force.gpus]
+    reporting = [o.node for o in published if o.node is not None]
+    return health.hold_unknown(signal.merge(dcgm_health), kept, reporting), \
+        lost.merge(dcgm_health)

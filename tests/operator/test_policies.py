@@ -1,0 +1,292 @@
+"""Each of the operator's policies on its own (pure, no API server): a job's typed spec and a world
+observed by hand in, its part of the decision out: its life, its placement, its GPUs' health
+signal, the generation document it publishes, its power."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import replace
+from datetime import UTC, datetime
+from typing import Any
+
+import pytest
+import yaml
+
+from tessera_contracts import gpuhealth
+from tessera_contracts.generation import Generation, Rendezvous
+from tessera_contracts.jobspec import defaulted
+from tessera_contracts.powertarget import to_object
+from tessera_contracts.progress import NodeReport, State
+from tessera_contracts.unreadable import Unreadable
+from tessera_dev import paths
+from tessera_operator import desired, planner, workload
+from tessera_operator.lifecycle import Stage
+from tessera_operator.observed import Candidates, Layout, Observed, Spec
+from tessera_operator.policies import life, placement, power, publish, signal
+
+pytestmark = pytest.mark.operator
+
+NOW = datetime(2026, 12, 1, 8, 0, tzinfo=UTC)
+A, B, C = "gpu-a", "gpu-b", "gpu-c"
+IP = "10.0.0.5"
+POOL = {"pool.tessera.dev/name": "llama"}
+# TP8 x DP2 on two 8-GPU nodes, NTP-PW: each node its own scale-up domain (rack).
+EXAMPLE = yaml.safe_load(
+    (paths.repo_root() / "manifests/examples/ntpjob-small.yaml").read_text())
+POWER = EXAMPLE["spec"]["powerPolicy"]
+BASE, CAP, BUDGET = POWER["baseCapWatts"], POWER["boostCapWatts"], POWER["rackBudgetWatts"]
+
+
+def _job(status: dict[str, Any] | None = None, **spec: Any) -> dict[str, Any]:
+    """The example job on the pool's nodes, as the API server stores it."""
+    job = copy.deepcopy(EXAMPLE)
+    job["metadata"] = {"name": "llama", "namespace": "ml", "uid": "uid-1", "generation": 1}
+    job["spec"]["template"]["spec"]["nodeSelector"] = dict(POOL)
+    job["spec"] = defaulted(job["spec"] | spec)
+    return job | ({"status": status} if status is not None else {})
+
+
+def _spec(job: dict[str, Any]) -> Spec:
+    read_spec = desired.job_spec(job)
+    assert isinstance(read_spec, Spec), read_spec
+    return read_spec
+
+
+def _run(spec: Spec) -> planner.JobSpec:
+    assert isinstance(spec.planning, planner.JobSpec), spec.planning
+    return spec.planning
+
+
+def _mode(mode: str) -> dict[str, Any]:
+    return {"failurePolicy": EXAMPLE["spec"]["failurePolicy"] | {"mode": mode}}
+
+
+def _node(name: str, cordon: str | None = None, pool: dict[str, str] = POOL) -> dict[str, Any]:
+    annotations = {} if cordon is None else {"tessera.dev/cordoned-gpus": cordon}
+    return {"metadata": {"name": name, "labels": dict(pool), "annotations": annotations},
+            "spec": {}, "status": {"allocatable": {workload.GPU_RESOURCE: "8"},
+                                   "conditions": [{"type": "Ready", "status": "True"}]}}
+
+
+def _pods(job: dict[str, Any], ip: str | None = IP) -> tuple[dict[str, Any], ...]:
+    """The job's pods as the operator makes them, on A and B."""
+    spec = _spec(job).whole
+    rendezvous = workload.rendezvous_pod(job, spec) | {"status": {"podIP": ip} if ip else {}}
+    return (rendezvous, workload.trainer_pod(job, spec, 0, A),
+            workload.trainer_pod(job, spec, 1, B))
+
+
+def _gpu_health(node: str, xids: dict[int, list[int]], at: datetime = NOW
+                ) -> gpuhealth.PublishedHealth | Unreadable:
+    """The node's GPUHealth as its health agent publishes it and the operator's index holds it:
+    every GPU healthy, with the recent `xids` given."""
+    gpus = tuple(gpuhealth.GpuHealth(i, gpuhealth.State.HEALTHY, xids=tuple(xids.get(i, ())))
+                 for i in range(8))
+    return gpuhealth.read(gpuhealth.render(gpuhealth.PublishedHealth(
+        node, "http://10.0.0.1:9400/metrics", at.timestamp(), gpuhealth.NodeHealth(gpus))))
+
+
+def _first_generation(job: dict[str, Any]) -> Generation:
+    """Generation 1 of `job` on A and B, every GPU healthy."""
+    plan = planner.plan(_run(_spec(job)), {A: A, B: B}, set())
+    first = workload.generation_for(plan, 64, Rendezvous(IP, workload.RENDEZVOUS_PORT), None)
+    assert first is not None
+    return first
+
+
+def _in_force(job: dict[str, Any], **world: Any) -> Observed:
+    """`job`'s attempt 0 on A and B with generation 1 in force and published."""
+    published = job | {"status": {"layoutGeneration": 1}}
+    return replace(Observed(published, pods=_pods(job), nodes=(_node(A), _node(B)),
+                            layout=Layout("7", generation=_first_generation(job)),
+                            configmap_attempts={"llama-layout": 0, "llama-progress": 0}),
+                   **world)
+
+
+# ----------------------------------------------------------------------------------------------
+# life
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("mode", "stage", "lost"), [
+    ("CKPT-RESTART", Stage.STOPPING, {(A, 3): ""}),
+    ("NTP", Stage.RUNNING, {}),
+])
+def test_life_a_gpu_lost_under_the_layout_ends_the_attempt_only_under_ckpt_restart(
+        mode: str, stage: Stage, lost: dict[tuple[str, int], str]) -> None:
+    job = _job(**_mode(mode))
+    cordoned = _in_force(job, nodes=(_node(A, cordon="3"), _node(B)))
+    found, why = life.life(_spec(job), cordoned, NOW)
+    assert (found.stage, why) == (stage, lost)
+    assert found.restarts == (1 if stage is Stage.STOPPING else 0)
+
+
+def test_life_an_earlier_attempts_configmaps_read_as_absent() -> None:
+    job = _job()
+    earlier = replace(_in_force(job), configmap_attempts={"llama-layout": 0, "llama-progress": 1},
+                      reports={A: NodeReport(A, 1, 5, 1000, State.TRAINING)})
+    current = life.of_attempt(earlier, 1)
+    assert current.layout == Layout() and current.job["status"]["layoutGeneration"] == 0
+    assert current.reports == earlier.reports  # the progress ConfigMap is attempt 1's
+    assert life.of_attempt(earlier, 0).reports == {}
+
+
+# ----------------------------------------------------------------------------------------------
+# placement
+# ----------------------------------------------------------------------------------------------
+
+
+def test_placement_takes_whole_free_nodes_of_the_pool_and_names_what_the_job_runs() -> None:
+    job = _job()
+    spec = _spec(job)
+    other = {"metadata": {"name": "theirs"}, "spec": {"nodeName": B, "containers": [
+        {"resources": {"limits": {workload.GPU_RESOURCE: "1"}}}]}, "status": {"phase": "Running"}}
+    candidates = Candidates((_node(A), _node(B), _node(C), _node("gpu-d", pool={})),
+                            workload.taken_gpus([other]))
+    fresh = Observed(job, candidates=candidates)
+    assert placement.needs_placement(spec, fresh, NOW)
+    assert placement.chosen_nodes(spec, fresh) == (A, C)
+    placed = placement.place(spec.whole, _run(spec), fresh, NOW)
+    assert not isinstance(placed, planner.Problem)
+    assert placed[0] == {0: A, 1: C}
+    made = placement.children(job, spec.whole, placed[0], 0)
+    assert [(c["kind"], c["metadata"]["name"]) for c in made] == [
+        ("ServiceAccount", "llama-trainer"), ("Role", "llama-trainer"),
+        ("RoleBinding", "llama-trainer"), ("ConfigMap", "llama-progress"),
+        ("Pod", "llama-rendezvous"), ("Pod", "llama-node-0"), ("Pod", "llama-node-1")]
+    # placed, it needs nothing more
+    assert not placement.needs_placement(spec, Observed(job, pods=_pods(job)), NOW)
+
+
+def test_placement_under_ckpt_restart_skips_a_node_with_a_failed_gpu() -> None:
+    job = _job(**_mode("CKPT-RESTART"))
+    spec = _spec(job)
+    fresh = Observed(job, candidates=Candidates((_node(A, cordon="1"), _node(B), _node(C))))
+    placed = placement.place(spec.whole, _run(spec), fresh, NOW)
+    assert not isinstance(placed, planner.Problem) and placed[0] == {0: B, 1: C}
+    alone = Observed(job, candidates=Candidates((_node(A, cordon="1"),)))
+    refused = placement.place(spec.whole, _run(spec), alone, NOW)
+    assert isinstance(refused, planner.Problem) and refused.reason == "Unschedulable"
+    assert "CKPT-RESTART" in refused.message
+
+
+# ----------------------------------------------------------------------------------------------
+# signal
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("sources", "failed"), [
+    (["dcgm", "cordon"], {(A, 0), (B, 5)}),
+    (["cordon"], {(A, 0)}),
+    (["dcgm"], {(B, 5)}),
+])
+def test_signal_reads_the_health_sources_the_spec_names(
+        sources: list[str], failed: set[tuple[str, int]]) -> None:
+    job = _job(failurePolicy=EXAMPLE["spec"]["failurePolicy"] | {"healthSources": sources})
+    observed = _in_force(job, nodes=(_node(A, cordon="0"), _node(B)),
+                         gpu_health=(_gpu_health(A, {}), _gpu_health(B, {5: [79]})))
+    found, lost = signal.health_of(_spec(job).whole, observed, {0: A, 1: B}, observed.nodes,
+                                   NOW)
+    assert found.failed == failed
+    assert lost.failed == ({(B, 5)} if "dcgm" in sources else set())  # a cordon drains
+
+
+def test_signal_judges_xids_and_dead_ranks_by_the_jobs_failure_policy() -> None:
+    """fatalXIDs decides which XIDs fail a GPU; a rank that died after DCGM last spoke keeps
+    its GPU out for rankDeathHoldSeconds, when the job asks to be reconciled again."""
+    died = NOW.timestamp() - 1.0
+    dead = NodeReport(A, 1, 118, 1000, State.RECONFIGURING, rank_deaths={2: died})
+    before = datetime.fromtimestamp(died - 30, UTC)
+    for fatal, hold in (([48], 10), ([], 30)):
+        job = _job(failurePolicy=EXAMPLE["spec"]["failurePolicy"] | {
+            "fatalXIDs": fatal, "rankDeathHoldSeconds": hold})
+        observed = _in_force(job, reports={A: dead}, gpu_health=(
+            _gpu_health(A, {}, before), _gpu_health(B, {6: [48]}, before)))
+        found, _ = signal.health_of(_spec(job).whole, observed, {0: A, 1: B}, observed.nodes,
+                                    NOW)
+        assert found.failed == {(A, 2)} | ({(B, 6)} if 48 in fatal else set())
+        assert found.recheck_at == died + hold
+
+
+# ----------------------------------------------------------------------------------------------
+# publish
+# ----------------------------------------------------------------------------------------------
+
+
+def _published(job: dict[str, Any], observed: Observed
+               ) -> tuple[dict[str, Any] | None, Generation | None]:
+    spec = _spec(job)
+    plan = planner.plan(_run(spec), {A: A, B: B}, set())
+    return publish.to_publish(spec.whole, observed, plan, {}, frozenset(), NOW, spec.whole.steps)
+
+
+def test_publish_generation_1_once_the_rendezvous_has_an_address() -> None:
+    job = _job()
+    waiting = Observed(job, pods=_pods(job, ip=None), nodes=(_node(A), _node(B)))
+    assert _published(job, waiting) == (None, None)
+    document, in_force = _published(job, replace(waiting, pods=_pods(job)))
+    assert in_force is not None and in_force.generation == 1 and in_force.at_step is None
+    assert document == publish.layout_document(job, in_force)
+    # once in force, the same plan publishes nothing new
+    assert _published(job, _in_force(job)) == (None, _in_force(job).layout.generation)
+
+
+@pytest.mark.parametrize(("layout", "reason"), [
+    (Layout("3", owned=False), "LayoutNotOwned"),
+    (Layout(), "LayoutLost"),  # the status says generation 1 was published
+])
+def test_publish_is_blocked_by_a_layout_it_may_not_follow(layout: Layout, reason: str) -> None:
+    job = _job()
+    with pytest.raises(publish.LayoutBlocked) as blocked:
+        _published(job, _in_force(job, layout=layout))
+    assert blocked.value.reason == reason
+
+
+def test_publish_counts_only_the_reports_that_agree_with_the_pods() -> None:
+    honest = NodeReport(A, 1, 118, 1000, State.TRAINING)
+    other_job = NodeReport(B, 1, 5, 2000, State.TRAINING)
+    short = NodeReport(B, 1, 500, 1000, State.FINISHED)
+    for forged in (other_job, short):
+        kept, refused = publish.agreed({A: honest, B: forged}, 1000)
+        assert kept == {A: honest, B: None} and len(refused) == 1 and B in refused[0]
+    assert publish.agreed({A: honest, B: other_job}, None) == ({A: honest, B: other_job}, ())
+
+
+# ----------------------------------------------------------------------------------------------
+# power
+# ----------------------------------------------------------------------------------------------
+
+
+def test_power_boosts_a_reduced_replica_inside_its_rack_and_syncs_in_one_pass() -> None:
+    job = _job()
+    plan = planner.plan(_run(_spec(job)), {A: A, B: B}, {(A, 3)})
+    at_base = planner.plan(_run(_spec(job)), {A: A, B: B}, set()).power_targets()
+    observed = _in_force(job, targets=tuple(to_object(t) for t in at_base.values()))
+    boosted, targets = power.boosted(plan, observed, {}, frozenset())
+    watts = {i: targets[A].watts_for(i) for i in range(8)}
+    assert watts[3] == 200 and sum(watts.values()) <= BUDGET
+    assert {w for i, w in watts.items() if i != 3} == {min(CAP, (BUDGET - 200) // 7)}
+    assert {targets[B].watts_for(i) for i in range(8)} == {BASE}
+    # Each rack is one node: its new share is written at once, nothing waits; B is unchanged.
+    sync = power.sync(observed, targets)
+    assert sync.write == {A: targets[A]} and sync.delete == () and sync.held == ()
+    assert power.sync(observed, {}).delete == (A, B)  # no plan: every target released
+
+
+def test_power_goes_on_from_the_boost_the_status_remembers() -> None:
+    """The closed loop's state is in status.replicas: a restarted operator resumes each reduced
+    replica's ratio there, not from the open-loop seed."""
+    job = _job()
+    plan = planner.plan(_run(_spec(job)), {A: A, B: B}, {(A, 3)})
+    (reduced,) = [r for r in plan.replicas if r.tp < 8]
+    remembered = {"index": reduced.index, "tensorParallelSize": reduced.tp,
+                  "nodes": list(reduced.nodes()), "failedGPUs": [f"{A}/3"],
+                  "powerRatio": 1.1, "powerRatioStep": 100}
+    observed = _in_force(job)
+    seeded, _ = power.boosted(plan, observed, {}, frozenset())
+    observed = replace(observed, job=observed.job | {"status": {"layoutGeneration": 1,
+                                                                "replicas": [remembered]}})
+    resumed, _ = power.boosted(plan, observed, {}, frozenset())
+    ratio = {r.index: (r.power_ratio, r.ratio_step) for r in resumed.replicas}
+    assert ratio[reduced.index] == (1.1, 100)
+    assert dict((r.index, r.power_ratio) for r in seeded.replicas)[reduced.index] != 1.1
