@@ -87,7 +87,7 @@ def parse_args(argv: list[str]) -> tuple[RankInvocation, argparse.Namespace]:
     return invocation, opts
 
 
-def train_config(opts: argparse.Namespace) -> TrainConfig:
+def config_from(opts: argparse.Namespace) -> TrainConfig:
     return TrainConfig(
         device=pick_device(opts.device),
         precision=opts.precision,
@@ -100,7 +100,7 @@ def train_config(opts: argparse.Namespace) -> TrainConfig:
     )
 
 
-def checkpointing(opts: argparse.Namespace) -> Checkpointing:
+def checkpointing_from(opts: argparse.Namespace) -> Checkpointing:
     return Checkpointing(
         opts.save, opts.save_every, opts.init, keep=opts.keep, blocking=opts.blocking_save
     )

@@ -25,14 +25,7 @@ from ntp.initialize import init_parameters
 from ntp.membership import Membership
 from ntp.model import ModelArgs
 from ntp.report import RankRecord
-from ntp.reshard import (
-    CannotReshard,
-    LocalState,
-    empty_state,
-    install_state,
-    local_state,
-    reshard,
-)
+from ntp.reshard import CannotReshard, LocalState, empty_state, install_state, local_state, reshard
 from ntp.sources import Assignment
 from tessera_contracts.model_shape import PlanError
 from tessera_contracts.rank_events import EventKind, RankEvent

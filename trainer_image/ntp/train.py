@@ -22,7 +22,7 @@ import torch.distributed as dist
 from ntp.build import GenerationRank, model_args
 from ntp.checkpoint import read_args
 from ntp.checkpointing import Checkpointer, Checkpointing
-from ntp.cli import checkpointing, open_data, parse_args, train_config
+from ntp.cli import checkpointing_from, config_from, open_data, parse_args
 from ntp.clip import clip_grad_norm_
 from ntp.config import TrainConfig
 from ntp.data import split_inputs, synthetic_batch
@@ -305,10 +305,10 @@ def _run_rank(argv: list[str], before_step: Callable[[Trainer], None] | None) ->
     # 1. The generation this process starts in, and where later ones appear.
     first = assignment(json.loads(invocation.layout.read_text()))
     source = FileGenerationSource(invocation.layout_dir or invocation.layout.parent)
-    policy = checkpointing(opts)
+    policy = checkpointing_from(opts)
     start_from = policy.newest() if opts.resume else policy.newest_init()
     carried = None if start_from is None else read_args(start_from)
-    config = train_config(opts)
+    config = config_from(opts)
     trainer = Trainer(
         config,
         policy,
