@@ -77,7 +77,8 @@ class NodeProgress:
             self.record(record)
 
     def record(self, record: StepRecord | RankEvent) -> None:
-        """A step a rank completed (`ntp.train.log_step`), or an event (`Trainer.event`)."""
+        """A step a rank completed (`ntp.report.RankRecord.log_step`), or an event
+        (`ntp.relayout.RankState.event`)."""
         at = self.clock()
         with self._lock:
             try:

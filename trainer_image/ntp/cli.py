@@ -1,0 +1,117 @@
+"""The trainer's command line (`python -m ntp.train`): the rank's invocation, which its node
+agent writes (tessera_contracts.invocation), the trainer's own options, and what they configure.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from ntp.build import model_args
+from ntp.checkpointing import Checkpointing
+from ntp.config import TrainConfig
+from ntp.dataset import TokenDataset
+from ntp.distributed import pick_device
+from ntp.grad_sync import DEFAULT_BUCKET_ELEMENTS
+from ntp.model import FLAVORS, ModelArgs
+from tessera_contracts.invocation import InvocationError, RankInvocation, rank_help
+from tessera_core.plan import JobLayout
+
+DESCRIPTION = (
+    "Trainer: one rank of a mixed-TP data-parallel job (`python -m ntp.train --layout FILE`)."
+)
+
+
+def parse_args(argv: list[str]) -> tuple[RankInvocation, argparse.Namespace]:
+    """The rank's invocation (what its node agent sets: tessera_contracts.invocation) and the
+    trainer's own options."""
+    parser = argparse.ArgumentParser(
+        prog="ntp.train",
+        description=DESCRIPTION,
+        epilog=rank_help(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
+    )
+    parser.add_argument(
+        "--flavor", choices=sorted(FLAVORS), help="a named model (default: the layout's shape)"
+    )
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--bucket-elements", type=int, default=DEFAULT_BUCKET_ELEMENTS)
+    parser.add_argument("--max-grad-norm", type=float, help="clip by the global gradient norm")
+    parser.add_argument("--no-overlap", action="store_true", help="sync only after backward")
+    parser.add_argument("--reconfigure-timeout", type=float, default=300.0)
+    parser.add_argument(
+        "--device",
+        default="auto",
+        choices=["cpu", "cuda", "auto"],
+        help="auto: this rank's GPU (NCCL) when every rank of the host has one, else CPU (gloo)",
+    )
+    parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16"],
+                        help="bf16: autocast compute; weights, AdamW state and reductions fp32")
+    parser.add_argument("--data", type=Path, help="a prepared dataset (python -m ntp.prepare); "
+                        "default: synthetic sequences")
+    parser.add_argument("--tokenizer", type=Path,
+                        help="refuse a dataset not tokenized with this tokenizer.json")
+    parser.add_argument("--init", type=Path,
+                        help="checkpoint (or checkpoint directory) to start from")
+    parser.add_argument("--save", type=Path,
+                        help="the job's checkpoint directory, written at the end")
+    parser.add_argument("--save-every", type=int, default=0, help="also every N steps (0: never)")
+    parser.add_argument("--keep", type=int, default=3, help="checkpoints kept (the newest)")
+    parser.add_argument("--blocking-save", action="store_true",
+                        help="write each checkpoint before training on (default: in the "
+                        "background once copied to CPU memory)")
+    parser.add_argument(
+        "--resume", action="store_true",
+        help="start from the newest checkpoint under --save when there is one",
+    )
+    parser.add_argument("--out", type=Path, help="directory for per-rank metrics and grad dumps")
+    parser.add_argument(
+        "--dump",
+        action="store_true",
+        help="with --out: each rank's local gradients after the first step (grads-rank{G}.pt) "
+        "and its local weights and AdamW moments at the end (state-rank{G}.pt)",
+    )
+    # The trainer's own options first, so that --help needs no invocation; what is left is
+    # the invocation's, or unknown.
+    opts, rest = parser.parse_known_args(argv)
+    try:
+        invocation = RankInvocation.from_args(rest)
+    except InvocationError as exc:
+        parser.error(str(exc))
+    if invocation.options:
+        parser.error(f"unrecognized arguments: {' '.join(invocation.options)}")
+    if opts.dump and opts.out is None:
+        parser.error("--dump needs --out")
+    return invocation, opts
+
+
+def train_config(opts: argparse.Namespace) -> TrainConfig:
+    return TrainConfig(
+        device=pick_device(opts.device),
+        precision=opts.precision,
+        flavor=opts.flavor,
+        lr=opts.lr,
+        seed=opts.seed,
+        bucket_elements=opts.bucket_elements,
+        overlap=not opts.no_overlap,
+        max_grad_norm=opts.max_grad_norm,
+    )
+
+
+def checkpointing(opts: argparse.Namespace) -> Checkpointing:
+    return Checkpointing(
+        opts.save, opts.save_every, opts.init, keep=opts.keep, blocking=opts.blocking_save
+    )
+
+
+def open_data(
+    opts: argparse.Namespace, layout: JobLayout, carried: ModelArgs | None
+) -> TokenDataset | None:
+    if opts.data is None:
+        return None
+    args = model_args(opts.flavor, layout, carried)
+    return TokenDataset.open(
+        opts.data, args.max_seq_len, opts.seed, args.vocab_size, tokenizer=opts.tokenizer
+    )
