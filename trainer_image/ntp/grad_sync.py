@@ -33,9 +33,7 @@ from ntp.sharding import (
     unpack,
 )
 from tessera_contracts.model_shape import ModelShape
-from tessera_core.plan import JobLayout, RankShard, bucket_groups
-
-DEFAULT_BUCKET_ELEMENTS = 50_000_000
+from tessera_core.plan import DEFAULT_BUCKET_ELEMENTS, JobLayout, RankShard, bucket_groups
 
 
 @dataclass
