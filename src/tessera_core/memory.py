@@ -85,9 +85,13 @@ class Training:
 
     def checkpointed(self, layer: int) -> bool:
         """Whether `layer` keeps only its input and is recomputed in backward."""
-        if self.checkpointing == "full":
-            return True
-        return self.checkpointing == "selective" and layer % self.checkpoint_every == 0
+        return is_checkpointed(layer, self.checkpointing, self.checkpoint_every)
+
+
+def is_checkpointed(layer: int, mode: str, every: int) -> bool:
+    """Whether activation checkpointing `mode` recomputes `layer`: every layer (full), layers 0,
+    every, 2 x every, ... (selective), none (none)."""
+    return mode == "full" or (mode == "selective" and layer % every == 0)
 
 
 @dataclass(frozen=True)
