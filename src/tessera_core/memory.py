@@ -132,7 +132,8 @@ class LocalModel:
     def layer_elements(self) -> int:
         """One layer's sharded parameter elements (norm gains apart)."""
         s = self.shape
-        return s.hidden * (2 * s.head_dim * (self.q_heads + self.kv_heads) + 3 * self.mlp_cols)
+        return (self.q_heads * s.unit_elements("q_heads") + self.kv_heads
+                * s.unit_elements("kv_heads") + self.mlp_cols * s.unit_elements("mlp_cols"))
 
     @property
     def replicated_elements(self) -> int:
@@ -142,7 +143,7 @@ class LocalModel:
     @property
     def elements(self) -> int:
         s = self.shape
-        return (s.n_layers * self.layer_elements + 2 * self.vocab_rows * s.hidden
+        return (s.n_layers * self.layer_elements + self.vocab_rows * s.unit_elements("vocab_rows")
                 + self.replicated_elements)
 
     @property
@@ -258,15 +259,16 @@ def _group_elements(shape: ModelShape, shard: RankShard, group: str) -> int:
     """A shard's (or a sync piece's) sharded elements in one backward group."""
     if group == "head" or group == "embedding":
         return len(shard.vocab_rows) * shape.hidden
-    q = len(shard.q_heads) + len(shard.kv_heads)
-    return shape.hidden * (2 * shape.head_dim * q + 3 * len(shard.mlp_cols))
+    return sum(len(shard.units(kind)) * shape.unit_elements(kind)
+               for kind in ("q_heads", "kv_heads", "mlp_cols"))
 
 
 def _groups(shape: ModelShape) -> list[tuple[str, int, int]]:
     """Backward groups in order (the LM head with the final norm, each layer from the last, the
     embedding): (kind, dense elements, replicated elements)."""
     h = shape.hidden
-    layer = h * (2 * shape.head_dim * (shape.n_heads + shape.n_kv_heads) + 3 * shape.ffn) + 2 * h
+    layer = sum(shape.unit_count(kind) * shape.unit_elements(kind)
+                for kind in ("q_heads", "kv_heads", "mlp_cols")) + 2 * h
     return (
         [("head", shape.vocab * h + h, h)]
         + [("layer", layer, 2 * h)] * shape.n_layers

@@ -69,11 +69,12 @@ def owns_replicated(layout: JobLayout, replica: int, rank: int, index: int) -> b
 def owned_elements(layout: JobLayout, replica: int, rank: int) -> int:
     """Parameter elements whose state this rank keeps, over the whole model."""
     shape: ModelShape = layout.shape
-    h, d = shape.hidden, shape.head_dim
-    mlp = len(_owned(layout, replica, rank, "mlp_cols", 0))
-    vocab = len(_owned(layout, replica, rank, "vocab_rows", 0))
-    heads = sum(len(_owned(layout, replica, rank, kind, layer))
-                for kind in HEAD_KINDS for layer in range(shape.n_layers))
+    total = shape.n_layers * shape.unit_elements("mlp_cols") * len(
+        _owned(layout, replica, rank, "mlp_cols", 0))
+    total += shape.unit_elements("vocab_rows") * len(_owned(layout, replica, rank, "vocab_rows", 0))
+    for kind in HEAD_KINDS:
+        total += shape.unit_elements(kind) * sum(
+            len(_owned(layout, replica, rank, kind, layer)) for layer in range(shape.n_layers))
     replicated = sum(owns_replicated(layout, replica, rank, i)
                      for i in range(2 * shape.n_layers + 1))
-    return shape.n_layers * 3 * h * mlp + 2 * h * vocab + 2 * d * h * heads + h * replicated
+    return total + shape.hidden * replicated
