@@ -24,8 +24,9 @@ from tessera_core.memory import (
     LocalModel,
     Training,
     activation_bytes,
+    assess,
     fits,
-    lowest_fitting_tp,
+    human,
     parse_bytes,
     plan_inputs,
     plan_memory,
@@ -35,10 +36,6 @@ from tessera_core.plan import plan_replica
 
 COLUMNS = ("layout", "rank", "TP", "batch", "weights", "master", "grads", "optimizer",
            "activations", "loss", "comm", "step peak", "relayout")
-
-
-def gib(n: int) -> str:
-    return f"{n / GIB:.1f}"
 
 
 def unit_for(largest: int) -> tuple[str, int]:
@@ -105,25 +102,6 @@ def activation_modes(job: Job, training: Training) -> str:
     return f"activations per micro-batch of {micro} on a TP {job.tp} rank ({unit}): {each}"
 
 
-def verdict(job: Job, plans: Sequence[LayoutMemory], gpu_bytes: int) -> tuple[bool, str]:
-    """Whether the healthy layout fits, and the line that says how far down it stays so."""
-    room = usable(gpu_bytes)
-    lowest = lowest_fitting_tp(plans, gpu_bytes)
-    if lowest is None:
-        worst = plans[0].worst
-        return False, (
-            f"does NOT fit: layout {plans[0].reachable.name} needs {gib(worst.most)} GiB on "
-            f"rank {worst.rank} of replica {worst.replica} (TP {worst.tp}), "
-            f"{gib(room)} GiB usable")
-    if lowest <= job.min_tp:
-        return True, f"fits: every reachable layout, down to TP {job.min_tp}"
-    failing = next(m for m in plans if not fits(m, gpu_bytes))
-    return True, (
-        f"fits down to TP {lowest} only: layout {failing.reachable.name} needs "
-        f"{gib(failing.worst.most)} GiB ({gib(room)} GiB usable); the effective minimum TP is "
-        f"{lowest}, not {job.min_tp}")
-
-
 def jobs_in(path: Path) -> list[tuple[str, Mapping[str, Any]]]:
     """(name, spec) of every NTPTrainingJob in a YAML file."""
     documents = [d for d in yaml.safe_load_all(path.read_text()) if isinstance(d, dict)]
@@ -152,25 +130,28 @@ def main(argv: list[str] | None = None) -> int:
     for name, spec in jobs:
         try:
             job, training = plan_inputs(spec)
-            plans = plan_memory(job, training)
             gpu_bytes = override if override is not None else (
                 parse_bytes(spec["gpuMemory"]) if "gpuMemory" in spec else None)
+            if gpu_bytes is None:
+                assessment, plans = None, plan_memory(job, training)
+            else:
+                assessment = assess(job, training, gpu_bytes)
+                plans = list(assessment.plans)
         except (SpecError, PlanError, ValueError) as exc:
             print(f"tessera plan: {name}: {exc}", file=sys.stderr)
             status = 1
             continue
         print(f"{name}\n{describe(job, training)}")
         if gpu_bytes is not None:
-            print(f"GPU memory {gib(gpu_bytes)} GiB, {gib(usable(gpu_bytes))} GiB usable "
-                  f"(less {gib(RESERVE_FIXED)} GiB and {RESERVE_SHARE:.0%} for what the "
-                  "allocator does not count)")
+            print(f"GPU memory {human(gpu_bytes)}, {human(usable(gpu_bytes))} usable (less "
+                  f"{human(RESERVE_FIXED)} and {RESERVE_SHARE:.0%} for what the allocator does "
+                  "not count)")
         unit, rows = table(plans, gpu_bytes)
         print(f"\nper GPU, {unit} (each layout's rank that needs the most; batch: micro-batch / "
               f"local batch):\n{rows}\n\n{activation_modes(job, training)}")
-        if gpu_bytes is None:
+        if assessment is None:
             print("no GPU memory given (--gpu-memory or spec.gpuMemory): nothing checked\n")
             continue
-        ok, line = verdict(job, plans, gpu_bytes)
-        print(line + "\n")
-        status = status or (0 if ok else 1)
+        print(assessment.message(job) + "\n")
+        status = status or (0 if assessment.fits else 1)
     return status

@@ -701,15 +701,59 @@ def fits(memory: LayoutMemory, gpu_bytes: int) -> bool:
     return memory.worst.most <= usable(gpu_bytes)
 
 
-def lowest_fitting_tp(plans: Sequence[LayoutMemory], gpu_bytes: int) -> int | None:
-    """The smallest TP degree down to which every reachable layout fits, from the healthy one
-    (None: the healthy layout does not fit)."""
+def human(n: int) -> str:
+    """Bytes in the largest binary unit that leaves at least 1 (KiB at least)."""
+    for unit, size in (("GiB", GIB), ("MiB", 1 << 20)):
+        if abs(n) >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n / 1024:.1f} KiB"
+
+
+@dataclass(frozen=True)
+class Assessment:
+    """Whether a job fits GPUs of `gpu_bytes`: its healthy layout, and down to which TP degree
+    its degraded ones do, with the figures that say so."""
+
+    gpu_bytes: int
+    plans: tuple[LayoutMemory, ...]
+    min_tp: int | None  # the effective minimum TP; None: not even the healthy layout fits
+
+    @property
+    def fits(self) -> bool:
+        return self.min_tp is not None
+
+    def first_misfit(self) -> LayoutMemory | None:
+        return next((m for m in self.plans if not fits(m, self.gpu_bytes)), None)
+
+    def message(self, job: Job) -> str:
+        """One line: what fits, or the layout that does not with its numbers."""
+        room = usable(self.gpu_bytes)
+        misfit = self.first_misfit()
+        if misfit is None:
+            most = max(m.worst.most for m in self.plans)
+            return (f"every reachable layout fits down to TP {job.min_tp}: at most "
+                    f"{human(most)} of {human(room)} usable per GPU")
+        w = misfit.worst
+        what = "a relayout onto it" if w.reshard > w.peak else "a training step"
+        needs = (f"layout {misfit.reachable.name} needs {human(w.most)} on rank {w.rank} of "
+                 f"replica {w.replica} (TP {w.tp}) for {what}, {human(room)} usable of "
+                 f"{human(self.gpu_bytes)} per GPU")
+        if not self.fits:
+            return f"does not fit: {needs}"
+        return (f"fits down to TP {self.min_tp}, not {job.min_tp}: {needs}; the effective "
+                f"minimum TP is {self.min_tp}")
+
+
+def assess(job: Job, training: Training, gpu_bytes: int) -> Assessment:
+    """The job's memory on every layout it can reach, against GPUs of `gpu_bytes`: the
+    effective minimum TP is the smallest degree down to which every layout fits."""
+    plans = tuple(plan_memory(job, training))
     lowest = None
     for memory in plans:
         if not fits(memory, gpu_bytes):
             break
         lowest = memory.reachable.tp
-    return lowest
+    return Assessment(gpu_bytes, plans, lowest)
 
 
 # ----------------------------------------------------------------------------------------------
