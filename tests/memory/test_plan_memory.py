@@ -14,10 +14,14 @@ from ntp.parallelize import apply_ntp
 from tessera_contracts.model_shape import ModelShape
 from tessera_contracts.vocabulary import FailurePolicy
 from tessera_core.memory import (
+    RESERVE_FIXED,
+    RESERVE_SHARE,
     Job,
     LocalModel,
     Training,
     activation_bytes,
+    assess,
+    human,
     plan_memory,
     rank_memory,
 )
@@ -148,3 +152,24 @@ def test_a_degraded_rank_needs_more_than_a_healthy_one():
     healthy, lowest = plans[0].ranks[0], plans[-1].ranks[-1]
     assert lowest.weights == pytest.approx(healthy.weights * 8 / 4, rel=0.05)
     assert math.isclose(lowest.tp, 4)
+
+
+def test_a_gpu_that_holds_the_healthy_layout_but_not_the_lowest_raises_the_minimum_tp():
+    job = Job(ModelShape(hidden=512, n_heads=8, n_kv_heads=8, ffn=2048, vocab=8000,
+                         n_layers=4, seq_len=512), 8, 2, 16, FailurePolicy.NTP, 4)
+    training = Training(micro_batch=1)
+    plans = plan_memory(job, training)
+    needs = [max(r.most for r in m.ranks) for m in plans]
+    # The first row that needs more than every row before it, and a GPU between the two.
+    cut = next(i for i in range(1, len(needs)) if needs[i] > max(needs[:i]))
+    room = (max(needs[:cut]) + needs[cut]) // 2
+    gpu = int(room * (1 + RESERVE_SHARE)) + RESERVE_FIXED + 1
+    assessed = assess(job, training, gpu)
+    assert assessed.fits and assessed.min_tp == plans[cut - 1].reachable.tp
+    line = assessed.message(job)
+    assert f"layout {plans[cut].reachable.name} needs {human(needs[cut])}" in line
+    if assessed.min_tp > job.min_tp:
+        assert f"fits down to TP {assessed.min_tp}, not {job.min_tp}" in line
+    tight = assess(job, training, RESERVE_FIXED + needs[0] // 2)
+    assert not tight.fits and tight.min_tp is None
+    assert tight.message(job).startswith("does not fit: layout 8,8 needs")
