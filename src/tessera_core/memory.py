@@ -537,36 +537,54 @@ def _advance(timeline: _Timeline, inflight: list[tuple[BucketBuffers, int]], bas
 # ----------------------------------------------------------------------------------------------
 
 
+def _layer_units(shard: RankShard, shape: ModelShape) -> int:
+    return sum(len(shard.units(k)) * shape.unit_elements(k)
+               for k in ("q_heads", "kv_heads", "mlp_cols"))
+
+
 def reshard_bytes(
     old: JobLayout, new: JobLayout, origin: Sequence[int | None], training: Training
 ) -> list[int]:
-    """Each new rank's most bytes live in a live relayout from `old` (ntp.reshard): the state
-    it holds, the slices it packs for everyone (its own kept ones too) twice, what it receives,
-    the moved state, then the new shard built beside it."""
+    """Each new rank's most bytes live in a live relayout from `old` (ntp.reshard), which moves
+    one parameter at a time and frees each one's old tensors once moved: the old state not yet
+    moved, the new state moved so far, the parameter in flight (old and new, what it sends and
+    receives), taken here a layer at a time; then the new shard's own tensors beside the moved
+    state (under bf16 its bf16 weights and main gradients; fp32 weights are the moved ones)."""
     dtypes = BYTES[training.precision]
-    # What travels per element: the weight (the master under bf16) and both moments.
-    travel = 4 + MOMENTS
+    travel = 4 + MOMENTS  # what moves per element: fp32 weight (the master under bf16), moments
     moves = reshard_moves(old, new, origin)
     shape = new.shape
-    old_local = {}
-    for rep in old.replicas:
-        for j, shard in enumerate(rep.shards):
-            old_local[rep.global_rank(j)] = LocalModel.of(shape, shard)
+    h = shape.hidden
+    old_shards = {rep.global_rank(j): shard for rep in old.replicas
+                  for j, shard in enumerate(rep.shards)}
     out = []
     for d, row in enumerate(moves):
         replica, rank = new.locate(d)
-        new_local = LocalModel.of(shape, new.replicas[replica].shards[rank])
-        sent = sum(moves[t][d].elements(shape) for t in range(len(moves)))
-        received = sum(piece.elements(shape) for piece in row)
-        o = origin[d]
-        per_element = dtypes.weight + dtypes.master + MOMENTS + (
-            GRAD if dtypes.persistent_grads else 0)
-        held = 0 if o is None else per_element * old_local[o].elements + old_local[o].buffers
-        moved = travel * (new_local.elements)
-        exchange = 2 * travel * sent + travel * received + moved
-        rebuilt = moved + new_local.buffers + new_local.elements * (
-            dtypes.weight + (GRAD if dtypes.persistent_grads else 0))
-        out.append(held + max(exchange, rebuilt))
+        shard = new.replicas[replica].shards[rank]
+        before = RankShard() if origin[d] is None else old_shards[origin[d]]
+        sent = [moves[t][d] for t in range(len(moves)) if t != d]
+        taken = [piece for s, piece in enumerate(row) if s != d]
+        # (old, new, sent, received) elements of each group in the order they move: each layer,
+        # then the final norm, the LM head and the embedding.
+        layer = (_layer_units(before, shape), _layer_units(shard, shape),
+                 sum(_layer_units(p, shape) for p in sent),
+                 sum(_layer_units(p, shape) for p in taken))
+        vocab = (len(before.vocab_rows) * h, len(shard.vocab_rows) * h,
+                 sum(len(p.vocab_rows) for p in sent) * h,
+                 sum(len(p.vocab_rows) for p in taken) * h)
+        norms = 2 * h if origin[d] is not None else 0
+        groups = [layer] * shape.n_layers + [(h, h, 0, 0), vocab, vocab]
+        still_old = sum(g[0] for g in groups) + norms
+        moved, most = 0, 0
+        for o, n, s_out, s_in in groups:
+            most = max(most, travel * (still_old + moved + n + s_out + s_in))
+            still_old -= o
+            moved += n
+        new_local = LocalModel.of(shape, shard)
+        built = new_local.elements * (
+            (dtypes.weight if dtypes.master else 0) + (GRAD if dtypes.persistent_grads else 0))
+        most = max(most, travel * new_local.elements + built)
+        out.append(most + new_local.buffers)
     return out
 
 
