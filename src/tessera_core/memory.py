@@ -96,18 +96,19 @@ def is_checkpointed(layer: int, mode: str, every: int) -> bool:
 
 @dataclass(frozen=True)
 class Bytes:
-    """Bytes per element of each kind of tensor under a precision."""
+    """Bytes per element of each kind of tensor under a precision (`bf16`: the forward and
+    backward under bfloat16 autocast over fp32 weights)."""
 
-    weight: int  # a parameter as the model computes with it
-    master: int  # fp32 master copy apart from the weights (0: the weights are the master)
-    activation: int  # most saved activations
-    persistent_grads: bool  # main gradients live across steps (else freed after each step)
+    activation: int  # the matmuls' outputs and inputs autograd saves, and the logits
+    cast: int  # autocast's copy of each linear weight, from its forward to its backward
 
 
 BYTES = {
-    "fp32": Bytes(weight=4, master=0, activation=4, persistent_grads=False),
-    "bf16": Bytes(weight=2, master=4, activation=2, persistent_grads=True),
+    "fp32": Bytes(activation=4, cast=0),
+    "bf16": Bytes(activation=2, cast=2),
 }
+WEIGHT = 4  # parameters are fp32 under every precision
+MASTER = 4  # with sharded state: an fp32 copy of each owned unit, AdamW's own parameter
 GRAD = 4  # gradients and their reductions are fp32 under every precision
 MOMENTS = 8  # AdamW's exp_avg and exp_avg_sq, fp32
 INDEX = 8  # int64
@@ -170,25 +171,38 @@ class LocalModel:
         query heads and the attention output (4 x local query width); the attention's
         log-sum-exp (one float per local head); the MLP's gate, its SiLU, the up projection and
         their product (4 x local columns); both norms' reciprocal RMS.
-        bf16: the norms' float32 input and bf16 normalized value and output (8 x hidden per
-        norm, in bytes), the attention tensors and MLP products in bf16.
+        bf16 (autocast): the fp32 input, normalized value and mid residual as in fp32, each
+        projection's own bf16 copy of its norm's output (three for q, k, v; two for gate, up),
+        the attention tensors and MLP products in bf16, the log-sum-exp in fp32: in bytes
+        26 x hidden + 8 x local query width + 4 per local head + 8 x local columns.
         """
         s = self.shape
         q_width = self.q_heads * s.head_dim
         if precision == "fp32":
             return 4 * (6 * s.hidden + 4 * q_width + self.q_heads + 4 * self.mlp_cols) + 8
-        return 16 * s.hidden + 8 * q_width + 4 * self.q_heads + 8 * self.mlp_cols + 8
+        return 26 * s.hidden + 8 * q_width + 4 * self.q_heads + 8 * self.mlp_cols + 8
 
-    def residual(self, precision: str) -> int:
-        """Bytes per token of a layer's input: what a checkpointed layer keeps."""
-        return BYTES[precision].activation * self.shape.hidden
+    def layer_casts(self, precision: str) -> int:
+        """Autocast's bf16 copies of one layer's linear weights (bf16; none in fp32)."""
+        return BYTES[precision].cast * self.layer_elements
+
+    def head_cast(self, precision: str) -> int:
+        """Autocast's bf16 copy of the LM head."""
+        return BYTES[precision].cast * self.vocab_rows * self.shape.hidden
+
+    def residual(self) -> int:
+        """Bytes per token of a layer's input, fp32 under every precision (the residual stream
+        adds fp32 outputs): what a checkpointed layer keeps."""
+        return 4 * self.shape.hidden
 
     def layer_constant(self, seq_len: int) -> int:
         """Per layer and micro-batch whatever its size: the RoPE rotations cast for q and k."""
         return 2 * 8 * seq_len * (self.shape.head_dim // 2)
 
     def final_norm(self, precision: str) -> int:
-        return (12 if precision == "fp32" else 8) * self.shape.hidden + 4
+        """The final norm's input, normalized value and output (bf16: the output's cast for the
+        LM head)."""
+        return (12 if precision == "fp32" else 10) * self.shape.hidden + 4
 
     def embedding(self) -> int:
         """The token ids, the local rows looked up and the mask of rows held elsewhere."""
@@ -350,11 +364,14 @@ def activation_bytes(
     local: LocalModel, training: Training, tokens: int, seq_len: int
 ) -> int:
     """What one micro-batch of `tokens` saves for backward over all layers (at the end of its
-    forward; a checkpointed layer holds its input)."""
-    full = local.layer_activation(training.precision) * tokens + local.layer_constant(seq_len)
-    kept = local.residual(training.precision) * tokens
+    forward; a checkpointed layer holds its input), bf16 weight casts included."""
+    p = training.precision
+    full = (local.layer_activation(p) * tokens + local.layer_constant(seq_len)
+            + local.layer_casts(p))
+    kept = local.residual() * tokens
     layers = sum(kept if training.checkpointed(i) else full for i in range(local.shape.n_layers))
-    return layers + (local.embedding() + local.final_norm(training.precision)) * tokens
+    return (layers + (local.embedding() + local.final_norm(p)) * tokens
+            + local.head_cast(p))
 
 
 class _Timeline:
@@ -376,20 +393,18 @@ def rank_memory(
 ) -> RankMemory:
     """One rank's memory in a steady training step on `layout` (AdamW state present)."""
     shape = layout.shape
-    dtypes = BYTES[training.precision]
     rep = layout.replicas[replica]
     shard = rep.shards[rank]
     local = LocalModel.of(shape, shard)
     # 1. What lives across steps.
     elements = local.elements
     owned = owned_elements(layout, replica, rank) if training.sharded_state else elements
-    weights = dtypes.weight * elements + local.buffers
-    master = dtypes.master * owned
+    weights = WEIGHT * elements + local.buffers
+    master = MASTER * owned if training.sharded_state else 0
     optimizer = MOMENTS * owned
     gradients = GRAD * elements
     indices = sync_indices(layout, replica, rank)
-    persistent = weights + master + optimizer + indices + (
-        gradients if dtypes.persistent_grads else 0)
+    persistent = weights + master + optimizer + indices
     # 2. The micro-batches a replica's local batch is cut into.
     micro = min(training.micro_batch or rep.local_batch, rep.local_batch)
     n_micro = math.ceil(rep.local_batch / micro)
@@ -400,20 +415,18 @@ def rank_memory(
     # 3. The first micro-batch (gradients not yet there under fp32) and the last (gradients
     #    there from the earlier ones, and the sync overlapping its backward).
     for index in sorted({0, n_micro - 1}):
-        later = index > 0 and not dtypes.persistent_grads
-        syncs = index == n_micro - 1
+        later = index > 0
         comm_most = max(comm_most, _micro_batch(
             timeline, local, training, tokens, rep.tp, persistent,
             grads_before=gradients if later else 0,
-            allocates_grads=index == 0 and not dtypes.persistent_grads,
-            grad_transient=_grad_transient(training.precision, later) * local.largest_parameter,
-            buckets=buckets if syncs else [],
+            # accumulating into an earlier micro-batch's gradient makes a fresh one first
+            grad_transient=GRAD * local.largest_parameter if later else 0,
+            buckets=buckets if index == n_micro - 1 else [],
             label=f"micro-batch {index + 1} of {n_micro}",
         ))
     # 4. The optimizer step: AdamW's temporaries for one parameter at a time (its square root
     #    of exp_avg_sq and the denominator).
-    held_grads = persistent + (0 if dtypes.persistent_grads else gradients)
-    timeline.see(held_grads + 2 * 4 * local.largest_parameter, "optimizer step")
+    timeline.see(persistent + gradients + 2 * 4 * local.largest_parameter, "optimizer step")
     return RankMemory(
         replica=replica,
         rank=rank,
@@ -432,15 +445,6 @@ def rank_memory(
     )
 
 
-def _grad_transient(precision: str, accumulating: bool) -> int:
-    """Bytes per element of a parameter's gradient as backward makes it, beside the gradients
-    kept: under bf16 its bf16 gradient until the hook adds it to the fp32 main gradient; under
-    fp32 a fresh gradient added into the one an earlier micro-batch left."""
-    if precision == "bf16":
-        return 2
-    return GRAD if accumulating else 0
-
-
 def _micro_batch(
     timeline: _Timeline,
     local: LocalModel,
@@ -450,7 +454,6 @@ def _micro_batch(
     persistent: int,
     *,
     grads_before: int,
-    allocates_grads: bool,
     grad_transient: int,
     buckets: Sequence[BucketBuffers],
     label: str,
@@ -459,12 +462,18 @@ def _micro_batch(
     shape = local.shape
     p = training.precision
     seq = shape.seq_len
-    # Forward: each layer's saved tensors stay until its backward.
-    full = local.layer_activation(p) * tokens + local.layer_constant(seq)
-    kept = local.residual(p) * tokens
+    # Forward: each layer's saved tensors (bf16: its weights' casts among them) stay until its
+    # backward; autocast holds every cast until the model's forward ends.
+    casts = local.layer_casts(p)
+    full = local.layer_activation(p) * tokens + local.layer_constant(seq) + casts
+    kept = local.residual() * tokens
     saved = [kept if training.checkpointed(i) else full for i in range(shape.n_layers)]
     base = persistent + grads_before + local.embedding() * tokens
-    acts = sum(saved) + local.final_norm(p) * tokens
+    head = local.final_norm(p) * tokens + local.head_cast(p)
+    acts = sum(saved) + head
+    recomputed = casts * sum(training.checkpointed(i) for i in range(shape.n_layers))
+    logits = _logit_bytes(p) * local.vocab_rows * tokens
+    timeline.see(base + acts + recomputed + logits, f"{label}: forward")
     timeline.see(base + acts + _loss_forward(local, p, tp) * tokens, f"{label}: loss forward")
     timeline.see(base + acts + _loss_backward(local, p) * tokens, f"{label}: loss backward")
     # Backward, group by group; a bucket's sync starts with its last group's gradients.
@@ -480,7 +489,7 @@ def _micro_batch(
     inflight: list[tuple[BucketBuffers, int]] = []  # (bucket, stage done)
     most_comm = 0
     grown = 0  # gradients allocated so far in this backward
-    acts -= local.final_norm(p) * tokens
+    acts -= head
     layer = shape.n_layers
     for g, (kind, _, _) in enumerate(groups):
         working = grad_transient
@@ -489,7 +498,7 @@ def _micro_batch(
             if training.checkpointed(layer):
                 # Recomputed: the layer's whole set beside its kept input.
                 working += full
-        grown += grad_bytes[kind] if allocates_grads else 0
+        grown += grad_bytes[kind] if not grads_before else 0
         comm = 4 * sum(b.stage(s) for b, s in inflight)
         timeline.see(base + acts + working + grown + comm, f"{label}: backward ({kind})")
         if kind == "layer":
@@ -537,26 +546,34 @@ def _advance(timeline: _Timeline, inflight: list[tuple[BucketBuffers, int]], bas
 # ----------------------------------------------------------------------------------------------
 
 
-def _layer_units(shard: RankShard, shape: ModelShape) -> int:
-    return sum(len(shard.units(k)) * shape.unit_elements(k)
-               for k in ("q_heads", "kv_heads", "mlp_cols"))
+# A layer's parameters in the order the exchange moves them (by name: attention.wk, .wo, .wq,
+# .wv, attention_norm, feed_forward.w1, .w2, .w3, ffn_norm), as (unit kind or None for a norm,
+# the share of the kind's unit each holds); then the final norm, the LM head, the embedding.
+_LAYER_ORDER = (("kv_heads", 2), ("q_heads", 2), ("q_heads", 2), ("kv_heads", 2), (None, 1),
+                ("mlp_cols", 3), ("mlp_cols", 3), ("mlp_cols", 3), (None, 1))
+_TOP_ORDER = ((None, 1), ("vocab_rows", 2), ("vocab_rows", 2))
+
+
+def _piece(shape: ModelShape, shard: RankShard, kind: str | None, parts: int) -> int:
+    """Elements of one parameter of `kind` that `shard` (a rank's, or a piece moved) holds."""
+    if kind is None:
+        return shape.hidden
+    return len(shard.units(kind)) * shape.unit_elements(kind) // parts
 
 
 def reshard_bytes(
     old: JobLayout, new: JobLayout, origin: Sequence[int | None], training: Training
 ) -> list[int]:
     """Each new rank's most bytes live in a live relayout from `old` (ntp.reshard), which moves
-    one parameter at a time and frees each one's old tensors once moved: the old state not yet
-    moved, the new state moved so far, the parameter in flight (old and new, what it sends and
-    receives), taken here a layer at a time; then the new shard's own tensors beside the moved
-    state (under bf16 its bf16 weights and main gradients; fp32 weights are the moved ones)."""
-    dtypes = BYTES[training.precision]
-    travel = 4 + MOMENTS  # what moves per element: fp32 weight (the master under bf16), moments
+    one parameter at a time, in name order, and frees each one's old tensors once moved: the old
+    state not yet moved, the new state moved so far, the parameter in flight (old and new, what
+    it sends, receives and copies within); then the new shard built of the moved state."""
+    travel = WEIGHT + MOMENTS  # what moves per element: the weight and both moments
     moves = reshard_moves(old, new, origin)
     shape = new.shape
-    h = shape.hidden
     old_shards = {rep.global_rank(j): shard for rep in old.replicas
                   for j, shard in enumerate(rep.shards)}
+    order = list(_LAYER_ORDER) * shape.n_layers + list(_TOP_ORDER)
     out = []
     for d, row in enumerate(moves):
         replica, rank = new.locate(d)
@@ -564,26 +581,26 @@ def reshard_bytes(
         before = RankShard() if origin[d] is None else old_shards[origin[d]]
         sent = [moves[t][d] for t in range(len(moves)) if t != d]
         taken = [piece for s, piece in enumerate(row) if s != d]
-        # (old, new, sent, received) elements of each group in the order they move: each layer,
-        # then the final norm, the LM head and the embedding.
-        layer = (_layer_units(before, shape), _layer_units(shard, shape),
-                 sum(_layer_units(p, shape) for p in sent),
-                 sum(_layer_units(p, shape) for p in taken))
-        vocab = (len(before.vocab_rows) * h, len(shard.vocab_rows) * h,
-                 sum(len(p.vocab_rows) for p in sent) * h,
-                 sum(len(p.vocab_rows) for p in taken) * h)
-        norms = 2 * h if origin[d] is not None else 0
-        groups = [layer] * shape.n_layers + [(h, h, 0, 0), vocab, vocab]
-        still_old = sum(g[0] for g in groups) + norms
+        kept = row[d]
+        steps = []
+        for kind, parts in order:
+            if kind is None:  # replicated: cloned, then broadcast
+                h = shape.hidden
+                steps.append((h if origin[d] is not None else 0, h, 0, 0, 0))
+                continue
+            steps.append((_piece(shape, before, kind, parts), _piece(shape, shard, kind, parts),
+                          sum(_piece(shape, p, kind, parts) for p in sent),
+                          sum(_piece(shape, p, kind, parts) for p in taken),
+                          _piece(shape, kept, kind, parts)))
+        still_old = sum(step[0] for step in steps)
         moved, most = 0, 0
-        for o, n, s_out, s_in in groups:
-            most = max(most, travel * (still_old + moved + n + s_out + s_in))
+        for o, n, out_, in_, copied in steps:
+            # the kept rows are copied one tensor at a time
+            most = max(most, travel * (still_old + moved + n + out_ + in_) + 4 * copied)
             still_old -= o
             moved += n
         new_local = LocalModel.of(shape, shard)
-        built = new_local.elements * (
-            (dtypes.weight if dtypes.master else 0) + (GRAD if dtypes.persistent_grads else 0))
-        most = max(most, travel * new_local.elements + built)
+        most = max(most, travel * new_local.elements + sync_indices(new, replica, rank))
         out.append(most + new_local.buffers)
     return out
 

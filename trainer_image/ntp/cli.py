@@ -15,6 +15,8 @@ from ntp.distributed import pick_device
 from ntp.grad_sync import DEFAULT_BUCKET_ELEMENTS
 from ntp.model import FLAVORS, ModelArgs
 from tessera_contracts.invocation import InvocationError, RankInvocation, rank_help
+from tessera_contracts.jobspec import schema_default
+from tessera_core.memory import CHECKPOINTING
 from tessera_core.plan import JobLayout
 
 DESCRIPTION = (
@@ -49,6 +51,17 @@ def parse_args(argv: list[str]) -> tuple[RankInvocation, argparse.Namespace]:
     )
     parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16"],
                         help="bf16: autocast compute; weights, AdamW state and reductions fp32")
+    parser.add_argument("--micro-batch-size", type=int, metavar="N",
+                        help="sequences per forward pass: a replica's share of the batch runs "
+                        "as micro-batches whose gradients accumulate (default: all at once)")
+    parser.add_argument("--activation-checkpointing", default="none", choices=CHECKPOINTING,
+                        help="layers that keep only their input and recompute in backward: "
+                        "every one (full), one in --activation-checkpointing-every (selective)")
+    parser.add_argument("--activation-checkpointing-every", type=int, metavar="N",
+                        default=schema_default("activationCheckpointing.every"))
+    parser.add_argument("--measure-memory", action="store_true",
+                        help="record each step's and each relayout's peak tensor memory in the "
+                        "--out record (on the CPU it slows every operator down)")
     parser.add_argument("--data", type=Path, help="a prepared dataset (python -m ntp.prepare); "
                         "default: synthetic sequences")
     parser.add_argument("--tokenizer", type=Path,
@@ -84,6 +97,10 @@ def parse_args(argv: list[str]) -> tuple[RankInvocation, argparse.Namespace]:
         parser.error(f"unrecognized arguments: {' '.join(invocation.options)}")
     if opts.dump and opts.out is None:
         parser.error("--dump needs --out")
+    if opts.micro_batch_size is not None and opts.micro_batch_size < 1:
+        parser.error(f"--micro-batch-size must be at least 1, got {opts.micro_batch_size}")
+    if opts.activation_checkpointing_every < 1:
+        parser.error("--activation-checkpointing-every must be at least 1")
     return invocation, opts
 
 
@@ -97,6 +114,10 @@ def train_config(opts: argparse.Namespace) -> TrainConfig:
         bucket_elements=opts.bucket_elements,
         overlap=not opts.no_overlap,
         max_grad_norm=opts.max_grad_norm,
+        micro_batch=opts.micro_batch_size,
+        activation_checkpointing=opts.activation_checkpointing,
+        checkpoint_every=opts.activation_checkpointing_every,
+        measure_memory=opts.measure_memory,
     )
 
 

@@ -1,4 +1,5 @@
-"""What one rank trains with: optimizer hyperparameters, gradient sync, device and precision."""
+"""What one rank trains with: optimizer hyperparameters, gradient sync, device, precision,
+micro-batches and activation checkpointing."""
 
 from __future__ import annotations
 
@@ -18,3 +19,7 @@ class TrainConfig:
     device: str = "cpu"
     max_grad_norm: float | None = None
     precision: str = "fp32"  # or "bf16": autocast compute, fp32 weights, moments and reductions
+    micro_batch: int | None = None  # sequences per forward; None: the replica's whole share
+    activation_checkpointing: str = "none"  # none, full, selective
+    checkpoint_every: int = 2  # selective: layers 0, N, 2N, ... recompute
+    measure_memory: bool = False  # each step's (and relayout's) peak tensor memory

@@ -121,9 +121,11 @@ class GradSync:
         self._inflight: list[_Bucket] = []
         self._accumulating = False
         self._empty = torch.zeros(0, device=next(model.parameters()).device)
-        for bucket in self._buckets:
-            for p in bucket.params:
-                p.register_post_accumulate_grad_hook(lambda _p, b=bucket: self._on_grad(b))
+        self._hooks = [
+            p.register_post_accumulate_grad_hook(lambda _p, b=bucket: self._on_grad(b))
+            for bucket in self._buckets
+            for p in bucket.params
+        ]
 
     # -- setup ----------------------------------------------------------------------------------
 
@@ -312,6 +314,14 @@ class GradSync:
         bucket.work = bucket.replicated_work = None
         bucket.inbox = bucket.partition = bucket.replicated_flat = None
         bucket.stage = 4
+
+    def close(self) -> None:
+        """Remove the gradient hooks. They are held by the parameters from outside Python's
+        reach, so without this the sync and the model it hooks keep each other alive after the
+        generation is left."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
 
     def finish(self) -> None:
         """Complete every bucket's sync; call after backward, before the optimizer step."""

@@ -29,6 +29,9 @@ class RankRecord:
     losses: dict[int, float] = field(default_factory=dict)  # step -> global loss (redone: over)
     step_ends: dict[int, float] = field(default_factory=dict)  # steps done -> wall-clock time
     events: list[RankEvent] = field(default_factory=list)
+    # with --measure-memory: each step's and each relayout's peak tensor bytes, in order
+    peak_bytes: list[int] = field(default_factory=list)
+    relayout_peak_bytes: list[int] = field(default_factory=list)
 
     def event(self, record: RankEvent) -> None:
         self.events.append(record)
@@ -59,5 +62,7 @@ class RankRecord:
             "losses": [self.losses[s] for s in sorted(self.losses)],
             "step_ends": self.step_ends,
             "events": [e.to_dict() for e in self.events],
+            "peak_bytes": self.peak_bytes,
+            "relayout_peak_bytes": self.relayout_peak_bytes,
             **vars(self.times),
         }

@@ -3,7 +3,7 @@ that hold them, one parameter at a time over the new generation's world.
 
 The steps of a switch: `local_state` (what this rank holds), `reshard` (agree on the step, plan
 each unit's source with `tessera_core.plan.reshard_moves`, `exchange_state`), then
-`install_state` into the shard built for the new layout. `CannotReshard` says where that cannot
+`install_moments` into the shard built of the moved weights. `CannotReshard` says where that cannot
 work (the trainer restores the last checkpoint instead).
 """
 
@@ -105,20 +105,18 @@ def reshard(
     return Resharded(step, samples, moved)
 
 
-def install_state(
+def install_moments(
     model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: LocalState, step: int
 ) -> None:
-    """Put moved weights into `model` (built for the new layout) and their moments into
-    `optimizer`'s state, as AdamW holds them after `step` steps."""
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            weight, *moments = state[name]
-            p.copy_(weight)
-            if moments:
-                optimizer.state[p] = {
-                    "step": torch.tensor(float(step)),
-                    **dict(zip(MOMENTS, moments, strict=True)),
-                }
+    """Give `optimizer` the moved AdamW moments of `model`'s parameters (built of the moved
+    weights: `ntp.build.build_rank(weights=...)`), as AdamW holds them after `step` steps."""
+    for name, p in model.named_parameters():
+        _, *moments = state[name]
+        if moments:
+            optimizer.state[p] = {
+                "step": torch.tensor(float(step)),
+                **dict(zip(MOMENTS, moments, strict=True)),
+            }
 
 
 def exchange_state(

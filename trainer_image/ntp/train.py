@@ -7,6 +7,7 @@ of layout (`ntp.relayout.RankState`). The command line is `ntp.cli`'s.
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import json
 import os
@@ -96,15 +97,27 @@ class Trainer(RankState):
         return tokens[replica.batch_offset : replica.batch_offset + replica.local_batch]
 
     def forward_backward(self, cur: GenerationRank, rows: torch.Tensor) -> torch.Tensor:
-        """Local loss on `rows`; gradients left in .grad (the sync hooks start from there)."""
+        """Local loss on `rows`, in micro-batches of `config.micro_batch` sequences whose
+        gradients accumulate in .grad: each micro-batch's mean loss weighted by its share of the
+        rows, so the sum is the whole batch's mean loss and gradient. The sync hooks start only
+        in the last one's backward (the others run under `no_sync`)."""
         inputs, targets = split_inputs(rows.to(self.device))
-        with torch.autocast(
-            self.device.type, dtype=torch.bfloat16, enabled=self.config.precision == "bf16"
-        ):
-            logits = cur.model(inputs)
-        loss = cur.loss_fn(logits, targets)
-        loss.backward()
-        return loss.detach()
+        size = self.config.micro_batch or len(rows)
+        starts = range(0, len(rows), size)
+        loss = torch.zeros((), device=self.device)
+        for start in starts:
+            part = slice(start, start + size)
+            share = len(inputs[part]) / len(rows)
+            last = start == starts[-1]
+            with contextlib.nullcontext() if last else cur.sync.no_sync():
+                with torch.autocast(self.device.type, dtype=torch.bfloat16,
+                                    enabled=self.config.precision == "bf16"):
+                    logits = cur.model(inputs[part])
+                micro = cur.loss_fn(logits, targets[part]) * share
+                del logits  # not held through backward
+                micro.backward()
+            loss += micro.detach()
+        return loss
 
     def train_step(
         self, cur: GenerationRank, on_grads: Callable[[Trainer], None] | None = None
@@ -115,6 +128,13 @@ class Trainer(RankState):
         reduced before the optimizer step, so a step is counted together with its loss record:
         a failure in any collective of the step leaves it undone, and it is redone whole.
         """
+        with self.meter.phase() if self.meter else contextlib.nullcontext():
+            global_loss = self._step(cur, on_grads)
+        if self.meter:
+            self.record.peak_bytes.append(self.meter.peaks[-1])
+        return global_loss
+
+    def _step(self, cur: GenerationRank, on_grads: Callable[[Trainer], None] | None) -> float:
         # 1. Forward and backward (the gradient hooks start the sync), the sync's tail, the
         #    clip by the global norm.
         t0 = self._now()
@@ -231,6 +251,7 @@ class Trainer(RankState):
                 else:  # peers passed the same boundary first: this thread finishes it too
                     worker.join()
             kind, detail = outcome[0]
+            del cur  # a relayout frees the old generation's state as it moves it
             # 3. Go on where the generation leaves the job.
             if kind == "error":
                 raise detail
