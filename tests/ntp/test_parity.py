@@ -43,8 +43,14 @@ GRAD_TOL = 1e-5
 
 
 def adamw(model: torch.nn.Module) -> torch.optim.AdamW:
+    """torch's AdamW as the trainer's recipe sets it: weight decay on the weight matrices, none
+    on norm gains and the token embedding."""
+    named = list(model.named_parameters())
+    kept = [p for n, p in named if p.dim() < 2 or n == "tok_embeddings.weight"]
+    decayed = [p for n, p in named if not (p.dim() < 2 or n == "tok_embeddings.weight")]
     return torch.optim.AdamW(
-        model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY, foreach=False
+        [{"params": decayed, "weight_decay": WEIGHT_DECAY}, {"params": kept, "weight_decay": 0.0}],
+        lr=LR, betas=BETAS, eps=EPS, foreach=False,
     )
 
 

@@ -16,6 +16,7 @@ from ntp.groups import JobGroups, build_groups
 from ntp.initialize import adopt, materialize
 from ntp.model import FLAVORS, ModelArgs, Transformer
 from ntp.parallelize import apply_ntp
+from ntp.recipe import parameter_groups
 from tessera_core.plan import JobLayout, RankShard, ReplicaLayout
 
 # What a checkpoint's model arguments carry beyond the shape the layout gives.
@@ -71,10 +72,11 @@ class GenerationRank:
 
 def build_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
     """AdamW over the local shards: it is elementwise, so each shard with its own state does
-    exactly the dense update (moments travel with their units: `ntp.reshard`)."""
-    return torch.optim.AdamW(
-        model.parameters(), lr=config.lr, weight_decay=config.weight_decay, foreach=False
-    )
+    exactly the dense update (moments travel with their units: `ntp.reshard`). Weight decay as
+    the recipe says (`ntp.recipe.parameter_groups`); the learning rate is set every step."""
+    groups = parameter_groups(model.named_parameters(), config.weight_decay,
+                              config.weight_decay_all)
+    return torch.optim.AdamW(groups, lr=config.lr, foreach=False)
 
 
 def build_rank(

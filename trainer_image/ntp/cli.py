@@ -14,6 +14,7 @@ from ntp.dataset import TokenDataset
 from ntp.distributed import pick_device
 from ntp.grad_sync import DEFAULT_BUCKET_ELEMENTS
 from ntp.model import FLAVORS, ModelArgs
+from ntp.recipe import SCHEDULES, Schedule
 from tessera_contracts.invocation import InvocationError, RankInvocation, rank_help
 from tessera_contracts.jobspec import schema_default
 from tessera_core.memory import CHECKPOINTING
@@ -37,7 +38,28 @@ def parse_args(argv: list[str]) -> tuple[RankInvocation, argparse.Namespace]:
     parser.add_argument(
         "--flavor", choices=sorted(FLAVORS), help="a named model (default: the layout's shape)"
     )
-    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--lr", type=float, default=schema_default("optimizer.learningRate"),
+                        help="the peak learning rate")
+    parser.add_argument("--weight-decay", type=float,
+                        default=schema_default("optimizer.weightDecay"),
+                        help="AdamW's weight decay, on the matrices but the token embedding")
+    parser.add_argument("--weight-decay-all", action="store_true",
+                        help="decay norm gains, biases and the embedding too")
+    parser.add_argument("--lr-schedule", choices=SCHEDULES,
+                        default=schema_default("optimizer.schedule.type"),
+                        help="after the warmup: constant, cosine to --min-lr-ratio at the last "
+                        "step, or wsd (the peak until the last --decay-steps, then linearly down)")
+    parser.add_argument("--warmup-steps", type=int,
+                        default=schema_default("optimizer.schedule.warmupSteps"))
+    parser.add_argument("--decay-steps", type=int,
+                        default=schema_default("optimizer.schedule.decaySteps"))
+    parser.add_argument("--min-lr-ratio", type=float,
+                        default=schema_default("optimizer.schedule.minRatio"))
+    parser.add_argument("--eval-every", type=int, default=0, metavar="N",
+                        help="the loss on a held-out split every N steps and after the last")
+    parser.add_argument("--eval-samples", type=int, default=schema_default("eval.samples"),
+                        metavar="N", help="sequences in the held-out split (with --data: the "
+                        "dataset's last N windows, never trained on)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--bucket-elements", type=int, default=DEFAULT_BUCKET_ELEMENTS)
     parser.add_argument("--max-grad-norm", type=float, help="clip by the global gradient norm")
@@ -101,7 +123,17 @@ def parse_args(argv: list[str]) -> tuple[RankInvocation, argparse.Namespace]:
         parser.error(f"--micro-batch-size must be at least 1, got {opts.micro_batch_size}")
     if opts.activation_checkpointing_every < 1:
         parser.error("--activation-checkpointing-every must be at least 1")
+    try:
+        schedule(opts)
+    except ValueError as exc:
+        parser.error(str(exc))
+    if opts.eval_every < 0 or opts.eval_samples < 1:
+        parser.error("--eval-every must be at least 0 and --eval-samples at least 1")
     return invocation, opts
+
+
+def schedule(opts: argparse.Namespace) -> Schedule:
+    return Schedule(opts.lr_schedule, opts.warmup_steps, opts.decay_steps, opts.min_lr_ratio)
 
 
 def train_config(opts: argparse.Namespace) -> TrainConfig:
@@ -110,6 +142,9 @@ def train_config(opts: argparse.Namespace) -> TrainConfig:
         precision=opts.precision,
         flavor=opts.flavor,
         lr=opts.lr,
+        weight_decay=opts.weight_decay,
+        weight_decay_all=opts.weight_decay_all,
+        schedule=schedule(opts),
         seed=opts.seed,
         bucket_elements=opts.bucket_elements,
         overlap=not opts.no_overlap,
@@ -118,6 +153,8 @@ def train_config(opts: argparse.Namespace) -> TrainConfig:
         activation_checkpointing=opts.activation_checkpointing,
         checkpoint_every=opts.activation_checkpointing_every,
         measure_memory=opts.measure_memory,
+        eval_every=opts.eval_every,
+        eval_samples=opts.eval_samples,
     )
 
 
@@ -134,5 +171,6 @@ def open_data(
         return None
     args = model_args(opts.flavor, layout, carried)
     return TokenDataset.open(
-        opts.data, args.max_seq_len, opts.seed, args.vocab_size, tokenizer=opts.tokenizer
+        opts.data, args.max_seq_len, opts.seed, args.vocab_size, tokenizer=opts.tokenizer,
+        held_out=opts.eval_samples if opts.eval_every else 0,
     )
