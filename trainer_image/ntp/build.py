@@ -3,18 +3,20 @@ model's arguments, its groups, its model shard, the optimizer and the gradient s
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 
 import torch
 
+from ntp.activation_checkpointing import apply_activation_checkpointing
 from ntp.config import TrainConfig
 from ntp.distributed import collective_timeout
 from ntp.grad_sync import GradSync
 from ntp.groups import JobGroups, build_groups
-from ntp.initialize import materialize
+from ntp.initialize import adopt, materialize
 from ntp.model import FLAVORS, ModelArgs, Transformer
 from ntp.parallelize import apply_ntp
+from ntp.recipe import parameter_groups
 from tessera_core.plan import JobLayout, RankShard, ReplicaLayout
 
 # What a checkpoint's model arguments carry beyond the shape the layout gives.
@@ -70,17 +72,23 @@ class GenerationRank:
 
 def build_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
     """AdamW over the local shards: it is elementwise, so each shard with its own state does
-    exactly the dense update (moments travel with their units: `ntp.reshard`)."""
-    return torch.optim.AdamW(
-        model.parameters(), lr=config.lr, weight_decay=config.weight_decay, foreach=False
-    )
+    exactly the dense update (moments travel with their units: `ntp.reshard`). Weight decay as
+    the recipe says (`ntp.recipe.parameter_groups`); the learning rate is set every step."""
+    groups = parameter_groups(model.named_parameters(), config.weight_decay,
+                              config.weight_decay_all)
+    return torch.optim.AdamW(groups, lr=config.lr, foreach=False)
 
 
 def build_rank(
-    config: TrainConfig, layout: JobLayout, carried: ModelArgs | None, device: torch.device
+    config: TrainConfig,
+    layout: JobLayout,
+    carried: ModelArgs | None,
+    device: torch.device,
+    weights: Mapping[str, torch.Tensor] | None = None,
 ) -> GenerationRank:
-    """Groups, this rank's shard of the model (allocated, not filled: the caller fills it),
-    the optimizer and the sync hooks for `layout` (collective: every rank of it calls this)."""
+    """Groups, this rank's shard of the model (allocated, not filled: the caller fills it; or
+    made of `weights`, a relayout's moved tensors), the optimizer and the sync hooks for
+    `layout` (collective: every rank of it calls this)."""
     # 1. Groups and this rank's place in the layout.
     args = model_args(config.flavor, layout, carried)
     groups = build_groups(layout, timeout=collective_timeout())
@@ -89,7 +97,12 @@ def build_rank(
     with torch.device("meta"):
         model = Transformer(args)
     loss_fn = apply_ntp(model, shard, groups.tp)
-    materialize(model, device)
+    apply_activation_checkpointing(model, config.activation_checkpointing,
+                                   config.checkpoint_every)
+    if weights is None:
+        materialize(model, device)
+    else:
+        adopt(model, weights, device)
     # 3. The optimizer over the local shards.
     optimizer = build_optimizer(model, config)
     # 4. Gradient sync hooks.

@@ -10,6 +10,8 @@ loop that trains on the state, `ntp.train.Trainer`'s.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -23,9 +25,17 @@ from ntp.config import TrainConfig
 from ntp.groups import JobGroups
 from ntp.initialize import init_parameters
 from ntp.membership import Membership
+from ntp.memory_meter import PeakMeter
 from ntp.model import ModelArgs
 from ntp.report import RankRecord
-from ntp.reshard import CannotReshard, LocalState, empty_state, install_state, local_state, reshard
+from ntp.reshard import (
+    CannotReshard,
+    LocalState,
+    empty_state,
+    install_moments,
+    local_state,
+    reshard,
+)
 from ntp.sources import Assignment
 from tessera_contracts.model_shape import PlanError
 from tessera_contracts.rank_events import EventKind, RankEvent
@@ -60,6 +70,7 @@ class RankState:
         self.carried = carried
         self.device = torch.device(config.device)
         self.record = RankRecord()
+        self.meter = PeakMeter(self.device) if config.measure_memory else None
         self.step = -1  # set by materialize, restore or the survivors
         self.samples = 0  # the global index of the next step's first sample
 
@@ -116,11 +127,14 @@ class RankState:
         """
         if following.origin is None:
             raise PlanError(f"generation {following.generation} has no origin")
-        # 1. What this process holds now.
+        # 1. What this process holds now: `state` alone keeps it (the exchange frees each
+        #    parameter's old tensors as it moves them).
         old, old_rank = self.current, dist.get_rank()
         state = local_state(old.model, old.optimizer)
+        old_layout, old_shard = old.layout, old.shard
+        old.sync.close()
         # 2. Leave the old generation and its groups.
-        del self.current
+        del self.current, old
         if not self.membership.leave(following, old_rank):
             return False
         # 3. Join the next one (or the one it comes to) and take this rank's units of it.
@@ -130,7 +144,7 @@ class RankState:
         if joined is None:
             return False
         following, origin = joined
-        self._adopt(following.layout, old.layout, old.shard, state, origin)
+        self._adopt(following.layout, old_layout, old_shard, state, origin)
         self.event(EventKind.RECONFIGURED)
         return True
 
@@ -144,16 +158,23 @@ class RankState:
     ) -> None:
         """Take this rank's units of `layout` from the survivors and rebuild around them, or
         restore the last checkpoint onto `layout` where that cannot work."""
-        try:
-            moved = reshard(
-                state, self.step, self.samples, old_layout, old_shard, layout, origin, self.device
-            )
-        except CannotReshard as exc:
-            self.restore(layout, str(exc))
-            return
-        self.step, self.samples = moved.step, moved.samples
-        self.build(layout)
-        install_state(self.current.model, self.current.optimizer, moved.state, self.step)
+        with self.meter.phase() if self.meter else contextlib.nullcontext():
+            # What is left of the old generation (its modules refer to each other) collected
+            # now: `state` holds the last references to what moves.
+            gc.collect()
+            try:
+                moved = reshard(state, self.step, self.samples, old_layout, old_shard, layout,
+                                origin, self.device)
+            except CannotReshard as exc:
+                self.restore(layout, str(exc))
+                return
+            del state
+            self.step, self.samples = moved.step, moved.samples
+            weights = {name: tensors[0] for name, tensors in moved.state.items()}
+            self.current = build_rank(self.config, layout, self.carried, self.device, weights)
+            install_moments(self.current.model, self.current.optimizer, moved.state, self.step)
+        if self.meter:
+            self.record.relayout_peak_bytes.append(self.meter.peaks[-1])
 
     def restore(self, layout: JobLayout, why: str) -> None:
         """Checkpoint-restart onto `layout` inside the running processes: the job's last

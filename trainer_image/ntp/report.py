@@ -4,9 +4,11 @@ keeps its own goodput ledger from its ranks (`tessera_contracts.rank_events`).""
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from tessera_contracts.rank_events import RankEvent, StepRecord
+from tessera_contracts.rank_events import EvalRecord, RankEvent, Record, StepRecord
 from tessera_core.plan import JobLayout
 
 
@@ -29,10 +31,23 @@ class RankRecord:
     losses: dict[int, float] = field(default_factory=dict)  # step -> global loss (redone: over)
     step_ends: dict[int, float] = field(default_factory=dict)  # steps done -> wall-clock time
     events: list[RankEvent] = field(default_factory=list)
+    # with --measure-memory: each step's and each relayout's peak tensor bytes, in order
+    peak_bytes: list[int] = field(default_factory=list)
+    relayout_peak_bytes: list[int] = field(default_factory=list)
+    learning_rates: dict[int, float] = field(default_factory=dict)  # step -> the rate it took
+    grad_norms: dict[int, float] = field(default_factory=dict)  # step -> the gradients' norm
+    eval_losses: dict[int, float] = field(default_factory=dict)  # steps done -> held-out loss
+    # who else reads this rank's records as they are printed (the rank's own goodput ledger)
+    listeners: list[Callable[[Record], None]] = field(default_factory=list)
+
+    def _print(self, record: Record) -> None:
+        print(record.to_line(), flush=True)
+        for listener in self.listeners:
+            listener(record)
 
     def event(self, record: RankEvent) -> None:
         self.events.append(record)
-        print(record.to_line(), flush=True)
+        self._print(record)
 
     def log_step(
         self, step: int, rank: int, generation: int, layout: JobLayout, seq_len: int
@@ -52,12 +67,22 @@ class RankRecord:
             tp_degrees=layout.tp_degrees,
             time=self.step_ends[step],
         )
-        print(record.to_line(), flush=True)
+        self._print(record)
+
+    def log_eval(self, step: int, rank: int, generation: int, loss: float, samples: int) -> None:
+        """The held-out loss after `step` steps, as a JSON line."""
+        self.eval_losses[step] = loss
+        self._print(EvalRecord(step, rank, generation, loss, samples, time.time()))
 
     def to_dict(self) -> dict:
         return {
             "losses": [self.losses[s] for s in sorted(self.losses)],
             "step_ends": self.step_ends,
             "events": [e.to_dict() for e in self.events],
+            "peak_bytes": self.peak_bytes,
+            "relayout_peak_bytes": self.relayout_peak_bytes,
+            "learning_rates": self.learning_rates,
+            "grad_norms": self.grad_norms,
+            "eval_losses": self.eval_losses,
             **vars(self.times),
         }

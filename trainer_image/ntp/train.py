@@ -7,6 +7,7 @@ of layout (`ntp.relayout.RankState`). The command line is `ntp.cli`'s.
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import json
 import os
@@ -23,13 +24,16 @@ from ntp.build import GenerationRank, model_args
 from ntp.checkpoint import read_args
 from ntp.checkpointing import Checkpointer, Checkpointing
 from ntp.cli import checkpointing_from, config_from, open_data, parse_args
-from ntp.clip import clip_grad_norm_
+from ntp.clip import clip_grad_norm_, grad_norm
 from ntp.config import TrainConfig
+from ntp.curves import Curves
 from ntp.data import split_inputs, synthetic_batch
 from ntp.dataset import TokenDataset
 from ntp.distributed import is_communication_failure, rendezvous_from_env
+from ntp.evaluation import evaluate, held_out_rows
 from ntp.membership import Membership, Stranded
 from ntp.model import ModelArgs, parameter_shapes
+from ntp.nodeagent.progress import NodeProgress
 from ntp.relayout import RankState
 from ntp.reshard import local_state
 from ntp.sources import FileGenerationSource, GenerationSource, assignment
@@ -78,6 +82,9 @@ class Trainer(RankState):
         self.data = data  # None: the synthetic sequences (ntp.data), for tests and benchmarks
         # Guards what a step changes (weights, moments, step, losses) against abandonment.
         self._lock = threading.Lock()
+        self.until = 0  # the job's steps, once `run` is told them
+        self.progress: NodeProgress | None = None  # this rank's own goodput ledger
+        self.curves: Curves | None = None  # while this process is global rank 0
 
     # -- one step ------------------------------------------------------------------------------
 
@@ -96,15 +103,27 @@ class Trainer(RankState):
         return tokens[replica.batch_offset : replica.batch_offset + replica.local_batch]
 
     def forward_backward(self, cur: GenerationRank, rows: torch.Tensor) -> torch.Tensor:
-        """Local loss on `rows`; gradients left in .grad (the sync hooks start from there)."""
+        """Local loss on `rows`, in micro-batches of `config.micro_batch` sequences whose
+        gradients accumulate in .grad: each micro-batch's mean loss weighted by its share of the
+        rows, so the sum is the whole batch's mean loss and gradient. The sync hooks start only
+        in the last one's backward (the others run under `no_sync`)."""
         inputs, targets = split_inputs(rows.to(self.device))
-        with torch.autocast(
-            self.device.type, dtype=torch.bfloat16, enabled=self.config.precision == "bf16"
-        ):
-            logits = cur.model(inputs)
-        loss = cur.loss_fn(logits, targets)
-        loss.backward()
-        return loss.detach()
+        size = self.config.micro_batch or len(rows)
+        starts = range(0, len(rows), size)
+        loss = torch.zeros((), device=self.device)
+        for start in starts:
+            part = slice(start, start + size)
+            share = len(inputs[part]) / len(rows)
+            last = start == starts[-1]
+            with contextlib.nullcontext() if last else cur.sync.no_sync():
+                with torch.autocast(self.device.type, dtype=torch.bfloat16,
+                                    enabled=self.config.precision == "bf16"):
+                    logits = cur.model(inputs[part])
+                micro = cur.loss_fn(logits, targets[part]) * share
+                del logits  # not held through backward
+                micro.backward()
+            loss += micro.detach()
+        return loss
 
     def train_step(
         self, cur: GenerationRank, on_grads: Callable[[Trainer], None] | None = None
@@ -115,25 +134,30 @@ class Trainer(RankState):
         reduced before the optimizer step, so a step is counted together with its loss record:
         a failure in any collective of the step leaves it undone, and it is redone whole.
         """
+        with self.meter.phase() if self.meter else contextlib.nullcontext():
+            global_loss = self._step(cur, on_grads)
+        if self.meter:
+            self.record.peak_bytes.append(self.meter.peaks[-1])
+        return global_loss
+
+    def _step(self, cur: GenerationRank, on_grads: Callable[[Trainer], None] | None) -> float:
         # 1. Forward and backward (the gradient hooks start the sync), the sync's tail, the
-        #    clip by the global norm.
+        #    global norm and the clip by it.
         t0 = self._now()
         loss = self.forward_backward(cur, self.local_batch(cur))
         t1 = self._now()
         cur.sync.finish()
         t2 = self._now()
+        norm = grad_norm(cur.model, cur.layout.shape, cur.replica.shards, cur.groups.rank,
+                         cur.groups.tp, world=cur.groups.world)
         if self.config.max_grad_norm is not None:
-            clip_grad_norm_(
-                cur.model,
-                self.config.max_grad_norm,
-                cur.layout.shape,
-                cur.replica.shards,
-                cur.groups.rank,
-                cur.groups.tp,
-                world=cur.groups.world,
-            )
+            clip_grad_norm_(cur.model, self.config.max_grad_norm, norm)
         if on_grads is not None:
             on_grads(self)
+        # The schedule's rate for this step: a function of the step alone.
+        rate = self.config.lr * self.config.schedule.factor(self.step, self.until)
+        for group in cur.optimizer.param_groups:
+            group["lr"] = rate
         # 2. The global loss, then the optimizer step, counted with it unless abandoned.
         global_loss = self.global_loss(cur, loss)
         with self._lock:
@@ -151,6 +175,8 @@ class Trainer(RankState):
             times.optimizer_s.append(t3 - t_opt)
             times.step_s.append(t3 - t0)
             self.record.losses[self.step] = global_loss
+            self.record.learning_rates[self.step] = rate
+            self.record.grad_norms[self.step] = float(norm)
             self.step += 1
             self.samples += cur.layout.global_batch
             self.record.step_ends[self.step] = time.time()
@@ -176,6 +202,40 @@ class Trainer(RankState):
             self.step, dist.get_rank(), self.generation, cur.layout, cur.args.max_seq_len
         )
 
+    def log_eval(self, cur: GenerationRank) -> None:
+        """The loss on the held-out split after the step just done, on every rank's output
+        (a collective over the job), and on the curves."""
+        samples = self.config.eval_samples
+        rows = held_out_rows(cur, self.data, samples, self.config.seed)
+        loss = evaluate(cur, rows, samples, self.config.micro_batch, self.device,
+                        bf16=self.config.precision == "bf16")
+        self.record.log_eval(self.step, dist.get_rank(), self.generation, loss, samples)
+        if self.curves is not None:
+            self.curves.evaluated(self.step, loss)
+
+    def write_curves(self, cur: GenerationRank) -> None:
+        """The step just done on the TensorBoard curves beside the checkpoints: written by the
+        generation's global rank 0 (a process that stops being it closes its file)."""
+        save = self.checkpointer.policy.save
+        if save is None or dist.get_rank() != 0:
+            if self.curves is not None:
+                self.curves.close()
+                self.curves = None
+            return
+        if self.curves is None:
+            self.curves = Curves(save, resumed_at=self.step - 1)
+        step, record = self.step, self.record
+        assert self.progress is not None
+        self.curves.step(
+            step,
+            loss=record.losses[step - 1],
+            learning_rate=record.learning_rates[step - 1],
+            grad_norm=record.grad_norms[step - 1],
+            tokens_per_s=cur.layout.global_batch * cur.args.max_seq_len
+            / record.times.step_s[-1],
+            goodput=self.progress.ledger.account().goodput,
+        )
+
     def save_checkpoint(self, cur: GenerationRank) -> None:
         self.checkpointer.save(cur, self.step, self.samples)
 
@@ -192,6 +252,8 @@ class Trainer(RankState):
         }
 
     def finish(self) -> None:
+        if self.curves is not None:
+            self.curves.close()
         self.checkpointer.wait()  # the last checkpoint is committed before the job says done
         dist.barrier()
         self.membership.finish()
@@ -208,6 +270,11 @@ class Trainer(RankState):
         """Train until the job has done `until` steps, across generations; False when this
         process leaves the job before that (no place in a later generation)."""
         first, target = self.step, until
+        self.until = until  # the schedule's length: the job's steps
+        if self.progress is None:
+            # This rank's own goodput ledger, from its own lines, for its curves.
+            self.progress = NodeProgress(f"rank {dist.get_rank()}", until)
+            self.record.listeners.append(self.progress.record)
         membership = self.membership
         while self.step < target:
             # 1. This generation's steps, in a thread of their own.
@@ -231,6 +298,7 @@ class Trainer(RankState):
                 else:  # peers passed the same boundary first: this thread finishes it too
                     worker.join()
             kind, detail = outcome[0]
+            del cur  # a relayout frees the old generation's state as it moves it
             # 3. Go on where the generation leaves the job.
             if kind == "error":
                 raise detail
@@ -264,6 +332,11 @@ class Trainer(RankState):
                 # A planned change (a GPU back, a drain) may be due at this step boundary.
                 following = self.membership.agreed_switch(cur.groups, self.step)
                 self.log_step()
+                self.write_curves(cur)
+                if self.config.eval_every and (
+                    self.step % self.config.eval_every == 0 or self.step == target
+                ):
+                    self.log_eval(cur)
                 if self.checkpointer.policy.due(self.step, target):
                     self.event(EventKind.SAVING_CHECKPOINT)
                     self.save_checkpoint(cur)
