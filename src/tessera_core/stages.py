@@ -277,3 +277,29 @@ def stage_power(
     ratios = tuple(perf.ratio_for_slowdown(s, cap_ratio) if s > 1.0 else 1.0 for s in slowdowns)
     limiting = max(range(len(work)), key=lambda k: (work[k], -k))
     return StagePower(limiting, slowdowns, ratios)
+
+
+# ----------------------------------------------------------------------------------------------
+# The 1F1B schedule
+# ----------------------------------------------------------------------------------------------
+
+FORWARD, BACKWARD = "F", "B"
+
+
+def one_f_one_b(stage: int, stages: int, micro_batches: int) -> tuple[tuple[str, int], ...]:
+    """Stage `stage`'s order of forwards and backwards over the micro-batches under 1F1B: as
+    many forwards as stages after it to fill the pipeline, then one forward, one backward,
+    and the last backwards to drain it. Backwards run in micro-batch order on every stage."""
+    if not 0 <= stage < stages or micro_batches < 1:
+        raise PlanError(f"stage {stage} of {stages} with {micro_batches} micro-batches")
+    warmup = min(stages - stage - 1, micro_batches)
+    order = [(FORWARD, i) for i in range(warmup)]
+    for i in range(micro_batches - warmup):
+        order += [(FORWARD, warmup + i), (BACKWARD, i)]
+    order += [(BACKWARD, i) for i in range(micro_batches - warmup, micro_batches)]
+    return tuple(order)
+
+
+def bubble_ratio(stages: int, micro_batches: int) -> float:
+    """1F1B's idle share of a step with equal stages: (p - 1) / (m + p - 1)."""
+    return (stages - 1) / (micro_batches + stages - 1)

@@ -13,7 +13,9 @@ from tessera_core.plan import plan_job
 from tessera_core.stages import (
     PipelineLayout,
     StageCosts,
+    bubble_ratio,
     in_flight,
+    one_f_one_b,
     plan_pipeline,
     plan_stages,
     split_layers,
@@ -119,3 +121,24 @@ def test_a_light_stage_absorbs_a_loss_without_power() -> None:
     # Stage 0 has one layer of six: at TP 6 of 8 it is still faster than the healthy last stage.
     hit = stage_power(NARROW, ((0, 1), (1, 6)), 8, (6, 8), cap_ratio=1.3)
     assert hit.limiting == 1 and hit.power_ratios == (1.0, 1.0)
+
+
+@pytest.mark.parametrize(("stages", "micro"), [(2, 4), (3, 5), (4, 2), (3, 1)])
+def test_1f1b_runs_every_micro_batch_once_and_keeps_stages_in_flight(stages: int, micro: int
+                                                                   ) -> None:
+    for k in range(stages):
+        order = one_f_one_b(k, stages, micro)
+        assert sorted(order) == sorted([("B", i) for i in range(micro)]
+                                       + [("F", i) for i in range(micro)])
+        # A micro-batch's backward after its forward; the most forwards pending a backward is
+        # what the memory plan counts for the stage.
+        pending, most = set(), 0
+        for kind, i in order:
+            if kind == "F":
+                pending.add(i)
+            else:
+                assert i in pending
+                pending.remove(i)
+            most = max(most, len(pending))
+        assert most == in_flight(k, stages, micro)
+    assert bubble_ratio(4, 12) == pytest.approx(3 / 15)
