@@ -48,7 +48,8 @@ class StageCosts:
 
     layer_state: int  # a layer's weights, gradients, optimizer state (and master weights)
     layer_activation: int  # what a layer saves for backward per micro-batch
-    embedding: int  # the embedding's state and its saved lookups per micro-batch, in flight
+    embedding_state: int  # the embedding's weights, gradients and optimizer state
+    embedding: int  # the embedding's saved lookups per micro-batch
     head_state: int  # the final norm's and LM head's state
     head_activation: int  # the final norm's, LM head's and loss's per micro-batch
 
@@ -57,16 +58,18 @@ class StageCosts:
         count = layers[1] - layers[0]
         total = count * (self.layer_state + flight * self.layer_activation)
         if stage == 0:
-            total += self.embedding * flight
+            total += self.embedding_state + self.embedding * flight
         if stage == stages - 1:
             total += self.head_state + flight * self.head_activation
         return total
 
 
 def stage_costs(shape: ModelShape, tp: int, training: Training, micro_batch: int) -> StageCosts:
-    """The memory plan's terms (tessera_core.memory) for one rank of a TP-`tp` stage."""
+    """The memory plan's terms (tessera_core.memory) for one rank of a TP-`tp` stage. With
+    sharded state its AdamW moments and master weights are counted whole (an upper bound: the
+    rank keeps the share it owns)."""
     local = LocalModel.of(shape, plan_replica(shape, tp)[0])
-    per_element = WEIGHT + GRAD + MOMENTS + (MASTER if training.precision == "bf16" else 0)
+    per_element = WEIGHT + GRAD + MOMENTS + (MASTER if training.sharded_state else 0)
     tokens = micro_batch * shape.seq_len
     p = training.precision
     layer_activation = (local.layer_activation(p) * tokens + local.layer_constant(shape.seq_len)
@@ -75,7 +78,8 @@ def stage_costs(shape: ModelShape, tp: int, training: Training, micro_batch: int
     return StageCosts(
         layer_state=per_element * (local.layer_elements + 2 * shape.hidden),
         layer_activation=layer_activation,
-        embedding=per_element * vocab + local.embedding() * tokens,
+        embedding_state=per_element * vocab,
+        embedding=local.embedding() * tokens,
         head_state=per_element * (vocab + shape.hidden),
         head_activation=(local.final_norm(p) + _loss_forward(local, p, tp)) * tokens
         + local.head_cast(p),
@@ -111,9 +115,37 @@ def plan_stages(shape: ModelShape, stages: int, tp: int, training: Training,
                 local_batch: int) -> tuple[Layers, ...]:
     """The job's split of layers into `stages` for a healthy replica at TP `tp` whose local
     batch is `local_batch` sequences (micro-batches of `training.micro_batch`)."""
+    return tuple(s.layers for s in stage_memory(shape, stages, tp, training, local_batch))
+
+
+@dataclass(frozen=True)
+class StageMemory:
+    """One stage of the healthy pipeline: its layers and its busiest rank's bytes."""
+
+    stage: int
+    layers: Layers
+    in_flight: int  # micro-batches whose activations it holds at once under 1F1B
+    state: int  # weights, gradients, optimizer state (and master weights)
+    activations: int  # those micro-batches' saved activations, the loss's on the last stage
+
+
+def stage_memory(shape: ModelShape, stages: int, tp: int, training: Training,
+                 local_batch: int) -> tuple[StageMemory, ...]:
+    """The balanced split of a healthy replica at TP `tp` into `stages` and what each stage's
+    rank 0 holds (the memory plan's terms, tessera_core.memory)."""
     micro = min(training.micro_batch or local_batch, local_batch)
     micro_batches = math.ceil(local_batch / micro)
-    return split_layers(shape, stages, stage_costs(shape, tp, training, micro), micro_batches)
+    costs = stage_costs(shape, tp, training, micro)
+    split = split_layers(shape, stages, costs, micro_batches)
+    out = []
+    for k, layers in enumerate(split):
+        flight = in_flight(k, stages, micro_batches)
+        total = costs.stage_bytes(layers, k, stages, micro_batches)
+        state = (layers[1] - layers[0]) * costs.layer_state
+        state += costs.embedding_state if k == 0 else 0
+        state += costs.head_state if k == stages - 1 else 0
+        out.append(StageMemory(k, layers, flight, state, total - state))
+    return tuple(out)
 
 
 # ----------------------------------------------------------------------------------------------

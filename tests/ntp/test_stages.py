@@ -5,9 +5,12 @@ from __future__ import annotations
 import itertools
 
 import pytest
+import yaml
 
+from tessera_cli import plan as plan_cli
+from tessera_contracts.api import JOB_KIND
 from tessera_contracts.model_shape import ModelShape, PlanError
-from tessera_core.memory import Training
+from tessera_core.memory import LocalModel, Training, rank_memory
 from tessera_core.perf_model import PAPER
 from tessera_core.plan import plan_job
 from tessera_core.stages import (
@@ -20,6 +23,7 @@ from tessera_core.stages import (
     plan_stages,
     split_layers,
     stage_costs,
+    stage_memory,
     stage_power,
 )
 
@@ -142,3 +146,33 @@ def test_1f1b_runs_every_micro_batch_once_and_keeps_stages_in_flight(stages: int
             most = max(most, len(pending))
         assert most == in_flight(k, stages, micro)
     assert bubble_ratio(4, 12) == pytest.approx(3 / 15)
+
+
+def test_stage_state_adds_up_to_the_memory_plans_rank() -> None:
+    # One stage holds the whole model: its state is the memory plan's weights (less buffers),
+    # gradients and optimizer state for rank 0 of the healthy replica; more stages split it.
+    layout = plan_job(SHAPE, (2, 2), 8)
+    rank = rank_memory(layout, 0, 0, Training())
+    local = LocalModel.of(SHAPE, layout.replicas[0].shards[0])
+    whole = stage_memory(SHAPE, 1, 2, Training(), local_batch=4)
+    assert whole[0].state == rank.weights - local.buffers + rank.gradients + rank.optimizer
+    split = stage_memory(SHAPE, 3, 2, Training(micro_batch=1), local_batch=4)
+    assert sum(s.state for s in split) == whole[0].state
+    assert [s.in_flight for s in split] == [3, 2, 1]
+
+
+def test_tessera_plan_shows_each_stage(tmp_path, capsys) -> None:
+    job = {"kind": JOB_KIND, "metadata": {"name": "pp"},
+           "spec": {"image": "trainer", "model": {"hidden": 64, "heads": 8, "kvHeads": 4,
+                                                  "ffn": 96, "vocab": 512, "layers": 6,
+                                                  "seqLen": 16},
+                    "tensorParallelSize": 2, "dataParallelReplicas": 2,
+                    "pipelineParallelSize": 3, "globalBatch": 8, "microBatchSize": 1}}
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(job))
+    assert plan_cli.main([str(path)]) == 0
+    out = capsys.readouterr().out
+    rows = stage_memory(SHAPE, 3, 2, Training(micro_batch=1), local_batch=4)
+    for r in rows:
+        assert (f"stage {r.stage}: layers {r.layers[0]}-{r.layers[1] - 1}, state" in out
+                and f"(micro-batches in flight: {r.in_flight})" in out), out
