@@ -8,6 +8,7 @@ every pod elsewhere."""
 from __future__ import annotations
 
 import copy
+import os
 import subprocess
 import uuid
 from typing import Any
@@ -138,7 +139,7 @@ def test_its_pod_integration_gates_plain_pods_and_leaves_a_queued_jobs_pods_alon
     for verb, allowed in (("list", "yes"), ("watch", "yes"), ("delete", "no")):
         said = subprocess.run(["kubectl", "auth", "can-i", verb, f"{JOB_PLURAL}.{GROUP}",
                                "--all-namespaces", "--as", identity],
-                              env={"KUBECONFIG": str(kueue_cluster.plane.kubeconfig),
-                                   "PATH": "/usr/local/bin:/usr/bin:/bin"},
+                              env=os.environ | {
+                                  "KUBECONFIG": str(kueue_cluster.plane.kubeconfig)},
                               capture_output=True, text=True, timeout=60)
         assert said.stdout.strip() == allowed, (verb, said.stdout, said.stderr)
