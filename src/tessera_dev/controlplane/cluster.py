@@ -9,7 +9,9 @@ runs as its own process under its own identity (system:node:NAME), so the Node a
 NodeRestriction treat it as they treat a kubelet. The GPU nodes' dcgm-exporter runs as the NVIDIA
 GPU Operator runs it (manifests/local-gpu-operator/dcgm-exporter.yaml: DaemonSet
 gpu-operator/nvidia-dcgm-exporter, a pod with its own address per node, behind the Service of
-that name); the cluster is up once every node's exporter pod is ready. Prometheus finds those
+that name); the cluster is up once every node's exporter pod is ready. Each node also publishes
+its GPUs as a ResourceSlice, as NVIDIA's DRA driver does, of the DeviceClass `gpu.nvidia.com`
+the cluster makes (manifests/local-gpu-operator/deviceclass.yaml). Prometheus finds those
 pods and the pods that ask to be scraped through the discovery endpoint, from what the API server
 says, and evaluates Tessera's alert rules (manifests/monitoring/alerts.yaml, read at each start).
 
@@ -63,6 +65,7 @@ DCGM_GENERATIONS = GENERATIONS
 DISCOVERY_RBAC = paths.repo_root() / "manifests" / "local" / "discovery-rbac.yaml"
 DISCOVERY_USER = "tessera-discovery"
 GPU_OPERATOR = paths.repo_root() / "manifests" / "local-gpu-operator" / "dcgm-exporter.yaml"
+DEVICE_CLASS = paths.repo_root() / "manifests" / "local-gpu-operator" / "deviceclass.yaml"
 # Guards against a hang, not bounds on startup: on two cores beside other clusters a node takes
 # minutes to come up.
 EXPORTER_READY_TIMEOUT_S = 300.0
@@ -199,8 +202,9 @@ class Cluster:
                                       "no default service account in namespace default after "
                                       f"{NODE_READY_TIMEOUT_S:.0f} s; see "
                                       f"{plane.data_dir}/kube-controller-manager.log"))
-                # 2. every node's dcgm-exporter, as the GPU Operator runs it
-                manifests.apply(api, [GPU_OPERATOR])
+                # 2. every node's dcgm-exporter, as the GPU Operator runs it, and the DeviceClass
+                #    of the GPUs the nodes publish as NVIDIA's DRA driver does
+                manifests.apply(api, [GPU_OPERATOR, DEVICE_CLASS])
                 probes.poll_until(lambda: _exporters_ready(api), lambda ready: wanted <= ready,
                                   timeout=EXPORTER_READY_TIMEOUT_S, interval=0.5,
                                   error=lambda ready: processes.StartupError(
