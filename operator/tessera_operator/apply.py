@@ -1,8 +1,8 @@
 """Bring the API in line with a `Desired` (writes only), idempotently: every child has a
 deterministic name, and a write is made only where the world differs from what is wanted.
 
-- Children: the pods the job lacks are created (a pod's spec cannot change once made: one
-  that exists is left as it is); every other child (the trainer identity, the progress
+- Children: the pods the job lacks are created, with strict field validation (a pod's spec
+  cannot change once made: one that exists is left as it is); every other child (the trainer identity, the progress
   ConfigMap) is server-side applied under the field manager `tessera-operator` whenever the
   watches saw it differ from the one wanted (missing, or its labels, owner, rules, subjects or
   role changed by someone or by a newer operator), so a change reaches running jobs.
@@ -92,11 +92,14 @@ def _create_pod(api: client.ApiClient, pod: Mapping[str, Any], dry_run: bool = F
                 ) -> str | None:
     """Create a pod under its deterministic name (or only try: `dry_run`); one someone else
     made of that name is left as it is (the job's pods are those it controls). Returns why the
-    API server refused it as invalid or forbidden."""
+    API server refused it as invalid or forbidden. Strict field validation: a field the pod
+    schema does not have (a misspelt one of the job's template) is refused with its path, not
+    dropped."""
     try:
         # The answer, read as bytes: the client's models of a pod cost more than the request.
         client.CoreV1Api(api).create_namespaced_pod(
             pod["metadata"]["namespace"], pod, field_manager=OPERATOR_MANAGER,
+            field_validation="Strict",
             _request_timeout=API_TIMEOUT_S, _preload_content=False,
             **({"dry_run": "All"} if dry_run else {})).read()
     except ApiException as exc:
