@@ -1,11 +1,11 @@
 """Bring the API in line with a `Desired` (writes only), idempotently: every child has a
 deterministic name, and a write is made only where the world differs from what is wanted.
 
-- Children: the pods the job lacks are created, with strict field validation (a pod's spec
-  cannot change once made: one that exists is left as it is); every other child (the trainer identity, the progress
-  ConfigMap) is server-side applied under the field manager `tessera-operator` whenever the
-  watches saw it differ from the one wanted (missing, or its labels, owner, rules, subjects or
-  role changed by someone or by a newer operator), so a change reaches running jobs.
+- Children: the pods the job lacks are created, with strict field validation (a pod's spec cannot
+  change once made: one that exists is left as it is); every other child (the trainer identity, the
+  progress ConfigMap) is server-side applied under the field manager `tessera-operator` whenever the
+  watches saw it differ from the one wanted (missing, or its labels, owner, rules, subjects or role
+  changed by someone or by a newer operator), so a change reaches running jobs.
 - The layout ConfigMap: created for generation 1, server-side applied for each later one with
   the resourceVersion it was read at (a concurrent writer makes the write fail, and the retry
   re-observes).
@@ -13,6 +13,9 @@ deterministic name, and a write is made only where the world differs from what i
   only those that changed, cuts first.
 - The status: one JSON merge patch, with an explicit null for each key the previous status had
   and the new one has not, so a key the status no longer holds is cleared; none when equal.
+- A queued job's Kueue Workload: server-side applied when the one observed lacks what is
+  wanted; its status written by a JSON patch that holds only on the version read (Kueue writes
+  the same conditions: a conflict is retried from the next observation).
 - One Kubernetes Event per decision.
 """
 
@@ -31,6 +34,7 @@ from kubernetes.client.exceptions import ApiException
 from tessera_contracts.api import GROUP, JOB_LABEL, JOB_PLURAL, OPERATOR_MANAGER, VERSION
 from tessera_operator import power_targets, workload
 from tessera_operator.desired import Desired, Event
+from tessera_operator.kueue_workload import KUEUE_GROUP, KUEUE_VERSION, WORKLOADS
 from tessera_operator.observed import Observed, child_view
 from tessera_operator.settings import API_TIMEOUT_S
 
@@ -199,6 +203,34 @@ def release_power(api: client.ApiClient, job: Mapping[str, Any]) -> None:
     power_targets.sync_targets(api, [], job_owner=workload.owner(job),
                                job_label=(JOB_LABEL, job["metadata"]["name"]),
                                timeout_s=API_TIMEOUT_S)
+
+
+def queue(api: client.ApiClient, observed: Observed, wanted: Desired,
+          logger: logging.Logger) -> None:
+    """Apply the job's Kueue Workload where the one observed lacks what is wanted, then write
+    its status; a status write that met a newer version (Kueue wrote it meanwhile) waits for
+    the reconcile that version's event brings."""
+    custom = client.CustomObjectsApi(api)
+    live = None if observed.queue is None else observed.queue.workload
+    body = wanted.workload
+    if body is not None and not _covers(live, body):
+        meta = body["metadata"]
+        custom.patch_namespaced_custom_object(
+            KUEUE_GROUP, KUEUE_VERSION, meta["namespace"], WORKLOADS, meta["name"], body,
+            field_manager=OPERATOR_MANAGER, force=True, _content_type=APPLY,
+            _request_timeout=API_TIMEOUT_S)
+    if wanted.workload_status and live is not None:
+        meta = live["metadata"]
+        try:
+            custom.patch_namespaced_custom_object_status(
+                KUEUE_GROUP, KUEUE_VERSION, meta["namespace"], WORKLOADS, meta["name"],
+                list(wanted.workload_status), _content_type="application/json-patch+json",
+                _request_timeout=API_TIMEOUT_S)
+        except ApiException as exc:
+            if exc.status not in (409, 422):
+                raise
+            logger.info(f"Workload {meta['namespace']}/{meta['name']} changed meanwhile: "
+                        f"{api_message(exc)}")
 
 
 def status(api: client.ApiClient, job: Mapping[str, Any], wanted: Mapping[str, Any]) -> None:
