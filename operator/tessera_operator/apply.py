@@ -215,10 +215,18 @@ def queue(api: client.ApiClient, observed: Observed, wanted: Desired,
     body = wanted.workload
     if body is not None and not _covers(live, body):
         meta = body["metadata"]
-        custom.patch_namespaced_custom_object(
-            KUEUE_GROUP, KUEUE_VERSION, meta["namespace"], WORKLOADS, meta["name"], body,
-            field_manager=OPERATOR_MANAGER, force=True, _content_type=APPLY,
-            _request_timeout=API_TIMEOUT_S)
+        try:
+            custom.patch_namespaced_custom_object(
+                KUEUE_GROUP, KUEUE_VERSION, meta["namespace"], WORKLOADS, meta["name"], body,
+                field_manager=OPERATOR_MANAGER, force=True, _content_type=APPLY,
+                _request_timeout=API_TIMEOUT_S)
+        except ApiException as exc:
+            # Kueue refuses a change to the pod sets of an admitted Workload: the job runs on
+            # what was admitted, and its next Workload (a new job) asks anew.
+            if exc.status != 422:
+                raise
+            logger.warning(f"Workload {meta['namespace']}/{meta['name']} not changed: "
+                           f"{api_message(exc)}")
     if wanted.workload_status and live is not None:
         meta = live["metadata"]
         try:
