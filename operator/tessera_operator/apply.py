@@ -95,10 +95,12 @@ def _covers(live: object, wanted: object) -> bool:
 def _create_pod(api: client.ApiClient, pod: Mapping[str, Any], dry_run: bool = False
                 ) -> str | None:
     """Create a pod under its deterministic name (or only try: `dry_run`); one someone else
-    made of that name is left as it is (the job's pods are those it controls). Returns why the
-    API server refused it as invalid or forbidden. Strict field validation: a field the pod
-    schema does not have (a misspelt one of the job's template) is refused with its path, not
-    dropped."""
+    made of that name is left as it is (the job's pods are those it controls). Returns why it
+    was refused: by the API server as invalid or forbidden, or a field the pod schema does not
+    have (a misspelt one of the job's template), named by its path, never dropped. The client
+    refuses such a field itself before sending (its pod model forbids unknown fields); strict
+    field validation has the API server refuse any its own schema lacks."""
+    name = pod["metadata"]["name"]
     try:
         # The answer, read as bytes: the client's models of a pod cost more than the request.
         client.CoreV1Api(api).create_namespaced_pod(
@@ -108,10 +110,28 @@ def _create_pod(api: client.ApiClient, pod: Mapping[str, Any], dry_run: bool = F
             **({"dry_run": "All"} if dry_run else {})).read()
     except ApiException as exc:
         if exc.status in REFUSED:
-            return f"pod {pod['metadata']['name']}: {api_message(exc)}"
+            return f"pod {name}: {api_message(exc)}"
         if exc.status != 409:
             raise
+    except ValueError as exc:  # the client's validation of the pod (pydantic's error)
+        return f"pod {name}: {_unknown_fields(exc)}"
     return None
+
+
+def _unknown_fields(exc: ValueError) -> str:
+    """The client's refusal of a pod, each unknown field named by its path as the API server
+    names it (`spec.containers[0].imagePullPolicyy`); any other refusal as the client says."""
+    errors = getattr(exc, "errors", None)
+    found = errors() if callable(errors) else []
+    paths = []
+    for error in found:
+        if error.get("type") != "extra_forbidden":
+            return str(exc)
+        # the first item of the location is the call's argument (the pod)
+        path = "".join(f"[{part}]" if isinstance(part, int) else f".{part}"
+                       for part in error["loc"][1:]).lstrip(".")
+        paths.append(f'unknown field "{path}"')
+    return ", ".join(paths) or str(exc)
 
 
 def leftovers(api: client.ApiClient, job: Mapping[str, Any], wanted: Desired) -> None:
