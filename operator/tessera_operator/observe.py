@@ -5,7 +5,8 @@ once), its power targets, and, while a trainer pod is missing, the pods on the n
 would choose. From the watches: its nodes and the placement candidates (`cache.NodeCache`),
 their GPUHealth (parsed by kopf's index as it arrives), the GPUs the operator's trainer pods hold
 and the job's children (kopf's indices, as `Indices`).
-A placed job's reconcile reads five objects or lists from the API whatever its size.
+A placed job's reconcile reads five objects or lists from the API whatever its size; one queued
+in Kueue also its Workload, the ResourceFlavors its admission names and its priority class.
 """
 
 from __future__ import annotations
