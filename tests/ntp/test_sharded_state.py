@@ -30,7 +30,8 @@ from test_parity import (
 )
 
 from ntp.checkpoint import dense_state
-from tessera_core.plan import plan_job
+from ntp.sharded_optimizer import LostOptimizerState, check_survives, exchange_routes
+from tessera_core.plan import UNIT_KINDS, plan_job
 
 pytestmark = pytest.mark.memory
 
@@ -86,3 +87,30 @@ def test_sharded_state_trains_as_the_unsharded_trainer_through_a_relayout_and_a_
     assert local_excess(layout, restored["grads"], grads, grad_bounds(grads)) <= 1
     assert dense_excess(ckpt_state(restored["ckpt"]), step["states"][0],
                         state_bounds(step)) <= 1
+
+
+def test_every_held_unit_is_owned_or_taken_from_its_one_owner():
+    # The step's exchange plan on a nonuniform layout: what one rank sends another is what
+    # that one takes from it, and each rank's held units are its owned ones plus those taken.
+    layout = plan_job(SHAPE, BEFORE, BATCH)
+    world, cpu = layout.world_size, torch.device("cpu")
+    for kind in UNIT_KINDS:
+        for layer in range(SHAPE.n_layers):
+            plans = [exchange_routes(layout, g, kind, layer, cpu) for g in range(world)]
+            for g, (_, owned, sends, takes) in enumerate(plans):
+                held = layout.replicas[layout.locate(g)[0]].shards[layout.locate(g)[1]]
+                taken = sum(0 if t is None else t.numel() for t in takes)
+                assert owned.numel() + taken == len(held.units(kind)) * (
+                    SHAPE.head_dim if kind.endswith("heads") else 1), (kind, layer, g)
+                for h in range(world):
+                    sent, their = sends[h], plans[h][3][g]
+                    assert (sent is None) == (their is None), (kind, layer, g, h)
+                    assert sent is None or sent.numel() == their.numel()
+
+
+def test_a_layout_without_a_rank_that_kept_state_restores_instead():
+    layout = plan_job(SHAPE, BEFORE, BATCH)
+    check_survives(layout, [0, 1, 2, 3, 4])  # the same processes, any new layout
+    check_survives(layout, [4, 3, 2, 1, 0, None])  # and a joiner
+    with pytest.raises(LostOptimizerState, match="rank 4"):
+        check_survives(layout, [0, 1, 2, 3])

@@ -80,7 +80,7 @@ def check_survives(old: JobLayout, origin: Sequence[int | None]) -> None:
             )
 
 
-def _routes(
+def exchange_routes(
     layout: JobLayout, global_rank: int, kind: str, layer: int, device: torch.device
 ) -> tuple[tuple[int, ...], torch.Tensor, list[torch.Tensor | None], list[torch.Tensor | None]]:
     """This rank's owned units of `kind` in `layer`, their local indices, and per world rank
@@ -136,7 +136,7 @@ class ShardedAdamW:
                 continue
             layer = ownership_layer(name, spec.kind)
             if (spec.kind, layer) not in planned:
-                planned[spec.kind, layer] = _routes(layout, global_rank, spec.kind, layer,
+                planned[spec.kind, layer] = exchange_routes(layout, global_rank, spec.kind, layer,
                                                     p.device)
             mine, owned, sends, takes = planned[spec.kind, layer]
             unit = unit_size(layout.shape, spec.kind) * slice_elements(p, spec.dim)
