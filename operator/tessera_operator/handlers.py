@@ -1,15 +1,15 @@
 """kopf handlers: each maps an event to the jobs it concerns and reconciles them
 (`reconcile.reconcile`); and kopf's indices, which the mapping and the reconciles read.
 
-Triggers: the job seen (created, or listed when the operator starts) or its spec changed, and
-its slow resync (`jobqueue.JobQueue.after`); one of its pods
-changing phase or address (the rendezvous gets one: generation 1 can be published; a trainer
-ends); a node agent's progress report; a change to one of its nodes' labels, GPUs, cordons or
-schedulability (and any node change for the jobs too few nodes fit); a GPU's state or
-XIDs in its nodes' GPUHealth; a change to one of its children (its trainer identity, its
-progress ConfigMap: they converge back); an agent reporting a cut in effect while a raise waits
-for it, or a target someone else deleted. Watch-triggered reconciles go through the job queue
-(`jobqueue`): one at a time per job, a storm of events covered by one.
+Triggers: the job seen (created, or listed when the operator starts) or its spec changed, and its
+slow resync (`jobqueue.JobQueue.after`); one of its pods changing phase or address (the rendezvous
+gets one: generation 1 can be published; a trainer ends); a node agent's progress report; a change
+to one of its nodes' labels, GPUs, cordons or schedulability (and any node change for the jobs too
+few nodes fit); a GPU's state or XIDs in its nodes' GPUHealth; Kueue admitting or evicting its
+Workload; a change to one of its children (its trainer identity, its progress ConfigMap: they
+converge back); an agent reporting a cut in effect while a raise waits for it, or a target someone
+else deleted. Watch-triggered reconciles go through the job queue (`jobqueue`): one at a time per
+job, a storm of events covered by one.
 
 Indices (kept by kopf from its watches, complete before any handler runs): jobs by UID, the
 jobs by phase (the metrics' gauge), the jobs placed on each node and the GPUs they hold there
@@ -37,6 +37,7 @@ from tessera_contracts.api import JOB_LABEL, ROLE_LABEL
 from tessera_contracts.unreadable import Unreadable
 from tessera_operator import apply, metrics, observe, power_targets, reconcile, workload
 from tessera_operator.jobqueue import JobKey
+from tessera_operator.kueue_workload import KUEUE_GROUP, KUEUE_VERSION, WORKLOADS
 from tessera_operator.observed import child_view, ours
 from tessera_operator.workload import TRAINER
 
@@ -221,6 +222,20 @@ async def on_identity(namespace: str, labels: kopf.Labels, memo: kopf.Memo,
     """One of the trainer identity's objects changed or went: the job's reconcile compares it
     with the one wanted (its own writes compare equal) and applies it back if it differs."""
     await _reconcile_soon(memo, (namespace, labels[JOB_LABEL]), logger, _indices(indices))
+
+
+@kopf.on.event(KUEUE_GROUP, KUEUE_VERSION, WORKLOADS, labels=JOBS_OWN)
+async def on_workload(type: str, namespace: str, name: str, labels: kopf.Labels,
+                      status: kopf.Status, memo: kopf.Memo, logger: logging.Logger,
+                      **indices: Any) -> None:
+    """Reconcile a queued job when Kueue admits, evicts or requeues its Workload (a condition
+    or the admission changed), or the Workload went. Served only where Kueue's API is when the
+    operator starts (kopf reads the API groups then)."""
+    facts = None if type == "DELETED" else (
+        sorted((c.get("type"), c.get("status")) for c in status.get("conditions") or []),
+        bool(status.get("admission")))
+    if memo.seen.changed(("Workload", namespace, name), facts):
+        await _reconcile_soon(memo, (namespace, labels[JOB_LABEL]), logger, _indices(indices))
 
 
 @kopf.on.event(GROUP, VERSION, "gpuhealths")

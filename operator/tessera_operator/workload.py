@@ -405,8 +405,8 @@ def trainer_pod(job: Mapping[str, Any], spec: NTPTrainingJobSpec, index: int, no
 
 def rank_args(spec: NTPTrainingJobSpec) -> list[str]:
     """Trainer options every rank gets from the spec: checkpoints where the job keeps them, the
-    weights it starts from, the dataset it reads, its precision (`spec.args` come after them,
-    and so win over them)."""
+    weights it starts from, the dataset it reads, its precision, its optimizer state sharded
+    across replicas (`spec.args` come after them, and so win over them)."""
     args: list[str] = []
     checkpoint = spec.checkpoint_policy
     if checkpoint.path:
@@ -418,6 +418,8 @@ def rank_args(spec: NTPTrainingJobSpec) -> list[str]:
         args += ["--data", spec.data.path]
         if spec.data.tokenizer:
             args += ["--tokenizer", spec.data.tokenizer]
+    if spec.sharded_state:
+        args.append("--sharded-state")
     return [*args, "--precision", spec.precision]
 
 

@@ -171,6 +171,7 @@ class NTPTrainingJobSpec:
     # The pod template as written: a Kubernetes PodTemplateSpec the operator merges its pods
     # into (shared, never changed).
     template: Mapping[str, Any]
+    sharded_state: bool = False  # optimizer.shardedState: AdamW state sharded across replicas
 
     @property
     def trainers(self) -> int:
@@ -228,7 +229,8 @@ class NTPTrainingJobSpec:
             data=None if data is None else DataSpec(
                 path=data.text("path"), tokenizer=data.optional_text("tokenizer")),
             initial_weights=None if weights is None else weights.text("path"),
-            template=top.child("template").value)
+            template=top.child("template").value,
+            sharded_state=top.child("optimizer").flag("shardedState"))
 
     def to_spec(self) -> dict[str, Any]:
         """The spec as the API server stores it (`from_spec`'s inverse on a stored spec)."""
