@@ -22,6 +22,8 @@ COMMANDS: Commands = {
                      "publish this node's GPU health from DCGM"),
     "cordon-gpu": ("tessera_cli.cordon", "cordon one GPU of a node: Tessera plans around it"),
     "uncordon-gpu": ("tessera_cli.uncordon", "give a cordoned GPU back to the planner"),
+    "plan": ("tessera_cli.plan",
+             "a job's memory per GPU, healthy and degraded, from its YAML (no cluster)"),
     "uninstall": ("tessera_cli.uninstall",
                   "refuse while NTPTrainingJobs exist (--delete-jobs: delete them, wait for "
                   "their GPUs to settle), stop the operator (before removing Tessera)"),

@@ -144,7 +144,8 @@ def test_the_dashboard_loads_with_the_panels_asked_for() -> None:
                    "Reconfigurations and lost steps (1 h)", "GPU power limit and target",
                    "DCGM power draw", "DCGM last XID and failing health watches",
                    "Health agents reading dcgm-exporter", "Operator reconciles",
-                   "Operator reconcile time (p99)", "Operator leader", "Loss"):
+                   "Operator reconcile time (p99)", "Operator leader",
+                   "Loss: training and held-out"):
         assert wanted in titles
     for panel in board["panels"]:
         assert panel["targets"] and all(t["expr"].strip() for t in panel["targets"])
@@ -169,7 +170,7 @@ def exporters() -> Iterator[dict[str, list[str]]]:
         ledger.step_done(step, samples=8, tokens=8 * 256)
         steps.observe(1.0)
     trainer = serve(ledger, "127.0.0.1", 0, {"ntpjob": "llama-small", "node": "gpu-node-0"},
-                    loss=lambda: 4.25, step_times=steps)
+                    loss=lambda: 2.5, step_times=steps, eval_loss=lambda: 2.75)
 
     status = NodeStatus(
         node="gpu-node-0", rack="rack-0", budget_mw=4_800_000, rack_budget_mw=9_600_000,
@@ -292,7 +293,7 @@ def test_panels_count_a_job_once_and_read_either_dcgm_host_label(tmp_path: Path)
     changes = panel_exprs("Reconfigurations and lost steps (1 h)", rate)
     steps = panel_exprs("Step time (median and p99)", rate)
     tp = panel_exprs("Tensor-parallel degree per replica", rate)
-    (loss,) = panel_exprs("Loss", rate).values()
+    loss = panel_exprs("Loss: training and held-out", rate)["{{ntpjob}} training"]
     draw = panel_exprs("DCGM power draw", rate)["{{hostname}} GPU {{gpu}}"]
     xid, health = panel_exprs("DCGM last XID and failing health watches", rate).values()
     fallen = {"Hostname": "node-1", "hostname": "node-1", "gpu": "1", "UUID": "GPU-2"}
