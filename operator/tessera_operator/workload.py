@@ -9,7 +9,8 @@ collector removes them with it) under a name derived from the job's:
 - `<job>-rendezvous`: a pod that hosts the job's TCPStore (`ntp.rendezvous`); its pod IP, read
   from the API (no DNS is assumed), goes into every generation document;
 - `<job>-node-<i>`: one trainer pod per node (`ntp.nodeagent.agent`), asking for all `gpusPerNode`
-  GPUs of the node it is placed on.
+  GPUs of the node it is placed on (the extended resource, or the template's claim that
+  `gpuResourceClaim` names).
 
 Placement is the set of trainer pods: each one names its node (node affinity on the node's
 name, as the DaemonSet controller pins its pods; the scheduler still binds it, checking the
@@ -50,7 +51,7 @@ _TRAINER_POD = re.compile(r"-node-(\d+)$")
 SHM_VOLUME, SHM_PATH = "tessera-shm", "/dev/shm"
 # The spec fields a pod is made from (`pod_inputs`).
 POD_INPUTS = ("image", "command", "args", "steps", "checkpointPolicy", "data", "initialWeights",
-              "precision", "template")
+              "precision", "template", "gpuResourceClaim")
 # What the rendezvous pod takes of the template's pod spec.
 RENDEZVOUS_FIELDS = ("nodeSelector", "tolerations", "priorityClassName", "schedulerName",
                      "imagePullSecrets", "securityContext")
@@ -370,12 +371,7 @@ def trainer_pod(job: Mapping[str, Any], spec: NTPTrainingJobSpec, index: int, no
     containers = list(pod_spec.get("containers") or [])
     own = next((c for c in containers if c.get("name") == TRAINER), {})
     sidecars = [c for c in containers if c.get("name") != TRAINER]
-    resources = {k: dict(v) if k in ("requests", "limits") else v
-                 for k, v in (own.get("resources") or {}).items()}
-    gpus = str(spec.gpus_per_node)
-    resources.setdefault("limits", {})[GPU_RESOURCE] = gpus
-    if "requests" in resources:
-        resources["requests"][GPU_RESOURCE] = gpus
+    resources = gpu_resources(own, spec)
     agent = AgentInvocation(until_step=spec.steps, job=name,
                             trainer_args=(*rank_args(spec), *(spec.args or ())))
     mounts = list(own.get("volumeMounts") or [])
@@ -401,6 +397,25 @@ def trainer_pod(job: Mapping[str, Any], spec: NTPTrainingJobSpec, index: int, no
         # restart budget), never alone: its ranks cannot rejoin running collectives.
         "restartPolicy": "Never",
         "affinity": affinity, "volumes": volumes, "containers": [container, *sidecars]}}
+
+
+def gpu_resources(own: Mapping[str, Any], spec: NTPTrainingJobSpec) -> dict[str, Any]:
+    """The trainer container's resources: the template's, with the node's GPUs asked for as
+    the extended resource, or through the pod's claim `gpuResourceClaim` names (DRA,
+    docs/dra.md), which the container then names too."""
+    resources = {k: dict(v) if k in ("requests", "limits") else v
+                 for k, v in (own.get("resources") or {}).items()}
+    claim = spec.gpu_resource_claim
+    if claim is not None:
+        claims = list(resources.get("claims") or [])
+        if not any(c.get("name") == claim for c in claims):
+            resources["claims"] = [*claims, {"name": claim}]
+        return resources
+    gpus = str(spec.gpus_per_node)
+    resources.setdefault("limits", {})[GPU_RESOURCE] = gpus
+    if "requests" in resources:
+        resources["requests"][GPU_RESOURCE] = gpus
+    return resources
 
 
 def rank_args(spec: NTPTrainingJobSpec) -> list[str]:
