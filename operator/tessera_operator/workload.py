@@ -42,6 +42,9 @@ from tessera_contracts.progress import progress_configmap as progress_name
 from tessera_operator.planner import JobPlan, JobSpec, Problem
 
 GPU_RESOURCE = "nvidia.com/gpu"
+# On a trainer pod that holds its GPUs through a claim: how many, for placement's count of the
+# GPUs taken on its node (the pod asks for no extended resource).
+CLAIMED_GPUS_ANNOTATION = "tessera.dev/claimed-gpus"
 TRAINER, RENDEZVOUS = "trainer", "rendezvous"
 FINISHED = ("Succeeded", "Failed")  # pod phases that hold no GPU
 RENDEZVOUS_PORT = 29400
@@ -132,13 +135,17 @@ def pod_node(pod: Mapping[str, Any]) -> str | None:
 
 
 def pod_gpus(pod: Mapping[str, Any]) -> int:
+    """The GPUs a pod asks for: the extended resource, else those a trainer pod of the
+    operator's holds through its claim."""
     total = 0
     for container in (pod.get("spec") or {}).get("containers") or []:
         resources = container.get("resources") or {}
         asked = (resources.get("limits") or {}).get(GPU_RESOURCE) or (
             resources.get("requests") or {}).get(GPU_RESOURCE)
         total += _gpus(asked or 0)
-    return total
+    claimed = ((pod.get("metadata") or {}).get("annotations") or {}).get(
+        CLAIMED_GPUS_ANNOTATION)
+    return total or _gpus(claimed or 0)
 
 
 def taken_gpus(pods: Iterable[Mapping[str, Any]]) -> dict[str, int]:
@@ -390,6 +397,8 @@ def trainer_pod(job: Mapping[str, Any], spec: NTPTrainingJobSpec, index: int, no
     meta["annotations"] = dict(tmeta.get("annotations") or {}) | {
         "prometheus.io/scrape": "true", "prometheus.io/port": str(METRICS_PORT),
         INPUTS_ANNOTATION: json.dumps(pod_inputs(spec), sort_keys=True)}
+    if spec.gpu_resource_claim is not None:
+        meta["annotations"][CLAIMED_GPUS_ANNOTATION] = str(spec.gpus_per_node)
     affinity = dict(pod_spec.get("affinity") or {}) | _pinned(node)
     return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": pod_spec | {
         "serviceAccountName": service_account(job, spec),

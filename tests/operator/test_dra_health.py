@@ -143,6 +143,8 @@ def test_a_job_asks_for_its_gpus_through_the_claim_it_names() -> None:
     assert workload.GPU_RESOURCE not in resources.get("requests", {})
     assert resources["claims"] == [{"name": "gpus"}]
     assert pod["spec"]["resourceClaims"] == job["spec"]["template"]["spec"]["resourceClaims"]
+    # placement counts them taken on its node, as it counts the extended resource
+    assert workload.taken_gpus([pod]) == {A: spec.gpus_per_node}
 
 
 def test_a_gpu_claim_the_template_does_not_have_is_refused_with_its_path() -> None:
