@@ -16,6 +16,7 @@ from tessera_contracts.gpuhealth import PublishedHealth
 from tessera_contracts.jobspec import NTPTrainingJobSpec
 from tessera_contracts.progress import NodeReport
 from tessera_contracts.unreadable import Unreadable
+from tessera_operator.dra_health import DeviceTaints
 from tessera_operator.kueue_workload import PriorityRef
 from tessera_operator.planner import JobSpec, Problem
 
@@ -82,6 +83,8 @@ class Observed:
     targets: tuple[Mapping[str, Any], ...] = ()  # the job's GPUPowerTargets
     # The GPUHealth of its (candidate) nodes, as parsed (kopf's index holds them so).
     gpu_health: tuple[PublishedHealth | Unreadable, ...] = ()
+    # The DRA device taints on its nodes' GPUs (their ResourceSlices, the DeviceTaintRules).
+    devices: DeviceTaints = DeviceTaints()
     children: Mapping[ChildKey, Mapping[str, Any]] = field(default_factory=dict)
     candidates: Candidates | None = None  # observed only while a trainer pod is missing
     # The job's layout and progress ConfigMaps that exist: name -> the attempt they are of.

@@ -165,7 +165,7 @@ def test_a_device_taint_keeps_the_scheduler_off_the_device_until_restored(
 
         (taint,) = probes.wait_for("the device taint", taints, timeout=HANG_S)
         assert (taint["key"], taint["value"], taint["effect"]) == (
-            dra.TAINT_KEY, "48", "NoSchedule")
+            dra.XID_TAINT, "48", "NoSchedule")
         # a pod that wants that very device cannot be allocated it
         template = _template(admin_api, namespace, count=1, selector=(
             f"device.attributes['{dra.DRIVER}'].uuid == '{gpu_uuid}'"))

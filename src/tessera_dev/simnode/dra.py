@@ -15,15 +15,20 @@ request, when the container names one), each device by its resource ID
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-DRIVER = "gpu.nvidia.com"
-DEVICE_CLASS = "gpu.nvidia.com"
-TAINT_KEY = "gpu.nvidia.com/xid"
-EFFECTS = ("None", "NoSchedule", "NoExecute")
+from tessera_contracts.dradevice import (
+    DEVICE_CLASS,
+    DRIVER,
+    EFFECTS,
+    XID_TAINT,
+    device_index,
+    device_name,
+)
+
+__all__ = ["DEVICE_CLASS", "DRIVER", "EFFECTS", "XID_TAINT", "device_index", "device_name"]
 # as the driver writes them: semantic versions, without leading zeros (NVML says 580.95.05)
 DRIVER_VERSION = "580.95.5"
 CUDA_DRIVER_VERSION = "13.0.0"
@@ -33,7 +38,6 @@ MODELS = {
     "NVIDIA H200": ("Hopper", "9.0.0", "141Gi"),
     "NVIDIA B200": ("Blackwell", "10.0.0", "180Gi"),
 }
-_DEVICE = re.compile(r"gpu-(0|[1-9][0-9]{0,3})")
 
 
 class Gpu(Protocol):
@@ -51,7 +55,7 @@ class Taint:
 
     value: str
     effect: str = "NoSchedule"
-    key: str = TAINT_KEY
+    key: str = XID_TAINT
 
     def __post_init__(self) -> None:
         if self.effect not in EFFECTS:
@@ -68,16 +72,6 @@ class Taint:
 
 class ClaimNotReady(Exception):
     """A claim of the pod is not allocated yet, or not yet known to the pod."""
-
-
-def device_name(index: int) -> str:
-    return f"gpu-{index}"
-
-
-def device_index(name: str) -> int | None:
-    """The GPU index of a device this driver names (`gpu-3` -> 3); None for another name."""
-    match = _DEVICE.fullmatch(name)
-    return int(match.group(1)) if match else None
 
 
 def slice_name(node: str) -> str:

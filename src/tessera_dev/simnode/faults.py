@@ -72,7 +72,7 @@ def fail_gpu(argv: list[str]) -> int:
     parser.add_argument("--dra-taint", nargs="?", const="NoSchedule", choices=dra.EFFECTS,
                         metavar="EFFECT",
                         help="instead, only the node's DRA driver reacts to the XID: it taints "
-                             f"the device in its ResourceSlice ({dra.TAINT_KEY}=XID) with "
+                             f"the device in its ResourceSlice ({dra.XID_TAINT}=XID) with "
                              "EFFECT (None, NoSchedule (the default, as NVIDIA's driver does for "
                              "a fatal XID) or NoExecute); the GPU and its processes are left as "
                              "they are")
@@ -84,7 +84,7 @@ def fail_gpu(argv: list[str]) -> int:
         if args.dra_taint is not None:
             set_taint(directory, args.gpu, dra.Taint(str(xid), args.dra_taint))
             print(f"{args.node} GPU {args.gpu}: device {dra.device_name(args.gpu)} tainted "
-                  f"{dra.TAINT_KEY}={xid}:{args.dra_taint} by the node's DRA driver")
+                  f"{dra.XID_TAINT}={xid}:{args.dra_taint} by the node's DRA driver")
             return 0
         gpus.fail(args.gpu, xid)
         killed = kill_holders(device_file(directory, args.gpu))
