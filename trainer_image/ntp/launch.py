@@ -28,6 +28,7 @@ from ntp.distributed import report_death
 from ntp.rendezvous import serve
 from tessera_contracts.generation import Generation
 from tessera_core.plan import JobLayout
+from tessera_core.stages import PipelineLayout
 
 
 class LaunchError(RuntimeError):
@@ -77,7 +78,7 @@ def _context() -> multiprocessing.context.BaseContext:
 
 
 def launch_local(
-    layout: JobLayout | Generation,
+    layout: JobLayout | PipelineLayout | Generation,
     train_args: Sequence[str],
     timeout_s: float = 300.0,
     threads_per_rank: int = 1,

@@ -34,6 +34,7 @@ from ntp.evaluation import evaluate, held_out_rows
 from ntp.membership import Membership, Stranded
 from ntp.model import ModelArgs, parameter_shapes
 from ntp.nodeagent.progress import NodeProgress
+from ntp.pipeline_train import is_pipeline, run_pipeline
 from ntp.relayout import RankState
 from ntp.reshard import local_state
 from ntp.sources import FileGenerationSource, GenerationSource, assignment
@@ -375,8 +376,12 @@ def _run_rank(argv: list[str], before_step: Callable[[Trainer], None] | None) ->
     invocation, opts = parse_args(argv)
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1 PID` prints every thread's stack
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    # 1. The generation this process starts in, and where later ones appear.
-    first = assignment(json.loads(invocation.layout.read_text()))
+    # 1. The generation this process starts in, and where later ones appear (a pipeline's
+    #    layout is static: ntp.pipeline_train).
+    document = json.loads(invocation.layout.read_text())
+    if is_pipeline(document):
+        return run_pipeline(invocation, opts, document)
+    first = assignment(document)
     source = FileGenerationSource(invocation.layout_dir or invocation.layout.parent)
     policy = checkpointing_from(opts)
     start_from = policy.newest() if opts.resume else policy.newest_init()
