@@ -12,7 +12,7 @@ from typing import Any
 import yaml
 
 from tessera_contracts.api import JOB_KIND
-from tessera_contracts.jobspec import SpecError
+from tessera_contracts.jobspec import NTPTrainingJobSpec, SpecError
 from tessera_contracts.model_shape import PlanError
 from tessera_core.memory import (
     CHECKPOINTING,
@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     status = 0
     for name, spec in jobs:
         try:
-            job, training = plan_inputs(spec)
+            job, training = plan_inputs(NTPTrainingJobSpec.from_spec(spec))
             gpu_bytes = override if override is not None else (
                 parse_bytes(spec["gpuMemory"]) if "gpuMemory" in spec else None)
             if gpu_bytes is None:
