@@ -560,15 +560,13 @@ def _counts(pieces: Sequence[RankShard]) -> dict[str | None, int]:
             ("q_heads", "kv_heads", "mlp_cols", "vocab_rows")} | {None: 0}
 
 
-def reshard_bytes(
-    old: JobLayout, new: JobLayout, origin: Sequence[int | None], training: Training
-) -> list[int]:
+def reshard_bytes(old: JobLayout, new: JobLayout, origin: Sequence[int | None]) -> list[int]:
     """Each new rank's most bytes live in a live relayout from `old` (ntp.reshard), which moves
     one parameter at a time, in name order, and frees each one's old tensors once moved: the old
     state not yet moved, the new state moved so far, the parameter in flight (old and new, what
     it sends, receives and copies within); then the new shard built of the moved state."""
-    del training  # every precision moves fp32 weights and moments
-    travel = WEIGHT + MOMENTS  # what moves per element: the weight and both moments
+    # every precision moves fp32 weights and moments: the weight and both moments per element
+    travel = WEIGHT + MOMENTS
     moves = reshard_moves(old, new, origin)
     shape = new.shape
     old_shards = {rep.global_rank(j): shard for rep in old.replicas
@@ -725,7 +723,7 @@ def layout_memory(job: Job, reachable: Reachable, training: Training) -> LayoutM
     reshard: list[int] = []
     if reachable.previous is not None:
         old = _layout(job.shape, reachable.previous, job.global_batch, batch_rule)
-        reshard = reshard_bytes(old, layout, _origin(reachable.previous, degrees), training)
+        reshard = reshard_bytes(old, layout, _origin(reachable.previous, degrees))
     ranks = []
     seen: set[tuple[int, int]] = set()
     for rep in layout.replicas:
