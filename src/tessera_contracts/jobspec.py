@@ -84,6 +84,12 @@ class ModelSpec:
         return ModelShape.from_spec(self.to_spec())
 
 
+def min_tensor_parallel(tp: int, configured: int | None) -> int:
+    """The lowest TP degree a replica of healthy degree `tp` may shrink to: the configured
+    failurePolicy.minTensorParallelSize, else half the healthy degree."""
+    return configured or max(1, tp // 2)
+
+
 @dataclass(frozen=True)
 class FailurePolicySpec:
     """`spec.failurePolicy`."""
@@ -238,8 +244,8 @@ class NTPTrainingJobSpec:
     def min_tensor_parallel_size(self) -> int:
         """The lowest TP degree a replica may shrink to: failurePolicy.minTensorParallelSize,
         else half the healthy degree."""
-        return self.failure_policy.min_tensor_parallel_size or max(
-            1, self.tensor_parallel_size // 2)
+        return min_tensor_parallel(self.tensor_parallel_size,
+                                   self.failure_policy.min_tensor_parallel_size)
 
     @classmethod
     def from_spec(cls, spec: Mapping[str, Any]) -> NTPTrainingJobSpec:
