@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import re
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
@@ -553,6 +554,25 @@ def test_without_a_gpu_memory_the_plan_is_not_checked_and_the_job_runs() -> None
     assert len(wanted.children) == len(EVERY_CHILD)
     fits = _condition(wanted, "FitsMemory")
     assert (fits["status"], fits["reason"]) == ("Unknown", "GPUMemoryUnknown")
+
+
+def test_a_malformed_gpu_memory_label_is_left_out_logged_and_said(
+        caplog: pytest.LogCaptureFixture) -> None:
+    garbled = _gpu_node(B, H100_MIB)
+    garbled["metadata"]["labels"][memory_policy.GPU_MEMORY_LABEL] = "80GB"
+    with caplog.at_level(logging.WARNING):
+        wanted = _desired(Observed(_by_label(), candidates=Candidates(
+            (_gpu_node(A, H100_MIB), garbled))), NOW)
+    said = f"node {B}'s nvidia.com/gpu.memory label '80GB' is not a whole number of MiB"
+    fits = _condition(wanted, "FitsMemory")
+    assert (fits["status"], fits["reason"]) == ("True", "Fits")
+    assert f"from node {A}'s" in fits["message"] and said in fits["message"]
+    assert said in caplog.text
+    # the only label malformed: the memory is not known, and the message says why
+    unknown = _desired(Observed(_by_label(), candidates=Candidates((_node(A), garbled))), NOW)
+    fits = _condition(unknown, "FitsMemory")
+    assert (fits["status"], fits["reason"]) == ("Unknown", "GPUMemoryUnknown")
+    assert said in fits["message"]
 
 
 def test_a_degraded_layout_that_does_not_fit_raises_the_minimum_tp_the_planner_keeps_to() -> None:

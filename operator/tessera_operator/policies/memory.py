@@ -4,7 +4,8 @@ is made, and the lowest TP degree its replicas may shrink to while they still fi
 relayout's).
 
 A GPU's memory is the spec's `gpuMemory`, else the least `nvidia.com/gpu.memory` label (MiB, as
-GPU feature discovery publishes it) of the job's nodes. A healthy layout that does not fit is a
+GPU feature discovery publishes it) of the job's nodes; a label that is not a whole number of
+MiB is left out, logged and said in FitsMemory. A healthy layout that does not fit is a
 problem (MemoryDoesNotFit: nothing is made, and Ready says why); a degraded layout that does not
 fit raises the effective minimum TP, which the planner then keeps to. The condition FitsMemory
 says which, with the numbers: the layout, the rank and what it needs against what is usable.
@@ -12,6 +13,7 @@ says which, with the numbers: the layout, the rank and what it needs against wha
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -22,6 +24,8 @@ from tessera_core.memory import assess, human, parse_bytes, plan_inputs
 
 GPU_MEMORY_LABEL = "nvidia.com/gpu.memory"
 DOES_NOT_FIT = "MemoryDoesNotFit"  # the reason of FitsMemory=False, and of Ready=False
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -35,35 +39,46 @@ class MemoryFit:
 
 
 def gpu_memory(spec: NTPTrainingJobSpec, nodes: Iterable[Mapping[str, Any]]
-               ) -> tuple[int | None, str]:
-    """Each GPU's memory in bytes, and where it comes from (None: nowhere)."""
+               ) -> tuple[int | None, str, tuple[str, ...]]:
+    """Each GPU's memory in bytes, where it comes from (None: nowhere), and the labels left out
+    as malformed, each said in words."""
     if spec.gpu_memory is not None:
-        return parse_bytes(spec.gpu_memory), "spec.gpuMemory"
+        return parse_bytes(spec.gpu_memory), "spec.gpuMemory", ()
     published = {}
+    malformed = []
     for node in nodes:
         meta = node.get("metadata") or {}
+        name = meta.get("name", "?")
         value = (meta.get("labels") or {}).get(GPU_MEMORY_LABEL)
-        if value is not None and value.isdigit():
-            published[meta.get("name", "?")] = int(value)
+        if value is None:
+            continue
+        if value.isdigit():
+            published[name] = int(value)
+        else:
+            malformed.append(f"node {name}'s {GPU_MEMORY_LABEL} label {value!r} is not a whole "
+                             "number of MiB: ignored")
     if not published:
-        return None, ""
+        return None, "", tuple(malformed)
     name = min(published, key=lambda n: (published[n], n))
-    return published[name] << 20, f"node {name}'s {GPU_MEMORY_LABEL} label"
+    return published[name] << 20, f"node {name}'s {GPU_MEMORY_LABEL} label", tuple(malformed)
 
 
 def fit(spec: NTPTrainingJobSpec, nodes: Iterable[Mapping[str, Any]]) -> MemoryFit:
     """The job's memory plan against the GPUs of `nodes` (the nodes it is placed on)."""
-    gpu_bytes, source = gpu_memory(spec, nodes)
+    gpu_bytes, source, malformed = gpu_memory(spec, nodes)
+    for note in malformed:
+        log.warning(note)
+    ignored = "".join(f"; {note}" for note in malformed)
     if gpu_bytes is None:
         return MemoryFit(None, "GPUMemoryUnknown", (
             f"neither spec.gpuMemory nor a {GPU_MEMORY_LABEL} label of the job's nodes says "
-            "how much memory a GPU has: the memory plan is not checked"))
+            f"how much memory a GPU has: the memory plan is not checked{ignored}"))
     try:
         job, training = plan_inputs(spec)
         assessed = assess(job, training, gpu_bytes)
     except (SpecError, PlanError) as exc:
         return MemoryFit(None, "MemoryNotPlanned", f"the memory plan cannot be made: {exc}")
-    message = f"{assessed.message(job)} ({human(gpu_bytes)} from {source})"
+    message = f"{assessed.message(job)} ({human(gpu_bytes)} from {source}){ignored}"
     if not assessed.fits:
         return MemoryFit(False, DOES_NOT_FIT, message)
     assert assessed.min_tp is not None
