@@ -799,14 +799,21 @@ class Assessment:
 @lru_cache(maxsize=64)  # a job's spec rarely changes: its operator asks again every reconcile
 def assess(job: Job, training: Training, gpu_bytes: int) -> Assessment:
     """The job's memory on every layout it can reach, against GPUs of `gpu_bytes`: the
-    effective minimum TP is the smallest degree down to which every layout fits."""
+    effective minimum TP is the smallest degree d, from the job's own minimum up, such that
+    every layout reachable with no replica below d fits (rows mix degrees, so a misfit at one
+    minimum says nothing of the next: each is planned whole)."""
     plans = tuple(plan_memory(job, training))
-    lowest = None
-    for memory in plans:
-        if not fits(memory, gpu_bytes):
-            break
-        lowest = memory.reachable.tp
-    return Assessment(gpu_bytes, plans, lowest)
+    if not fits(plans[0], gpu_bytes):
+        return Assessment(gpu_bytes, plans, None)
+    if not job.mode.reshapes:  # replicas never shrink: the minimum bounds no layout
+        return Assessment(gpu_bytes, plans, job.min_tp if all(
+            fits(m, gpu_bytes) for m in plans) else job.tp)
+    for d in range(job.min_tp, job.tp + 1):
+        raised = replace(job, min_tp=d)
+        if all(fits(layout_memory(raised, reachable, training), gpu_bytes)
+               for reachable in raised.layouts()):
+            return Assessment(gpu_bytes, plans, d)
+    raise AssertionError("unreachable: at the healthy degree only the healthy layout is left")
 
 
 # ----------------------------------------------------------------------------------------------

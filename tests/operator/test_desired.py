@@ -576,8 +576,8 @@ def test_a_malformed_gpu_memory_label_is_left_out_logged_and_said(
 
 
 def test_a_degraded_layout_that_does_not_fit_raises_the_minimum_tp_the_planner_keeps_to() -> None:
-    """60 GiB GPUs hold the example at TP 8 but not a TP 6 rank (docs/memory.md): FitsMemory
-    says the effective minimum TP is 8, and two GPUs cordoned on A drop A's replica instead of
+    """60 GiB GPUs hold the example at TP 7 but not a TP 6 rank (docs/memory.md): FitsMemory
+    says the effective minimum TP is 7, and two GPUs cordoned on A drop A's replica instead of
     running it at TP 6 as minTensorParallelSize 6 alone would."""
     sixty = 60 * 1024
     nodes = (_gpu_node(A, sixty, cordon="2,3"), _gpu_node(B, sixty))
@@ -585,8 +585,8 @@ def test_a_degraded_layout_that_does_not_fit_raises_the_minimum_tp_the_planner_k
                               nodes=nodes), NOW)
     fits = _condition(wanted, "FitsMemory")
     assert (fits["status"], fits["reason"]) == ("True", "MinimumTensorParallelRaised")
-    assert fits["message"].startswith("fits down to TP 8, not 6: layout ")
-    assert "the effective minimum TP is 8" in fits["message"]
+    assert fits["message"].startswith("fits down to TP 7, not 6: layout ")
+    assert "the effective minimum TP is 7" in fits["message"]
     assert wanted.status["tpLayout"] == "8"
     # the same GPUs with the memory of an H100: TP 6 fits, and A's replica runs at TP 6
     roomy = (_gpu_node(A, H100_MIB, cordon="2,3"), _gpu_node(B, H100_MIB))
