@@ -46,7 +46,7 @@ from tessera_core.plan import (
     plan_job,
     reshard_moves,
 )
-from tessera_core.sharded_state import owned_elements
+from tessera_core.sharded_state import owned_elements, owned_elements_by_rank
 
 PRECISIONS: tuple[str, ...] = ("fp32", "bf16")
 CHECKPOINTING: tuple[str, ...] = ("none", "full", "selective")
@@ -390,15 +390,20 @@ def rank_memory(
     replica: int,
     rank: int,
     training: Training,
+    owned: int | None = None,
 ) -> RankMemory:
-    """One rank's memory in a steady training step on `layout` (AdamW state present)."""
+    """One rank's memory in a steady training step on `layout` (AdamW state present); `owned`:
+    the elements whose state it keeps with sharded state, when already counted."""
     shape = layout.shape
     rep = layout.replicas[replica]
     shard = rep.shards[rank]
     local = LocalModel.of(shape, shard)
     # 1. What lives across steps.
     elements = local.elements
-    owned = owned_elements(layout, replica, rank) if training.sharded_state else elements
+    if not training.sharded_state:
+        owned = elements
+    elif owned is None:
+        owned = owned_elements(layout, replica, rank)
     weights = WEIGHT * elements + local.buffers
     master = MASTER * owned if training.sharded_state else 0
     optimizer = MOMENTS * owned
@@ -724,6 +729,7 @@ def layout_memory(job: Job, reachable: Reachable, training: Training) -> LayoutM
     if reachable.previous is not None:
         old = _layout(job.shape, reachable.previous, job.global_batch, batch_rule)
         reshard = reshard_bytes(old, layout, _origin(reachable.previous, degrees))
+    owned = owned_elements_by_rank(layout) if training.sharded_state else {}
     ranks = []
     seen: set[tuple[int, int]] = set()
     for rep in layout.replicas:
@@ -731,7 +737,7 @@ def layout_memory(job: Job, reachable: Reachable, training: Training) -> LayoutM
             continue
         seen.add((rep.tp, rep.local_batch))
         for j in range(rep.tp):
-            memory = rank_memory(layout, rep.index, j, training)
+            memory = rank_memory(layout, rep.index, j, training, owned.get((rep.index, j)))
             if reshard:
                 memory = replace(memory, reshard=reshard[rep.global_rank(j)])
             ranks.append(memory)
