@@ -719,6 +719,7 @@ def _layout(shape: ModelShape, degrees: tuple[int, ...], global_batch: int, rule
     return plan_job(shape, degrees, global_batch, rule)
 
 
+@lru_cache(maxsize=32)  # assess plans a row again for each minimum TP it tries
 def layout_memory(job: Job, reachable: Reachable, training: Training) -> LayoutMemory:
     """Every rank's memory on one layout (without sharded state, replicas of one degree and
     batch are alike: the first stands for them), with a relayout onto it when one comes."""
