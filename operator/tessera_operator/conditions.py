@@ -38,7 +38,7 @@ REPLICAS_BYTES_MAX = 512 * 1024
 @dataclass(frozen=True)
 class Condition:
     type: str
-    status: bool
+    status: bool | None  # None: Unknown
     reason: str
     message: str
 
@@ -284,20 +284,25 @@ def render(
     outdated: Sequence[str] = (),
     tp_layout: str | None = None,
     why: Mapping[GpuId, str] | None = None,
+    memory: Condition | None = None,
 ) -> dict[str, Any]:
     """The job's whole status. `previous` is the status as observed, `now` an RFC 3339 time;
     `trained` the trainers' progress (None: not observed), `life` where the job is in its life
     (None: running, its first attempt), `outdated` the spec fields its pods lack, `tp_layout`
     the layout of the generation in force (None: the plan's, none being published), `why` what
-    a health source says of a failed GPU."""
+    a health source says of a failed GPU, `memory` the memory plan on its GPUs (FitsMemory,
+    `policies.memory`)."""
     before = {c.get("type"): c for c in previous.get("conditions") or []}
     replicas = _replicas(plan) if plan else []
     if plan and len(replicas) < len(plan.replicas):
         notes = (*notes, f"status.replicas lists {len(replicas)} of {len(plan.replicas)} "
                          "replicas, the reduced ones first")
     rendered = []
-    for c in conditions(plan, problems, notes, held, trained, life, outdated, why):
-        status = "True" if c.status else "False"
+    found = conditions(plan, problems, notes, held, trained, life, outdated, why)
+    if memory is not None and (life is None or life.stage is Stage.RUNNING):
+        found = (*found, memory)
+    for c in found:
+        status = "Unknown" if c.status is None else "True" if c.status else "False"
         old = before.get(c.type) or {}
         since = old.get("lastTransitionTime") if old.get("status") == status else None
         rendered.append({"type": c.type, "status": status, "reason": c.reason,

@@ -9,7 +9,10 @@ in a room of its own (`tessera_operator.policies`):
 1. The spec the operator runs (`job_spec`, read once at the reconcile's edge; else InvalidSpec,
    PipelineParallelNotSupported: nothing made).
 2. Placement (`placement.place`): nodes for the trainer pods the job lacks; too few gives
-   Unschedulable and no child at all. The children are every object the job runs.
+   Unschedulable and no child at all. The memory plan on those nodes' GPUs
+   (`memory.fit`): a healthy layout that does not fit gives MemoryDoesNotFit and no child; a
+   degraded one raises the minimum TP the planner keeps to. The children are every object the
+   job runs.
 3. Health: failed and unknown GPUs of its nodes from its sources (`signal.health_of`).
 4. The plan (`planner.plan`), its boosts and power targets (`power.boosted`), and the next
    generation document (`publish.to_publish`); a layout the job may not publish leaves it
@@ -38,7 +41,11 @@ from tessera_operator.lifecycle import Lifecycle, Stage
 from tessera_operator.observed import Observed, Spec
 from tessera_operator.planner import Problem
 from tessera_operator.policies import life, placement, power, publish, queueing, signal
+from tessera_operator.policies import memory as memory_policy
 from tessera_operator.power_planning import SyncPlan
+
+# Ready's reasons a node change may clear.
+WAITS_FOR_NODES = frozenset({"Unschedulable", memory_policy.DOES_NOT_FIT})
 
 
 @dataclass(frozen=True)
@@ -59,6 +66,7 @@ class _Planned:
     problems: tuple[Problem, ...] = ()
     signal: health.Health = health.Health()  # its GPUs' health, all sources
     lost: health.Health = health.Health()  # the GPUs lost under their processes
+    memory: memory_policy.MemoryFit | None = None  # the memory plan on its GPUs
 
 
 @dataclass(frozen=True)
@@ -117,10 +125,11 @@ class Desired:
 
     @property
     def waits_for_nodes(self) -> bool:
-        """Too few nodes fit the job: any node change may let it be placed."""
+        """Too few nodes fit the job, or their GPUs' memory (`nvidia.com/gpu.memory`) does not
+        hold it: any node change may let it be placed."""
         ready = next((c for c in self.status.get("conditions") or []
                       if c.get("type") == "Ready"), {})
-        return ready.get("reason") == "Unschedulable"
+        return ready.get("reason") in WAITS_FOR_NODES
 
     def pods_rejected(self, why: str) -> Desired:
         """This decision once the API server refused the job's pods (`why`): no plan
@@ -215,6 +224,13 @@ def _plan(spec: Spec, observed: Observed, now: datetime) -> _Planned:
     if isinstance(placed, Problem):
         return _Planned(problems=(placed,))
     where, nodes = placed
+    # Before any pod: a job whose healthy layout does not fit its GPUs is not made at all; a
+    # degraded one that does not fit raises the minimum TP the planner keeps to.
+    fits = memory_policy.fit(spec.whole, nodes)
+    if fits.fits is False:
+        return _Planned(problems=(Problem(fits.reason, fits.message),), memory=fits)
+    if fits.min_tp is not None and fits.min_tp > run.min_tp_or_default:
+        run = replace(run, min_tp=fits.min_tp)
     domains = planner.node_domains(nodes, run.domain_label)
     if (unpowered := planner.budget_problem(run, domains)) is not None:
         return _Planned(problems=(unpowered,))
@@ -223,7 +239,7 @@ def _plan(spec: Spec, observed: Observed, now: datetime) -> _Planned:
         # An attempt keeps its first layout: its plan is that layout's nodes, the spares idle.
         domains = {n: d for n, d in domains.items() if n in {g.node for g in in_force.gpus}}
     plan = planner.plan(run, domains, found.failed)
-    return _Planned(where, plan, plan.problems, found, lost)
+    return _Planned(where, plan, plan.problems, found, lost, fits)
 
 
 def _written(decision: Decision, sync: SyncPlan | None = None) -> Desired:
@@ -250,7 +266,7 @@ def _written(decision: Decision, sync: SyncPlan | None = None) -> Desired:
         layout_generation=layout_generation, notes=notes, held=held, trained=trained,
         life=d.life, outdated=d.outdated,
         tp_layout=None if in_force is None else planner.format_layout(in_force.tp_degrees),
-        why=signal_.reasons)
+        why=signal_.reasons, memory=_fits_memory(d.planned.memory))
     events = []
     if layout_generation != int(d.previous.get("layoutGeneration", 0)) and plan is not None:
         events.append(Event("Normal", "LayoutChanged",
@@ -261,6 +277,11 @@ def _written(decision: Decision, sync: SyncPlan | None = None) -> Desired:
                    delete_configmaps=d.stale,
                    requeue_after=None if recheck is None else recheck - d.now.timestamp(),
                    sync=sync, decision=d)
+
+
+def _fits_memory(fits: memory_policy.MemoryFit | None) -> conditions.Condition | None:
+    return None if fits is None else conditions.Condition(
+        "FitsMemory", fits.fits, fits.reason, fits.message)
 
 
 def _stopped(spec: Spec, observed: Observed, now: datetime, found: Lifecycle,
@@ -320,7 +341,7 @@ def _condition_events(previous: Mapping[str, Any], status: Mapping[str, Any]
     for c in conditions.changed(previous, status):
         bad = (c["type"], c["status"]) in {("Ready", "False"), ("Degraded", "True"),
                                            ("Failed", "True"), ("UpToDate", "False"),
-                                           ("TrainingOnCPU", "True")}
+                                           ("TrainingOnCPU", "True"), ("FitsMemory", "False")}
         events.append(Event("Warning" if bad else "Normal", c["reason"],
                             f"{c['type']}={c['status']}: {c['message']}"))
     return tuple(events)
