@@ -44,10 +44,15 @@ def rounding_bound(args: ModelArgs, batch: int) -> float:
     Backward retraces that path and sums each weight gradient over batch x seq positions. With
     parameters scaled by 1/sqrt(fan_in) every stage is well conditioned, so the bound holds
     relative to the largest magnitude of the compared tensor.
+
+    The families add to a layer's path: a QKV bias (1), a QK norm on each head (head_dim + 3),
+    and the O projection sums heads x head_dim products (hidden, unless head_dim is explicit).
     """
-    hd = args.dim // args.n_heads
+    hd = args.head_dim
     seq = args.max_seq_len
-    per_layer = 2 * (args.dim + 3) + 4 * args.dim + args.ffn_dim + 2 + hd + 1 + 2 * seq + 3 + 4 + 2
+    qkv = args.dim + args.qkv_bias + (hd + 3 if args.qk_norm else 0)
+    per_layer = (2 * (args.dim + 3) + qkv + args.n_heads * hd + 2 * args.dim + args.ffn_dim + 2
+                 + hd + 1 + 2 * seq + 3 + 4 + 2)
     forward = args.n_layers * per_layer + args.dim + 3 + args.dim + args.vocab_size + 3
     return 2 * FLOAT64_ROUNDING * (2 * forward + 2 * batch * seq)
 

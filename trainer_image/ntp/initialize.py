@@ -58,8 +58,9 @@ def unit_values(
 def init_parameters(
     model: nn.Module, args: ModelArgs, shard: RankShard | None, seed: int
 ) -> None:
-    """Fill every parameter with its initial values: norm gains 1, each sharded tensor with the
-    values of the units `shard` holds (all of them when `shard` is None: the dense model)."""
+    """Fill every parameter with its initial values: norm gains 1, biases 0, each sharded weight
+    with the values of the units `shard` holds (all of them when `shard` is None: the dense
+    model)."""
     shape = args.shape()
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -67,19 +68,25 @@ def init_parameters(
             if spec is None:
                 p.fill_(1.0)
                 continue
+            if name.endswith(".bias"):
+                p.zero_()
+                continue
             units = range(shape.unit_count(spec.kind)) if shard is None else shard.units(spec.kind)
             p.copy_(unit_values(name, args, spec, list(units), seed))
 
 
 def materialize(model: nn.Module, device: torch.device | str) -> None:
     """Allocate (uninitialized) every parameter still on the meta device on `device`, and move
-    the buffers there."""
+    the buffers there. A parameter two modules share (a tied LM head) stays one."""
+    allocated: dict[int, nn.Parameter] = {}
     for module in model.modules():
         for key, p in module._parameters.items():
             if p is not None and p.is_meta:
-                module._parameters[key] = nn.Parameter(
-                    torch.empty_like(p, device=device), requires_grad=p.requires_grad
-                )
+                if id(p) not in allocated:
+                    allocated[id(p)] = nn.Parameter(
+                        torch.empty_like(p, device=device), requires_grad=p.requires_grad
+                    )
+                module._parameters[key] = allocated[id(p)]
     model.to(device)
 
 
