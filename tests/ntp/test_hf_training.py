@@ -17,7 +17,7 @@ from test_hf import random_llama, save
 from test_model import FLOAT64_ROUNDING, rounding_bound
 from transformers import LlamaForCausalLM
 
-from ntp import hf
+from ntp import hf_cli
 from ntp.checkpoint import latest, read_args
 from ntp.data import split_inputs, synthetic_batch
 from ntp.launch import launch_local
@@ -42,7 +42,7 @@ NODE1 = tuple(Gpu("gpu-node-1", i) for i in range(2))
 def test_trained_under_ntp_through_a_gpu_loss_then_exported(tmp_path, capsys):
     # 1. A random Llama as transformers saves it, imported as the job's initial weights.
     source = save(random_llama(SHAPE, seed=5), tmp_path / "source")
-    assert hf.import_main([str(source), str(tmp_path / "init"), "--seq-len", "16"]) == 0
+    assert hf_cli.import_main([str(source), str(tmp_path / "init"), "--seq-len", "16"]) == 0
     args = read_args(latest(tmp_path / "init"))
     # 2. TP2 + TP2; the process on gpu-node-1/1 (rank 3) dies at step 8 and its replica goes on
     #    at TP1 (generation 2, published ahead).
@@ -66,7 +66,7 @@ def test_trained_under_ntp_through_a_gpu_loss_then_exported(tmp_path, capsys):
     assert len(metrics["losses"]) == STEPS
     assert [e["tp_degrees"] for e in metrics["events"] if e["event"] == "reconfigured"] == [[2, 1]]
     # 3. Exported, and loaded by transformers.
-    assert hf.export_main([str(ckpt), str(tmp_path / "export")]) == 0
+    assert hf_cli.export_main([str(ckpt), str(tmp_path / "export")]) == 0
     model = LlamaForCausalLM.from_pretrained(tmp_path / "export", attn_implementation="eager")
     inputs, targets = split_inputs(
         synthetic_batch(args.vocab_size, args.max_seq_len, GLOBAL_BATCH, STEPS, seed=0)
@@ -93,7 +93,7 @@ def test_trained_under_ntp_through_a_gpu_loss_then_exported(tmp_path, capsys):
 
 def test_an_import_of_another_shape_is_refused_by_the_trainer(tmp_path):
     source = save(random_llama(SHAPE, seed=5), tmp_path / "source")
-    assert hf.import_main([str(source), str(tmp_path / "init"), "--seq-len", "16"]) == 0
+    assert hf_cli.import_main([str(source), str(tmp_path / "init"), "--seq-len", "16"]) == 0
     other = plan_job(read_args(latest(tmp_path / "init")).shape().__class__(
         hidden=48, n_heads=6, n_kv_heads=3, ffn=64, vocab=67, n_layers=2, seq_len=16), [1], 8)
     with pytest.raises(Exception, match="shape"):

@@ -48,6 +48,7 @@ from ntp.distributed import (
 )
 from ntp.grad_sync import DEFAULT_BUCKET_ELEMENTS, GradSync
 from ntp.groups import JobGroups, build_groups
+from ntp.hf_write import keep_beside
 from ntp.initialize import init_parameters, materialize
 from ntp.model import FLAVORS, ModelArgs, Transformer, parameter_shapes
 from ntp.parallelize import apply_ntp
@@ -831,6 +832,8 @@ def _run_rank(argv: list[str], before_step: Callable[[Trainer], None] | None) ->
     )
     start_from = checkpointing.newest() if opts.resume else checkpointing.newest_init()
     carried = None if start_from is None else read_args(start_from)
+    if opts.save is not None and start_from is not None and os.environ["RANK"] == "0":
+        keep_beside(start_from, opts.save)  # the tokenizer, for the job's exports
     config = TrainConfig(
         device=pick_device(opts.device),
         precision=opts.precision,
