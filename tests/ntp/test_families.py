@@ -12,6 +12,7 @@ import copy
 import json
 from dataclasses import replace
 
+import family_ranks
 import pytest
 import torch
 from hf_families import (
@@ -32,7 +33,7 @@ from ntp.model import ModelArgs, Transformer, cross_entropy_loss
 from ntp.parallelize import apply_ntp
 from ntp.sharding import spec_of, unit_size
 from tessera_contracts.model_shape import ModelShape, PlanError, RopeScaling
-from tessera_core.plan import RankShard, plan_job
+from tessera_core.plan import JobLayout, RankShard, plan_job
 
 pytestmark = pytest.mark.models
 
@@ -276,3 +277,73 @@ def test_the_units_a_rank_reads_are_its_slices(tmp_path):
             index = torch.tensor([u * size + i for u in shard.units(spec.kind)
                                   for i in range(size)])
             assert torch.equal(p, dense[n].index_select(spec.dim, index)), n
+
+
+# name -> TP degree of each replica. Every family's head count is one no TP degree of 3
+# divides: the TP3 replica splits query heads unevenly, some of its ranks across KV groups.
+LAYOUTS = {
+    "uniform tp2+tp2": [2, 2],
+    "tp3 with uneven GQA splits + reduced tp2": [3, 2],
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_every_layout_computes_what_transformers_computes(layout, tmp_path, monkeypatch,
+                                                          capsys):
+    """Every rank's logits (its vocabulary columns of its replica's rows), every replica's loss,
+    and every rank's synchronized gradients after one step (each unit, KV copies, QK norms, the
+    tied head) against transformers on the whole batch."""
+    degrees = LAYOUTS[layout]
+    global_batch = 2 * len(degrees) + 1
+    jobs, references = [], {}
+    for k, (name, family) in enumerate(FAMILIES.items()):
+        source = family.build(seed=20 + k)
+        directory = save(source, tmp_path / name)
+        args = checkpoint.read_args(directory)
+        inputs, targets = batch(args.vocab_size, args.max_seq_len, global_batch, seed=30 + k)
+        tokens = tmp_path / f"{name}-tokens.pt"
+        torch.save(torch.cat([inputs, targets[:, -1:]], dim=1), tokens)
+        with float64_transformers(monkeypatch):
+            want, grads = reference_run(source.double(), inputs, targets)
+        references[name] = (args, want, in_project_order(args, grads), targets)
+        jobs.append(family_ranks.Job(name, directory, SPECS[name], tokens))
+    out = tmp_path / "ranks"
+    out.mkdir()
+    family_ranks.run(degrees, jobs, out)
+
+    for name, (args, want, want_grads, targets) in references.items():
+        # What a layout adds to the longest path: the sum over a replica's ranks of the KV
+        # copies' gradients and the weighted sum over replicas.
+        bound = float32_bound(args, global_batch, extra_operations=max(degrees) + len(degrees))
+        worst = {"logits": 0.0, "loss": 0.0, "gradients": 0.0}
+        for rank in range(sum(degrees)):
+            dump = torch.load(out / f"{name}-rank{rank}.pt")
+            layout_ = JobLayout.from_dict(dump["layout"])
+            replica = layout_.replicas[dump["replica"]]
+            shard = replica.shards[dump["rank"]]
+            rows = slice(replica.batch_offset, replica.batch_offset + replica.local_batch)
+            vocab = torch.tensor(shard.vocab_rows)
+            mine = want["logits"][rows].index_select(2, vocab)
+            worst["logits"] = max(worst["logits"],
+                                  rel_err(dump["logits"], mine, scale=want["logits"]))
+            replica_loss = torch.nn.functional.cross_entropy(
+                want["logits"][rows].flatten(0, 1), targets[rows].flatten())
+            worst["loss"] = max(worst["loss"], rel_err(dump["loss"], replica_loss))
+            assert dump["grads"].keys() == want_grads.keys()
+            for n, g in dump["grads"].items():
+                spec = spec_of(n)
+                dense = want_grads[n]
+                if spec is not None:
+                    size = unit_size(args.shape(), spec.kind)
+                    index = torch.tensor([u * size + i for u in shard.units(spec.kind)
+                                          for i in range(size)])
+                    dense_slice = dense.index_select(spec.dim, index)
+                else:
+                    dense_slice = dense
+                worst["gradients"] = max(worst["gradients"],
+                                         rel_err(g, dense_slice, scale=dense))
+        assert max(worst.values()) <= bound, (name, worst, bound)
+        with capsys.disabled():
+            print(f"\n[{name}, {layout}] float32 NTP vs transformers in float64: logits "
+                  f"{worst['logits']:.1e}, loss {worst['loss']:.1e}, gradients "
+                  f"{worst['gradients']:.1e} (bound {bound:.1e})")

@@ -273,14 +273,19 @@ def _load_hf(directory: Path, model: nn.Module, shape: ModelShape, shard: RankSh
 
 class _LazyPlanner(DefaultSavePlanner):
     """Plans from placeholders of the right shape; each tensor is made only when the writer
-    reaches it, and dropped once written."""
+    reaches it. With a file per tensor the writer asks for the next tensor once the last one is
+    written, but still holds a reference to that one: its memory is released then."""
 
     def __init__(self, make: Callable[[str], torch.Tensor]) -> None:
         super().__init__()
         self._make = make
+        self._last: torch.Tensor | None = None
 
     def resolve_data(self, write_item: WriteItem) -> torch.Tensor:
-        return self._make(write_item.index.fqn)
+        if self._last is not None:
+            self._last.untyped_storage().resize_(0)
+        self._last = self._make(write_item.index.fqn)
+        return self._last
 
 
 def write_dense(
@@ -297,7 +302,10 @@ def write_dense(
     shutil.rmtree(partial, ignore_errors=True)
     prefix = _key("model", "")
     with _one_process():
-        dcp.save(placeholders, storage_writer=dcp.FileSystemWriter(partial), no_dist=True,
+        # a file per tensor: DCP keeps every tensor it wrote to a file until the file is done,
+        # and resolves one file's tensors before writing them
+        dcp.save(placeholders, no_dist=True,
+                 storage_writer=dcp.FileSystemWriter(partial, single_file_per_rank=False),
                  planner=_LazyPlanner(lambda key: make(key[len(prefix):]).detach().cpu()))
     return _commit(partial, final, {"step": step, "samples": 0, "model": asdict(args)})
 
@@ -310,11 +318,13 @@ def dense_shapes(checkpoint: Path, part: str = "model") -> dict[str, tuple[int, 
             for key in sorted(k for k in stored if k.startswith(prefix))}
 
 
-def read_dense(checkpoint: Path, name: str, part: str = "model") -> torch.Tensor:
-    """One dense tensor of a checkpoint."""
+def read_dense(
+    checkpoint: Path, name: str, part: str = "model", dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """One dense tensor of a checkpoint (converted to `dtype` as it is read)."""
     key = _key(part, name)
     meta = dcp.FileSystemReader(checkpoint).read_metadata().state_dict_metadata[key]
-    t = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
+    t = torch.empty(tuple(meta.size), dtype=dtype or meta.properties.dtype)
     with _one_process():
         dcp.load({key: t}, storage_reader=dcp.FileSystemReader(checkpoint), no_dist=True)
     return t

@@ -117,16 +117,6 @@ def copy_from_hf(out: torch.Tensor, stored: torch.Tensor, name: str, head_dim: i
         stored.view(heads, 2, head_dim // 2, *rest).transpose(1, 2))
 
 
-def copy_to_hf(out: torch.Tensor, t: torch.Tensor, name: str, head_dim: int) -> None:
-    """The inverse of `copy_from_hf`: `t`'s rows in transformers' order into `out`."""
-    if not is_rotated(name):
-        out.copy_(t)
-        return
-    heads, rest = out.shape[0] // head_dim, out.shape[1:]
-    out.view(heads, 2, head_dim // 2, *rest).copy_(
-        t.view(heads, head_dim // 2, 2, *rest).transpose(1, 2))
-
-
 def to_hf(name: str, t: torch.Tensor, args: ModelArgs) -> tuple[str, torch.Tensor]:
     """A project tensor (weight or gradient) as transformers names and orders it."""
     return hf_name(name), pairs_to_halves(t, args.head_dim) if is_rotated(name) else t

@@ -79,7 +79,8 @@ def export_main(argv: list[str] | None = None) -> int:
             raise ValueError(f"{opts.checkpoint} holds no complete checkpoint")
         hf_write.write_directory(
             opts.out_dir, checkpoint.read_args(ckpt),
-            lambda name: checkpoint.read_dense(ckpt, name), hf_write.DTYPES[opts.dtype],
+            lambda name, dtype: checkpoint.read_dense(ckpt, name, dtype=dtype),
+            hf_write.DTYPES[opts.dtype],
             opts.max_shard_bytes, hf_write.carried_files(ckpt),
         )
     except ERRORS as exc:

@@ -2,10 +2,10 @@
 safetensors files (sliced reads), and `tessera import-hf` one tensor at a time.
 
 Every read is a slice of rows (a unit's rows, or all rows of a unit's columns for a
-row-parallel weight) in blocks of at most `BLOCK_BYTES`, converted to float32 straight into the
-parameter. Each tensor's file is opened for that tensor alone: its pages, mapped while it is
-read, are released before the next. So a process holds its shard, one block, and at most one
-stored tensor's mapped pages; bfloat16 and float16 widen exactly.
+row-parallel weight) in blocks of at most `BLOCK_BYTES` (as float32), converted to float32
+straight into the parameter. The file is opened for each block alone: the pages safetensors maps
+to read it are released before the next. So a process holds its shard and one block besides;
+bfloat16 and float16 widen exactly.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from ntp.sharding import local_positions, runs, spec_of, unit_size
 from tessera_contracts.model_shape import ModelShape
 from tessera_core.plan import RankShard
 
-BLOCK_BYTES = 16 * 2**20
+BLOCK_BYTES = 4 * 2**20
 
 
 def open_directory(directory: Path, args: ModelArgs) -> dict[str, Path]:
@@ -44,12 +44,13 @@ def _read_rows(
     row_bytes = out[0].numel() * 4 if out.dim() > 1 else 4
     align = head_dim if hf.is_rotated(name) else 1
     block = max(align, BLOCK_BYTES // row_bytes // align * align)
-    with safe_open(path, framework="pt") as f:
-        stored_slice = f.get_slice(stored)
-        for lo in range(first, end, block):
-            hi = min(lo + block, end)
-            piece = stored_slice[lo:hi] if cols is None else stored_slice[lo:hi, cols[0]:cols[1]]
-            hf.copy_from_hf(out[lo - first : hi - first], piece, name, head_dim)
+    for lo in range(first, end, block):
+        hi = min(lo + block, end)
+        with safe_open(path, framework="pt") as f:
+            rows_of = f.get_slice(stored)
+            piece = rows_of[lo:hi] if cols is None else rows_of[lo:hi, cols[0] : cols[1]]
+        hf.copy_from_hf(out[lo - first : hi - first], piece, name, head_dim)
+        del piece
 
 
 def load_units(

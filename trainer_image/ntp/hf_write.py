@@ -3,8 +3,9 @@ config.json, and the tokenizer files and generation config the job started with.
 
 A safetensors file is an 8-byte header length, a JSON header naming each tensor's dtype, shape
 and byte range, then the tensors' bytes back to back. Every shape is known before anything is
-read, so each file's header is written first and its tensors streamed after it: the process
-holds one tensor (and its converted copy), never a shard.
+read, so each file's header is written first and its tensors streamed after it, a rotated one
+head by head in transformers' row order: the process holds the one tensor it writes, never a
+shard.
 """
 
 from __future__ import annotations
@@ -61,14 +62,14 @@ def _shards(
 def write_directory(
     directory: Path,
     args: ModelArgs,
-    read: Callable[[str], torch.Tensor],
+    read: Callable[[str, torch.dtype], torch.Tensor],
     dtype: torch.dtype = torch.float32,
     max_shard_bytes: int = 5 * 2**30,
     carried: Sequence[Path] = (),
 ) -> None:
-    """A Hugging Face directory of the project's model: each parameter (`read(name)`, float32,
-    the project's order) renamed, reordered and converted to `dtype`, in safetensors shards
-    with an index when there are several; the `carried` files copied; config.json last.
+    """A Hugging Face directory of the project's model: each parameter (`read(name, dtype)`,
+    in the project's order) renamed and reordered, in safetensors shards with an index when
+    there are several; the `carried` files copied; config.json last.
 
     config.json is written last and atomically: a directory without it is an unfinished export
     that transformers does not load. The directory must be new or empty."""
@@ -88,13 +89,14 @@ def write_directory(
         with partial.open("wb") as out:
             out.write(_header(shard, dtype))
             for key, shape in shard:
-                t = read(project[key])
+                t = read(project[key], dtype).detach().to("cpu", dtype)
                 if tuple(t.shape) != tuple(shape):
                     raise ValueError(f"{project[key]} is {tuple(t.shape)}, the model's is {shape}")
-                value = torch.empty(shape, dtype=dtype)
-                hf.copy_to_hf(value, t.detach().to("cpu"), project[key], args.head_dim)
-                out.write(value.view(torch.uint8).numpy().data)
-                del t, value  # before the next tensor is read
+                rotated = hf.is_rotated(project[key])
+                for rows in t.split(args.head_dim if rotated else max(t.shape[0], 1)):
+                    piece = hf.pairs_to_halves(rows, args.head_dim) if rotated else rows
+                    out.write(piece.contiguous().view(torch.uint8).numpy().data)
+                del t  # before the next tensor is read
         os.replace(partial, directory / file)
     # 2. The index when there are several files, and what the job started with.
     if len(shards) > 1:
