@@ -96,12 +96,24 @@ class RopeScaling:
                 if getattr(self, attr) is not None}
 
 
-@dataclass(frozen=True)
-class ModelShape:
-    """A decoder's dimensions, the plan's input, and what its family adds to a Llama.
+@dataclass(frozen=True, kw_only=True)
+class ModelFamily:
+    """What a family adds to a Llama (the defaults: a Llama's), the same fields wherever a model
+    is described (`ModelShape`, the trainer's `ntp.model.ModelArgs`). `head_dim` left out is
+    hidden // n_heads; given, the attention is n_heads * head_dim wide, whatever hidden is."""
 
-    `head_dim` left out is hidden // n_heads (which then must divide); given, the attention's
-    width is n_heads * head_dim, whatever hidden is (Qwen3)."""
+    head_dim: int = None  # type: ignore[assignment]  # set to hidden // n_heads when not given
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    tied_embeddings: bool = False
+    sliding_window: int | None = None
+    rope_scaling: RopeScaling | None = None
+
+
+@dataclass(frozen=True)
+class ModelShape(ModelFamily):
+    """A decoder's dimensions, the plan's input, and what its family adds (`ModelFamily`;
+    without `head_dim`, hidden must be a multiple of n_heads)."""
 
     hidden: int
     n_heads: int
@@ -110,12 +122,6 @@ class ModelShape:
     vocab: int
     n_layers: int = 1
     seq_len: int = 4096
-    head_dim: int = None  # type: ignore[assignment]  # set to hidden // n_heads when not given
-    qkv_bias: bool = False
-    qk_norm: bool = False
-    tied_embeddings: bool = False
-    sliding_window: int | None = None
-    rope_scaling: RopeScaling | None = None
 
     def __post_init__(self) -> None:
         for name in ("hidden", "n_heads", "n_kv_heads", "ffn", "vocab", "n_layers", "seq_len"):

@@ -26,6 +26,7 @@ from hf_families import (
     save,
 )
 from safetensors import safe_open
+from test_hf import refused
 
 from ntp import checkpoint, hf, hf_cli, hf_read
 from ntp.initialize import materialize
@@ -157,14 +158,6 @@ def test_a_bfloat16_directory_widens_exactly(name, tmp_path):
         assert p.dtype == torch.float32
         key, back = hf.to_hf(n, p.detach(), args)
         assert torch.equal(back, source.get_parameter(key).float()), n
-
-
-def refused(call) -> str:
-    with pytest.raises(ValueError) as info:
-        call()
-    message = str(info.value)
-    assert "\n" not in message
-    return message
 
 
 def test_what_no_family_computes_is_refused_naming_the_field():

@@ -11,11 +11,12 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
+from hf_families import float64_transformers as reference_in_float64
+from hf_families import reference_run
+from rounding import FLOAT32_ROUNDING, FLOAT64_ROUNDING, rounding_bound
 from safetensors.torch import load_file, save_file
-from test_model import FLOAT64_ROUNDING, rel_err, rounding_bound
+from test_model import rel_err
 from transformers import LlamaConfig, LlamaForCausalLM
-from transformers.models.llama import modeling_llama
 from transformers.utils import logging as hf_logging
 
 from ntp import checkpoint, hf, hf_cli, hf_read, hf_write
@@ -24,7 +25,6 @@ from ntp.model import ModelArgs, Transformer, cross_entropy_loss, parameter_shap
 pytestmark = pytest.mark.hf
 hf_logging.disable_progress_bar()
 
-FLOAT32_ROUNDING = 2.0**-24  # unit roundoff
 BATCH = 3
 
 # Shapes no other test uses: grouped-query and multi-head attention, with different depth,
@@ -61,54 +61,17 @@ def random_llama(shape: dict, seed: int, **extra) -> LlamaForCausalLM:
 
 @pytest.fixture
 def float64_transformers(monkeypatch):
-    """transformers' Llama computed in float64 throughout.
-
-    Whatever the model's dtype, transformers 5.24 rounds three stages to float32
-    (models/llama/modeling_llama.py): LlamaRMSNorm (`hidden_states.to(torch.float32)`), the RoPE
-    table (`inv_freq` and the angles in float32) and the eager softmax (`dtype=torch.float32`).
-    Those would put float32 rounding (~6e-8) into a float64 comparison, so here the same
-    equations run in the input's dtype; everything else (names, q/k layout, rotate_half, GQA
-    repeat, SwiGLU, residuals) stays transformers' own code.
-    """
-
-    def rms_norm(self, x):
-        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True)
-                                              + self.variance_epsilon))
-
-    def rotary(self, x, position_ids):
-        head_dim = 2 * self.inv_freq.numel()
-        theta = self.config.rope_parameters["rope_theta"]
-        inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
-        angles = position_ids[..., None].double() * inv_freq
-        emb = torch.cat((angles, angles), dim=-1)
-        return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
-
-    softmax = F.softmax
-
-    def wide_softmax(x, dim=None, _stacklevel=3, dtype=None):
-        return softmax(x, dim, dtype=None if dtype is None else torch.promote_types(x.dtype, dtype))
-
-    monkeypatch.setattr(modeling_llama.LlamaRMSNorm, "forward", rms_norm)
-    monkeypatch.setattr(modeling_llama.LlamaRotaryEmbedding, "forward", rotary)
-    monkeypatch.setattr(modeling_llama.nn.functional, "softmax", wide_softmax)
+    """transformers' Llama computed in float64 throughout (`hf_families.float64_transformers`:
+    the three stages it rounds to float32 whatever the dtype run in float64, the rest its
+    own code)."""
+    with reference_in_float64(monkeypatch):
+        yield
 
 
 def batch(vocab: int, seq: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, vocab, (BATCH, seq + 1), generator=gen)
     return tokens[:, :-1], tokens[:, 1:]
-
-
-def reference_run(model: LlamaForCausalLM, inputs, targets) -> tuple[dict, dict[str, torch.Tensor]]:
-    """Logits and mean next-token loss of transformers' model, and every weight's gradient by
-    transformers' name. The loss is torch's cross entropy over the model's float64 logits (the
-    model's own `labels=` loss rounds the logits to float32 first)."""
-    model.zero_grad()
-    logits = model(input_ids=inputs).logits
-    loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
-    loss.backward()
-    grads = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
-    return {"logits": logits.detach(), "loss": loss.detach()}, grads
 
 
 def project_run(args: ModelArgs, weights: dict, dtype, inputs, targets):

@@ -17,8 +17,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from hf_families import FAMILIES
 from hf_families import save as save_family
+from rounding import FLOAT32_ROUNDING, FLOAT64_ROUNDING, rounding_bound
 from test_hf import random_llama, save
-from test_model import FLOAT64_ROUNDING, rounding_bound
 from transformers import LlamaForCausalLM
 
 from ntp import hf, hf_cli
@@ -30,7 +30,6 @@ from tessera_core.plan import plan_job
 
 pytestmark = pytest.mark.hf
 
-FLOAT32_ROUNDING = 2.0**-24
 GLOBAL_BATCH = 8
 STEPS = 20
 # Used by no other test: 6 query heads on 3 KV heads, FFN 60, vocabulary 67.

@@ -294,7 +294,8 @@ def write_dense(
 ) -> Path:
     """A complete checkpoint of dense float32 weights (no optimizer state) at
     root/step-NNNNNNNN, written by this one process, which holds one tensor at a time
-    (`make(name)` gives it when its turn comes); returns its path."""
+    (`make(name)` gives it when its turn comes: a tensor of its own, whose memory is released
+    once written); returns its path."""
     placeholders = {_key("model", name): torch.empty(tuple(shape), device="meta")
                     for name, shape in shapes.items()}
     final = root / checkpoint_name(step)

@@ -18,11 +18,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tessera_contracts.model_shape import FAMILY_FIELDS, ModelShape, RopeScaling
+from tessera_contracts.model_shape import FAMILY_FIELDS, ModelFamily, ModelShape, RopeScaling
 
 
 @dataclass(frozen=True)
-class ModelArgs:
+class ModelArgs(ModelFamily):
     dim: int = 4096
     n_layers: int = 32
     n_heads: int = 32
@@ -33,13 +33,6 @@ class ModelArgs:
     norm_eps: float = 1e-5
     rope_theta: float = 500000.0
     init_std: float = 0.02
-    # What a family adds (tessera_contracts.model_shape.ModelShape's fields of the same names).
-    head_dim: int = None  # type: ignore[assignment]  # dim // n_heads when not given
-    qkv_bias: bool = False
-    qk_norm: bool = False
-    tied_embeddings: bool = False
-    sliding_window: int | None = None
-    rope_scaling: RopeScaling | None = None
 
     def __post_init__(self) -> None:
         if self.head_dim is None:

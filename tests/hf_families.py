@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from test_model import FLOAT64_ROUNDING, rounding_bound
+from rounding import FLOAT32_ROUNDING, FLOAT64_ROUNDING, rounding_bound
 from torch.overrides import TorchFunctionMode
 from transformers import (
     LlamaConfig,
@@ -40,7 +40,6 @@ from ntp import hf
 from ntp.model import ModelArgs, parameter_shapes
 
 hf_logging.disable_progress_bar()
-FLOAT32_ROUNDING = 2.0**-24
 
 
 @dataclass(frozen=True)
