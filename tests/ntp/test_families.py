@@ -28,7 +28,7 @@ from hf_families import (
 from safetensors import safe_open
 from test_hf import refused
 
-from ntp import checkpoint, hf, hf_cli, hf_read
+from ntp import checkpoint, hf, hf_cli, hf_read, hf_write
 from ntp.initialize import materialize
 from ntp.model import ModelArgs, Transformer, cross_entropy_loss
 from ntp.parallelize import apply_ntp
@@ -160,7 +160,7 @@ def test_a_bfloat16_directory_widens_exactly(name, tmp_path):
         assert torch.equal(back, source.get_parameter(key).float()), n
 
 
-def test_what_no_family_computes_is_refused_naming_the_field():
+def test_what_no_family_computes_is_refused_naming_the_field(tmp_path):
     config = FAMILIES["llama3.1"].config(**FAMILIES["llama3.1"].shape).to_dict()
     rope = config["rope_parameters"]
     cases = [
@@ -200,6 +200,12 @@ def test_what_no_family_computes_is_refused_naming_the_field():
     # QKV biases with QK norms: the trainer computes it, but no family holds it
     args = ModelArgs.of_shape(replace(ModelShape.from_spec(SPECS["qwen3"]), qkv_bias=True))
     assert "no Hugging Face family" in refused(lambda: hf.config_from_args(args))
+    # and its export is refused before any file is written
+    weights = dict(Transformer(args).named_parameters())
+    out = tmp_path / "out"
+    assert "no Hugging Face family" in refused(
+        lambda: hf_write.write_directory(out, args, lambda name, _dtype: weights[name]))
+    assert not out.exists()
 
 
 @pytest.mark.parametrize("kind", ["linear", "dynamic"])

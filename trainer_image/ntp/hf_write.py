@@ -75,6 +75,8 @@ def write_directory(
     that transformers does not load. The directory must be new or empty."""
     if directory.exists() and any(directory.iterdir()):
         raise ValueError(f"{directory} is not empty: export into a new or empty directory")
+    # a model no family holds is refused before any file is written
+    config = hf.config_from_args(args, _NAMES[dtype][1])
     directory.mkdir(parents=True, exist_ok=True)
     shapes = parameter_shapes(args)
     entries = [(hf.hf_name(name), shape) for name, shape in shapes.items()]
@@ -109,7 +111,7 @@ def write_directory(
         shutil.copy2(path, directory / path.name)
     # 3. config.json: from here on the directory is a complete model.
     partial = directory / f"{hf.CONFIG}.partial"
-    partial.write_text(json.dumps(hf.config_from_args(args, _NAMES[dtype][1]), indent=2) + "\n")
+    partial.write_text(json.dumps(config, indent=2) + "\n")
     os.replace(partial, directory / hf.CONFIG)
 
 
