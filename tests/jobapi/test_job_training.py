@@ -283,6 +283,18 @@ def _family_job(name: str, weights: str, checkpoints: str, model: dict[str, Any]
     return job
 
 
+def _running_trainer(flow: JobFlow, name: str) -> dict[str, Any]:
+    """The job's running trainer pod; if none comes, the job's status and its pods say why."""
+    try:
+        return flow.wait(f"{name}'s trainer pod running", lambda: [
+            p for p in flow.pods(name) if p["metadata"]["labels"].get(ROLE_LABEL) == "trainer"
+            and p["status"].get("phase") == "Running"])[0]
+    except AssertionError as exc:
+        pods = [(p["metadata"]["name"], p["status"].get("phase"), p["status"].get("conditions"))
+                for p in flow.pods(name)]
+        raise AssertionError(f"{exc}; status {flow.status(name)}; pods {pods}") from None
+
+
 @pytest.mark.models
 @pytest.mark.timeout(3 * HANG_S)
 def test_jobs_from_qwen3_and_llama31_directories_train_through_a_gpu_loss_and_export(
@@ -304,11 +316,7 @@ def test_jobs_from_qwen3_and_llama31_directories_train_through_a_gpu_loss_and_ex
             name, weights_claim, checkpoint_claim, models[name][1].shape().to_spec())))
         flow.kubectl("apply", "-f", str(manifest))
     # 2. Both train; each loses a GPU of its node under it and goes on at TP1.
-    pods = {}
-    for name in FAMILY_JOBS:
-        pods[name] = flow.wait(f"{name}'s trainer pod running", lambda n=name: [
-            p for p in flow.pods(n) if p["metadata"]["labels"].get(ROLE_LABEL) == "trainer"
-            and p["status"].get("phase") == "Running"])[0]
+    pods = {name: _running_trainer(flow, name) for name in FAMILY_JOBS}
     for name, pod in pods.items():
         pod_name = pod["metadata"]["name"]
         flow.wait(f"{name} training past step 3", lambda p=pod_name: max(
