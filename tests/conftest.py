@@ -4,7 +4,11 @@ namespaces, Prometheus servers for static targets."""
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
+import subprocess
+import sys
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 
@@ -12,8 +16,39 @@ import pytest
 from kubernetes import client
 
 from tessera_dev import probes
-from tessera_dev.controlplane import cluster, crds, launcher
+from tessera_dev.controlplane import build, cluster, crds, launcher
 from tessera_dev.controlplane.prometheus import Prometheus
+
+# Kueue's build, started at collection when the session runs the kueue tests and Kueue is not
+# cached: the session's other tests leave the cores idle for much of their waits, so building
+# at the lowest priority meanwhile costs them little and spares the kueue tests many minutes.
+_kueue_build: subprocess.Popen[bytes] | None = None
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The kueue tests last (their build has the whole session to finish), Kueue built in the
+    background."""
+    global _kueue_build
+    queued = [item for item in items if item.get_closest_marker("kueue")]
+    if not queued:
+        return
+    items[:] = [item for item in items if not item.get_closest_marker("kueue")] + queued
+    if os.environ.get("TESSERA_KUEUE_BIN") or (build.find_kueue() and build.find_kueue_manifests()):
+        return
+    build.cache_root().mkdir(parents=True, exist_ok=True)
+    with open(build.cache_root() / "kueue-build.log", "wb") as log:
+        # the build lock makes the kueue tests' own ensure_kueue wait for this one to finish
+        _kueue_build = subprocess.Popen(
+            ["nice", "-n", "19", sys.executable, "-m", "tessera_dev.controlplane.build",
+             "--kueue"], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """A session that ends before its kueue tests stops the build it started."""
+    if _kueue_build is not None and _kueue_build.poll() is None:
+        os.killpg(_kueue_build.pid, signal.SIGTERM)
+        _kueue_build.wait()
+
 
 # The session's local cluster: as `tessera-dev up` makes it by default.
 CLUSTER_NODES = cluster.DEFAULT_NODES

@@ -7,7 +7,7 @@ same decisions. The steps of `plan`:
 2. Decide each slot from its survivors (`decide_group`): full TP, a reduced TP at or above the
    minimum (NTP modes), or unused.
 3. Pack usable groups into DP replicas, healthiest first, so partially failed groups share as few
-   replicas as possible; a replica runs at its slowest stage's TP degree.
+   replicas as possible; each stage runs at its own TP degree, the replica at its slowest's.
 4. NTP-PW: each reduced replica's boost is the power at which its busiest rank (tessera_core.plan's
    real split of whole heads, not the ideal N1/N2) keeps pace with a healthy one, within the boost
    cap.
@@ -135,7 +135,8 @@ class Group:
 
 @dataclass(frozen=True)
 class Replica:
-    """One DP replica: PP stages, each a group, all running at the replica's TP degree."""
+    """One DP replica: PP stages, each a group at its own TP degree (NTP per stage); `tp` is
+    its limiting stage's, the one its pipeline runs at and whose survivors are boosted."""
 
     index: int
     tp: int
@@ -144,12 +145,26 @@ class Replica:
     # The job step at which the closed loop last set `power_ratio` (0: the open-loop seed).
     ratio_step: int = 0
 
+    def degrees(self) -> tuple[int, ...]:
+        """TP degree of each stage: a GPU lost in one stage reduces that stage alone."""
+        return tuple(g.decision.tp for g in self.stages)
+
+    @property
+    def limiting_stage(self) -> int:
+        """The stage that sets the pipeline's pace: its lowest degree (the first of equals)."""
+        degrees = self.degrees()
+        return degrees.index(min(degrees))
+
+    def limits(self, group: Group) -> bool:
+        """Whether `group` is a stage slowed below the healthy pace to the replica's degree."""
+        return group.decision.tp == self.tp and group.decision.slowdown > 1.0
+
     def stage_gpus(self) -> tuple[tuple[GpuId, ...], ...]:
         """The GPUs each stage's ranks run on; a stage's other survivors idle."""
-        return tuple(g.gpus[: self.tp] for g in self.stages)
+        return tuple(g.gpus[: g.decision.tp] for g in self.stages)
 
     def idle_gpus(self) -> tuple[GpuId, ...]:
-        return tuple(gpu for g in self.stages for gpu in g.gpus[self.tp :])
+        return tuple(gpu for g in self.stages for gpu in g.gpus[g.decision.tp :])
 
     def nodes(self) -> tuple[str, ...]:
         return tuple(sorted({n for g in self.stages for n, _ in g.gpus + g.failed}))
@@ -193,11 +208,15 @@ class JobPlan:
         return len(self.replicas) < self.spec.dp or any(r.tp < self.spec.tp for r in self.replicas)
 
     def rack_ratios(self) -> dict[str, float]:
-        """Boost ratio per scale-up domain: the largest of the replicas it serves (1.0: none)."""
+        """Boost ratio per scale-up domain: the largest of the stages it serves (1.0: none). A
+        replica's limiting stages take its ratio; its other stages keep pace unboosted, or at
+        their own ratio when reduced less (a pipeline runs at its slowest stage)."""
         ratios = dict.fromkeys(self.racks, 1.0)
         for replica in self.replicas:
             for group in replica.stages:
-                ratios[group.domain] = max(ratios[group.domain], replica.power_ratio)
+                own = (replica.power_ratio if replica.limits(group)
+                       else min(replica.power_ratio, group.decision.power_ratio))
+                ratios[group.domain] = max(ratios[group.domain], own)
         return ratios
 
     def power_targets(self, held: Mapping[str, str] | None = None) -> dict[str, PowerTarget]:
@@ -262,6 +281,8 @@ class JobPlan:
         parked = self._parked(held or {})
         watts = []
         for group in replica.stages:
+            if not replica.limits(group):
+                continue
             targets = self._rack_targets(group.domain, cap / base,
                                          parked.get(group.domain, frozenset()))
             watts += [targets[n].watts_for(i) for n, i in group.gpus[: replica.tp]]

@@ -12,7 +12,7 @@ from typing import Any
 import yaml
 
 from tessera_contracts.api import JOB_KIND
-from tessera_contracts.jobspec import SpecError
+from tessera_contracts.jobspec import SpecError, defaulted
 from tessera_contracts.model_shape import PlanError
 from tessera_core.memory import (
     CHECKPOINTING,
@@ -33,6 +33,7 @@ from tessera_core.memory import (
     usable,
 )
 from tessera_core.plan import plan_replica
+from tessera_core.stages import stage_memory
 
 COLUMNS = ("layout", "rank", "TP", "batch", "weights", "master", "grads", "optimizer",
            "activations", "loss", "comm", "step peak", "relayout")
@@ -102,6 +103,20 @@ def activation_modes(job: Job, training: Training) -> str:
     return f"activations per micro-batch of {micro} on a TP {job.tp} rank ({unit}): {each}"
 
 
+def pipeline_stages(job: Job, training: Training, stages: int) -> str:
+    """The healthy replica's split into pipeline stages (tessera_core.stages) and each stage's
+    rank 0: its state and the activations of the micro-batches it holds under 1F1B."""
+    local_batch = -(-job.global_batch // job.dp)
+    rows = stage_memory(job.shape, stages, job.tp, training, local_batch)
+    unit, size = unit_for(max(r.state + r.activations for r in rows))
+    lines = [f"pipeline stages ({unit}; the table above holds every layer on each rank):"]
+    for r in rows:
+        lines.append(f"  stage {r.stage}: layers {r.layers[0]}-{r.layers[1] - 1}, state "
+                     f"{r.state / size:.1f}, activations {r.activations / size:.1f} "
+                     f"(micro-batches in flight: {r.in_flight})")
+    return "\n".join(lines)
+
+
 def jobs_in(path: Path) -> list[tuple[str, Mapping[str, Any]]]:
     """(name, spec) of every NTPTrainingJob in a YAML file."""
     documents = [d for d in yaml.safe_load_all(path.read_text()) if isinstance(d, dict)]
@@ -149,6 +164,13 @@ def main(argv: list[str] | None = None) -> int:
         unit, rows = table(plans, gpu_bytes)
         print(f"\nper GPU, {unit} (each layout's rank that needs the most; batch: micro-batch / "
               f"local batch):\n{rows}\n\n{activation_modes(job, training)}")
+        stages = int(defaulted(spec)["pipelineParallelSize"])
+        if stages > 1:
+            try:
+                print(pipeline_stages(job, training, stages))
+            except PlanError as exc:
+                print(f"tessera plan: {name}: {exc}", file=sys.stderr)
+                status = 1
         if assessment is None:
             print("no GPU memory given (--gpu-memory or spec.gpuMemory): nothing checked\n")
             continue

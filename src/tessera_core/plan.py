@@ -379,6 +379,7 @@ class JobLayout:
                 data["global_batch"],
                 data["mode"],
                 sync_shards=shards(data["sync_shards"]) if "sync_shards" in data else None,
+                local_batches=data.get("local_batches"),
             )
         except (KeyError, TypeError) as exc:
             raise PlanError(f"malformed layout document: {exc!r}") from exc
@@ -443,11 +444,13 @@ def layout_from_shards(
     global_batch: int,
     mode: str,
     sync_shards: Sequence[RankShard] | None = None,
+    local_batches: Sequence[int] | None = None,
 ) -> JobLayout:
     """A job layout from explicit per-replica shards (any valid layouts, contiguous or not).
 
     The sync partitions come from `sync_shards` (a full layout with at most as many ranks as the
-    smallest replica), by default from the smallest replica itself.
+    smallest replica), by default from the smallest replica itself. `local_batches` overrides
+    the batch rule's split (a pipeline stage takes its replica's, tessera_core.stages).
     """
     if mode not in MODES:
         raise PlanError(f"mode must be one of {MODES}, got {mode!r}")
@@ -468,7 +471,14 @@ def layout_from_shards(
         validate_replica(shape, sync_shards)
     partitions = sync_partitions(shape, sync_shards)
     degrees = [len(s) for s in replica_shards]
-    batches = split_batch(global_batch, degrees if mode == "ntp" else [1] * len(degrees))
+    if local_batches is None:
+        batches = split_batch(global_batch, degrees if mode == "ntp" else [1] * len(degrees))
+    elif len(local_batches) != len(degrees) or sum(local_batches) != global_batch \
+            or min(local_batches) < 1:
+        raise PlanError(f"local batches {list(local_batches)} must give each of the "
+                        f"{len(degrees)} replicas samples, {global_batch} in all")
+    else:
+        batches = list(local_batches)
     syncs: dict[tuple[RankShard, ...], ReplicaSync] = {}
     replicas, rank_offset, batch_offset = [], 0, 0
     for i, shards in enumerate(replica_shards):

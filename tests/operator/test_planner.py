@@ -63,9 +63,11 @@ def test_partially_failed_groups_are_packed_into_one_replica() -> None:
     assert sorted(r.tp for r in result.replicas) == [7, 8]
     slow = next(r for r in result.replicas if r.tp == 7)
     assert {g.domain for g in slow.stages} == {"a", "c"}
-    # A replica with a healthy and a reduced stage runs both at TP 7: the healthy one idles a GPU.
+    # NTP per stage: the hit stage alone runs at TP 7, the healthy one keeps its 8 GPUs; the
+    # replica runs at its limiting stage's pace.
     mixed = plan(_spec(pp=2, dp=1), _own_domains("a", "b"), {("a", 0)}).replicas[0]
-    assert mixed.tp == 7 and mixed.idle_gpus() == (("b", 7),)
+    assert mixed.tp == 7 and mixed.degrees() == (7, 8) and mixed.limiting_stage == 0
+    assert mixed.idle_gpus() == () and len(mixed.stage_gpus()[1]) == 8
 
 
 def test_groups_stay_inside_their_scale_up_domain() -> None:
@@ -160,6 +162,20 @@ def test_power_targets_boost_survivors_within_the_budget() -> None:
     plain = plan(_spec(mode=FailurePolicy.NTP), _own_domains("a", "b"), {("a", 3)}).power_targets()
     assert {plain["a"].watts_for(i) for i in range(8) if i != 3} == {600}
     assert plan(_spec(power=None), _own_domains("a"), set()).power_targets() == {}
+
+
+def test_the_boost_lands_on_the_degraded_stage_alone() -> None:
+    # PP 2, DP 1: stage 0 (domain a) lost a GPU. The pipeline runs at its pace, so only a's
+    # survivors are boosted; stage 1's domain b keeps its 8 GPUs at the base cap.
+    result = plan(_spec(mode=FailurePolicy.NTP_PW, pp=2, dp=1), _own_domains("a", "b"),
+                  {("a", 3)})
+    replica = result.replicas[0]
+    assert replica.limiting_stage == 0 and replica.power_ratio > 1.0
+    assert result.rack_ratios() == {"a": replica.power_ratio, "b": 1.0}
+    targets = result.power_targets()
+    assert {targets["a"].watts_for(i) for i in range(8) if i != 3} == {657}
+    assert targets["b"].gpu_w == {} and targets["b"].base_w == 600
+    assert result.reachable_ratio(replica) == pytest.approx(657 / 600)
 
 
 def test_a_rack_budget_below_the_gpus_minimum_is_a_spec_error() -> None:

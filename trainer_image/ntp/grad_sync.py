@@ -88,9 +88,10 @@ def bucket_parameters(named: Named, shape: ModelShape, cap: int) -> list[Named]:
     for name, p in named:
         key = ".".join(name.split(".")[:2]) if name.startswith("layers.") else name
         by_layer.setdefault(key, []).append((name, p))
-    head = by_layer.pop("output.weight", []) + by_layer.pop("norm.weight")
-    embedding = by_layer.pop("tok_embeddings.weight")
-    groups = [head, *reversed(list(by_layer.values())), embedding]
+    # A pipeline stage holds the head only if last, the embedding only if first.
+    head = by_layer.pop("output.weight", []) + by_layer.pop("norm.weight", [])
+    embedding = by_layer.pop("tok_embeddings.weight", [])
+    groups = [g for g in (head, *reversed(list(by_layer.values())), embedding) if g]
     sizes = [sum(dense_shape(shape, n, p.shape).numel() for n, p in g) for g in groups]
     return [[item for i in bucket for item in groups[i]] for bucket in bucket_groups(sizes, cap)]
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -32,21 +33,37 @@ def build_groups(layout: JobLayout, timeout: timedelta | None = None) -> JobGrou
         raise ValueError(
             f"layout needs {layout.world_size} ranks, the process group has {dist.get_world_size()}"
         )
-    replica, rank = layout.locate(dist.get_rank())
+    groups = layout_groups(layout, range(layout.world_size), timeout)
+    assert groups is not None
+    return groups
+
+
+def layout_groups(layout: JobLayout, world_ranks: Sequence[int],
+                  timeout: timedelta | None = None) -> JobGroups | None:
+    """Create every group of `layout`, whose global rank g is world rank `world_ranks[g]` (a
+    pipeline stage's layout inside the job's world; all ranks of the world must call this),
+    and return this rank's (None: it is not in the layout)."""
+    me = dist.get_rank()
+    if me in world_ranks:
+        replica, rank = layout.locate(list(world_ranks).index(me))
+    else:
+        replica = rank = -1
     tp = tp_sync = dp_owner = None
     for r in layout.replicas:
-        ranks = [r.global_rank(i) for i in range(r.tp)]
+        ranks = [world_ranks[r.global_rank(i)] for i in range(r.tp)]
         model_group = dist.new_group(ranks, timeout=timeout)
         sync_group = dist.new_group(ranks, timeout=timeout)
         if r.index == replica:
             tp, tp_sync = model_group, sync_group
     for p in range(layout.sync_degree):
-        group = dist.new_group(list(layout.owner_ranks(p)), timeout=timeout)
+        owners = [world_ranks[g] for g in layout.owner_ranks(p)]
+        group = dist.new_group(owners, timeout=timeout)
         if p == rank:
             dp_owner = group
-    world = dist.new_group(list(range(layout.world_size)), timeout=timeout)
-    checkpoint = dist.new_group(list(range(layout.world_size)), timeout=timeout, backend="gloo")
-    assert tp is not None and tp_sync is not None
+    world = dist.new_group(list(world_ranks), timeout=timeout)
+    checkpoint = dist.new_group(list(world_ranks), timeout=timeout, backend="gloo")
+    if tp is None or tp_sync is None:
+        return None
     return JobGroups(
         replica=replica,
         rank=rank,
