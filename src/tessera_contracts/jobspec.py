@@ -63,8 +63,8 @@ def schema_default(path: str) -> Any:
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """`spec.model`: a Llama-style decoder's dimensions as written (`shape` says whether they
-    make one)."""
+    """`spec.model`: a decoder's dimensions and what its family adds, as written (`shape` says
+    whether they make one; a family field left out is absent here too)."""
 
     hidden: int
     heads: int
@@ -73,14 +73,23 @@ class ModelSpec:
     vocab: int
     layers: int
     seq_len: int
+    head_dim: int | None = None
+    qkv_bias: bool | None = None
+    qk_norm: bool | None = None
+    tied_embeddings: bool | None = None
+    sliding_window: int | None = None
+    rope_scaling: Mapping[str, Any] | None = None  # as written: `shape` checks it
 
-    def to_spec(self) -> dict[str, int]:
+    def to_spec(self) -> dict[str, Any]:
         return {"hidden": self.hidden, "heads": self.heads, "kvHeads": self.kv_heads,
                 "ffn": self.ffn, "vocab": self.vocab, "layers": self.layers,
-                "seqLen": self.seq_len}
+                "seqLen": self.seq_len} | _present(
+            headDim=self.head_dim, qkvBias=self.qkv_bias, qkNorm=self.qk_norm,
+            tiedEmbeddings=self.tied_embeddings, slidingWindow=self.sliding_window,
+            ropeScaling=None if self.rope_scaling is None else dict(self.rope_scaling))
 
     def shape(self) -> ModelShape:
-        """The decoder these dimensions make; PlanError when they make none."""
+        """The decoder this spec describes; PlanError when it describes none."""
         return ModelShape.from_spec(self.to_spec())
 
 
@@ -262,7 +271,11 @@ class NTPTrainingJobSpec:
             hidden=model.integer("hidden"), heads=model.integer("heads"),
             kv_heads=model.integer("kvHeads"), ffn=model.integer("ffn"),
             vocab=model.integer("vocab"), layers=model.integer("layers"),
-            seq_len=model.integer("seqLen"))
+            seq_len=model.integer("seqLen"), head_dim=model.optional_integer("headDim"),
+            qkv_bias=model.optional_flag("qkvBias"), qk_norm=model.optional_flag("qkNorm"),
+            tied_embeddings=model.optional_flag("tiedEmbeddings"),
+            sliding_window=model.optional_integer("slidingWindow"),
+            rope_scaling=rope.value if (rope := model.optional_child("ropeScaling")) else None)
         failure = top.child("failurePolicy")
         mode = failure.text("mode")
         if mode not in FailurePolicy.__members__.values():
@@ -417,6 +430,9 @@ class _Object:
 
     def flag(self, key: str) -> bool:
         return bool(self._get(key, bool, "true or false"))
+
+    def optional_flag(self, key: str) -> bool | None:
+        return self._get(key, bool, "true or false", required=False)
 
     def texts(self, key: str) -> tuple[str, ...]:
         return tuple(self._get(key, list, "a list of strings", item=str))

@@ -157,6 +157,15 @@ def test_the_desired_state_of_a_job(case: Case) -> None:
             ) in {(e.reason, e.message) for e in wanted.events}
 
 
+def test_what_a_family_adds_to_the_model_is_published_to_the_trainers() -> None:
+    # Qwen3-style: a head size of its own, QK norms, a tied head
+    family = {"headDim": 64, "qkNorm": True, "tiedEmbeddings": True}
+    job = _job(model=EXAMPLE["spec"]["model"] | family)
+    observed = replace(PLACED, job=job, pods=_pods(job, IP))
+    document = _document(_desired(observed, NOW).layout)
+    assert document["model"] == EXAMPLE["spec"]["model"] | family
+
+
 def test_a_fresh_job_is_placed_on_free_nodes_under_deterministic_names() -> None:
     observed = CASES["a fresh job on two free nodes, its rendezvous without an address yet"
                      ].observed
