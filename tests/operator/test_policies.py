@@ -12,14 +12,14 @@ from typing import Any
 import pytest
 import yaml
 
-from tessera_contracts import gpuhealth
+from tessera_contracts import gpuhealth, progress
 from tessera_contracts.generation import Generation, Rendezvous
 from tessera_contracts.jobspec import defaulted
 from tessera_contracts.powertarget import to_object
 from tessera_contracts.progress import NodeReport, State
 from tessera_contracts.unreadable import Unreadable
 from tessera_dev import paths
-from tessera_operator import desired, planner, workload
+from tessera_operator import desired, health, planner, workload
 from tessera_operator.lifecycle import Stage
 from tessera_operator.observed import Candidates, Layout, Observed, Spec
 from tessera_operator.policies import life, placement, power, publish, signal
@@ -290,3 +290,51 @@ def test_power_goes_on_from_the_boost_the_status_remembers() -> None:
     ratio = {r.index: (r.power_ratio, r.ratio_step) for r in resumed.replicas}
     assert ratio[reduced.index] == (1.1, 100)
     assert dict((r.index, r.power_ratio) for r in seeded.replicas)[reduced.index] != 1.1
+
+
+# ----------------------------------------------------------------------------------------------
+# hardening: what one trainer pod's own report may not decide
+# ----------------------------------------------------------------------------------------------
+
+
+def _report(node: str, at: float, **fields: Any) -> NodeReport:
+    """A training node's report written at `at` (Unix seconds)."""
+    return NodeReport(node, 1, 118, 1000, State.TRAINING, productive_seconds=90.0,
+                      wall_seconds=100.0, badput_seconds={"startup": 10.0}, reported_at=at,
+                      **fields)
+
+
+@pytest.mark.hardening
+@pytest.mark.parametrize("mode", ["NTP", "CKPT-RESTART"])
+def test_signal_one_pods_word_that_another_node_went_silent_takes_nothing(mode: str) -> None:
+    """A's report names B silent while B's own report is fresh: B keeps its GPUs (NTP: its
+    replica stays in the layout; CKPT-RESTART: the attempt goes on, no restart counted). Once
+    B's report is late past its period, the same word is believed, and the job asks to be
+    reconciled then (no event would come)."""
+    job = _job(**_mode(mode))
+    now = NOW.timestamp()
+    reports = {A: _report(A, now - 1, silent_nodes=(B,)), B: _report(B, now - 4)}
+    observed = _in_force(job, reports=reports)
+    found, lost = signal.health_of(_spec(job).whole, observed, {0: A, 1: B}, observed.nodes,
+                                   NOW)
+    assert not found.failed and not lost.failed
+    late_at = now - 4 + progress.report_period(2) + health.REPORT_LATE_S
+    assert found.recheck_at == late_at
+    assert any(f"node {B}: reported silent by {A} alone" in p for p in found.problems)
+    state, ended = life.life(_spec(job), observed, NOW)
+    assert (state.stage, state.restarts, ended) == (Stage.RUNNING, 0, {})
+    later = datetime.fromtimestamp(late_at, UTC)
+    found, _ = signal.health_of(_spec(job).whole, observed, {0: A, 1: B}, observed.nodes, later)
+    assert found.failed == {(B, i) for i in range(8)}
+
+
+@pytest.mark.hardening
+def test_signal_two_agents_that_agree_a_node_went_silent_take_it_at_once() -> None:
+    """Three nodes, each watched by two others: B's two watchers name it, and B's report is
+    fresh (a node that froze a moment ago wrote it): lost now, not after its report period.
+    A node naming itself, or one that names itself alone, adds no witness."""
+    now = NOW.timestamp()
+    reports = {A: _report(A, now, silent_nodes=(B, C)), C: _report(C, now, silent_nodes=(B, C)),
+               B: _report(B, now - 1)}
+    assert health.heard_silent(reports, now).nodes == {B}
+    assert health.heard_silent({**reports, C: _report(C, now)}, now).nodes == frozenset()
