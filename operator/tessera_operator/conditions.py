@@ -308,8 +308,8 @@ def render(
     }
     if trained is not None:
         status["step"] = trained.step
-        if trained.goodput is not None:
-            status["goodput"] = round(trained.goodput, 4)
+        if trained.goodput is not None:  # the schema's bounds: a value past them is refused
+            status["goodput"] = round(min(max(trained.goodput, 0.0), 1.0), 4)
     if life is not None:
         status |= {"attempt": life.attempt, "restarts": life.restarts}
         if life.earlier.wall_seconds:

@@ -166,8 +166,9 @@ def desired(spec: Spec | Problem, observed: Observed, now: datetime) -> Desired:
     planned = _plan(spec, observed, now)
     # 4. The trainers' progress drives the boosts and the step a planned switch happens at.
     told = workload.steps_told(observed.pods, observed.job)
-    reports, refused_reports = publish.agreed(
-        observed.reports_of(sorted(set(planned.placement.values()))), told)
+    placed = sorted(set(planned.placement.values()))
+    reports, refused_reports = publish.agreed(observed.reports_of(placed), told)
+    refused_reports = (*publish.unreadable(observed.reports, placed), *refused_reports)
     plan, blocked = planned.plan, None
     targets: dict[str, PowerTarget] = {}
     layout: dict[str, Any] | None = None

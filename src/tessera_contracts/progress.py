@@ -44,6 +44,9 @@ RESTART = vocabulary.Phase.RESTART.value  # the badput of a job's pods replaced
 # times a second (16 MB/s there): `report_period`.
 REPORT_EVERY_S = 10.0
 JOB_WRITES_PER_S = 20.0
+# A report's seconds are rounded to the millisecond (`ntp.nodeagent.progress`), each figure
+# by up to half of one: what productive plus badput may exceed wall by, per figure.
+FIGURE_ROUNDING_S = 0.001
 
 
 def report_period(nodes: int) -> float:
@@ -255,8 +258,8 @@ def _check(document: object) -> Mapping[str, Any]:
             _seconds(d, key)
     if not 0.0 <= _seconds(d, "goodput") <= 1.0:
         raise ReportError(f"goodput: between 0 and 1, got {d['goodput']}")
-    _seconds(d, "productiveSeconds")
-    _seconds(d, "wallSeconds")
+    productive = _seconds(d, "productiveSeconds")
+    wall = _seconds(d, "wallSeconds")
     badput = d.get("badputSeconds", {})
     if not isinstance(badput, Mapping):
         raise ReportError(f"badputSeconds: an object, got {badput!r}")
@@ -264,7 +267,13 @@ def _check(document: object) -> Mapping[str, Any]:
         if category not in BADPUT_CATEGORIES:
             raise ReportError(f"badputSeconds: {category!r} is not one of "
                               f"{', '.join(BADPUT_CATEGORIES)}")
-        _seconds(badput, category, f"badputSeconds.{category}")
+    spent = productive + sum(_seconds(badput, c, f"badputSeconds.{c}") for c in badput)
+    # A node's time is its wall time: productive plus badput is wall to a rounding of each
+    # figure. More would make the job's goodput exceed 1 (and the status refused) for as long
+    # as the report stays, and an ended attempt's account carry it for good.
+    if spent > wall + FIGURE_ROUNDING_S * (1 + len(badput)):
+        raise ReportError(f"productiveSeconds + badputSeconds: {spent:g} s, more than the "
+                          f"node's wallSeconds {wall:g}")
     return d
 
 
@@ -367,14 +376,17 @@ class Account:
 
     @classmethod
     def from_status(cls, value: object) -> Account:
-        """The account `to_status` wrote; what does not read as one (a hand edit) is none."""
+        """The account `to_status` wrote, its productive time at most its wall time; what does
+        not read as one (a hand edit) is none."""
         if not isinstance(value, Mapping):
             return cls()
         try:
             badput = {c: _seconds(value.get("badputSeconds") or {}, c)
                       for c in (value.get("badputSeconds") or {}) if c in BADPUT_CATEGORIES}
-            return cls(_seconds(value, "wallSeconds"), _seconds(value, "productiveSeconds"),
-                       badput)
+            wall = _seconds(value, "wallSeconds")
+            # productive time past the wall time would hold the job's goodput above 1, which
+            # the schema refuses, for good
+            return cls(wall, min(_seconds(value, "productiveSeconds"), wall), badput)
         except (ReportError, AttributeError):
             return cls()
 

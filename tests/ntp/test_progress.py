@@ -232,7 +232,8 @@ def test_the_job_succeeds_when_every_node_has_finished():
 
 def test_job_goodput_weights_each_node_by_its_wall_time_including_nodes_that_left():
     reports: dict[str, NodeReport | None] = {
-        NODES[0]: report(NODES[0], productive_seconds=90.0, wall_seconds=100.0, goodput=0.9),
+        NODES[0]: report(NODES[0], productive_seconds=90.0, wall_seconds=100.0, goodput=0.9,
+                         badput_seconds={"startup": 10.0}),
         NODES[1]: report(NODES[1], productive_seconds=10.0, wall_seconds=300.0, goodput=1 / 30,
                          badput_seconds={"waiting_for_health": 290.0}),
         "gone-node": report("gone-node", productive_seconds=50.0, wall_seconds=100.0,

@@ -6,6 +6,7 @@ before any pod holds a GPU, and a node another job holds is not shared."""
 from __future__ import annotations
 
 import copy
+import json
 import re
 import uuid
 from typing import Any
@@ -16,6 +17,7 @@ from kubernetes import client
 from opharness import ROOT, RunningOperator
 
 from tessera_contracts.api import JOB_LABEL
+from tessera_contracts.progress import progress_configmap, report_key
 from tessera_dev import simnodes
 from tessera_operator import power_targets, workload
 
@@ -154,3 +156,41 @@ def test_a_node_another_pod_holds_is_not_shared(running_operator) -> None:
                     "the second Unschedulable")
     assert "whole nodes" in ready["message"]
     assert _pods(op, "second") == []
+
+
+def _write_reports(op: RunningOperator, job: str, reports: dict[str, dict[str, Any]]) -> None:
+    """Write node reports into the job's progress ConfigMap as the nodes' agents would."""
+    core = client.CoreV1Api(op.admin)
+    op.wait(lambda: core.list_namespaced_config_map(
+        op.namespace, field_selector=f"metadata.name={progress_configmap(job)}").items, bool,
+        "the progress ConfigMap")
+    core.patch_namespaced_config_map(progress_configmap(job), op.namespace, {"data": {
+        report_key(node): json.dumps(report) for node, report in reports.items()}})
+
+
+def _honest(node: str, job: dict[str, Any], step: int) -> dict[str, Any]:
+    return {"node": node, "generation": 1, "step": step, "steps": job["spec"]["steps"],
+            "state": "Training", "productiveSeconds": 90.0, "wallSeconds": 100.0,
+            "badputSeconds": {"startup": 10.0}, "goodput": 0.9}
+
+
+def test_a_report_claiming_more_time_than_its_node_had_leaves_the_status_moving(
+        running_operator) -> None:
+    """One trainer pod's report claims a million productive seconds in 100 s: were it read,
+    the job's goodput would pass the schema's maximum of 1 and the API server would refuse
+    every status write for as long as the report stays. It is refused on read instead: the
+    status follows the other node's report, says why the first is not counted, and stays in
+    the schema's bounds."""
+    op, job = running_operator, "boasting"
+    lying, honest = op.create_nodes(job, 2)
+    op.create_job(_job(job))
+    op.start_rendezvous(job)
+    op.wait(lambda: op.status(job).get("layoutGeneration"), lambda g: g == 1, "generation 1")
+    stored = op.job(job)
+    _write_reports(op, job, {
+        lying: _honest(lying, stored, 7) | {"productiveSeconds": 1.0e6},
+        honest: _honest(honest, stored, 7)})
+    status = op.wait(lambda: op.status(job), lambda s: s.get("step") == 7,
+                     "the status at the honest node's step")
+    assert status["goodput"] == 0.9
+    assert f"node {lying}'s progress report refused" in _ready(op, job)["message"]

@@ -5,6 +5,7 @@ signal, the generation document it publishes, its power."""
 from __future__ import annotations
 
 import copy
+import json
 from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any
@@ -338,3 +339,29 @@ def test_signal_two_agents_that_agree_a_node_went_silent_take_it_at_once() -> No
                B: _report(B, now - 1)}
     assert health.heard_silent(reports, now).nodes == {B}
     assert health.heard_silent({**reports, C: _report(C, now)}, now).nodes == frozenset()
+
+
+@pytest.mark.hardening
+def test_a_report_spending_more_than_its_wall_time_is_refused_and_goodput_stays_in_bounds(
+) -> None:
+    """A's report claims a million productive seconds in 100 s of wall time: it is refused on
+    read (named in Ready), so the job's goodput is B's alone, within the schema's [0, 1], and
+    nothing of it can be folded into earlierAttempts. Rounding each figure to the millisecond
+    is no lie."""
+    job = _job()
+    honest = _report(B, NOW.timestamp())
+    lying = honest.to_dict() | {"node": A, "productiveSeconds": 1.0e6}
+    rounded = honest.to_dict() | {"node": C, "productiveSeconds": 90.0005,
+                                  "badputSeconds": {"startup": 10.0005}}
+    reports = progress.parse_reports({f"{A}.json": json.dumps(lying),
+                                      f"{B}.json": honest.to_json(),
+                                      f"{C}.json": json.dumps(rounded)})
+    assert isinstance(reports[A], Unreadable) and "wallSeconds" in reports[A].why
+    assert isinstance(reports[C], NodeReport)
+    wanted = desired.desired(_spec(job), _in_force(job, reports=reports), NOW)
+    assert wanted.status["goodput"] == 0.9
+    ready = next(c for c in wanted.status["conditions"] if c["type"] == "Ready")
+    assert f"node {A}'s progress report refused" in ready["message"]
+    # an account folded before (a hand edit) reads back within its wall time
+    assert progress.Account.from_status(
+        {"wallSeconds": 100.0, "productiveSeconds": 1.0e6}).productive_seconds == 100.0

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from datetime import datetime
 from typing import Any
 
@@ -28,6 +28,7 @@ from tessera_contracts.generation import (
     layout_configmap,
 )
 from tessera_contracts.jobspec import NTPTrainingJobSpec
+from tessera_contracts.unreadable import Unreadable
 from tessera_core.plan import generation_layout
 from tessera_operator import planner, workload
 from tessera_operator.observed import Observed
@@ -68,6 +69,14 @@ def agreed(reports: Mapping[str, progress.NodeReport | None], until: int | None
         kept[node] = None
         refused.append(f"node {node}'s progress report refused: {why}")
     return kept, tuple(refused)
+
+
+def unreadable(reports: Mapping[str, progress.NodeReport | Unreadable], nodes: Iterable[str]
+               ) -> tuple[str, ...]:
+    """A line for each of `nodes` whose report does not parse (read as no report): a bound it
+    breaks (more time spent than its wall time), an agent of another version, a hand edit."""
+    return tuple(f"node {node}'s progress report refused: {found.why}" for node in nodes
+                 if isinstance(found := reports.get(node), Unreadable))
 
 
 def planned_step(reports: Mapping[str, progress.NodeReport | None], now: float) -> int:
