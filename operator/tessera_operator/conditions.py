@@ -48,6 +48,21 @@ def _clip(message: str) -> str:
     return message if len(message) <= MESSAGE_MAX else message[: MESSAGE_MAX - len(tail)] + tail
 
 
+def refused(previous: Mapping[str, Any], why: str, now: str, generation: int
+            ) -> dict[str, Any]:
+    """The status `previous` (as the API server last took it) with Ready saying that the
+    server refused the status the operator wrote after it (`why`, the server's message): the
+    one thing a user then sees of the job changed. `now` is an RFC 3339 time."""
+    old = next((c for c in previous.get("conditions") or [] if c.get("type") == "Ready"), {})
+    since = old.get("lastTransitionTime") if old.get("status") == "False" else None
+    ready = {"type": "Ready", "status": "False", "reason": "StatusRefused",
+             "message": _clip("the API server refused the job's status, which stays as it "
+                              f"was: {why}"),
+             "observedGeneration": generation, "lastTransitionTime": since or now}
+    kept = [c for c in previous.get("conditions") or [] if c.get("type") != "Ready"]
+    return dict(previous) | {"conditions": [ready, *kept]}
+
+
 def _ready(plan: JobPlan | None, problems: Sequence[Problem], notes: Sequence[str]) -> Condition:
     suffix = "".join(f"; {n}" for n in notes)
     if plan is None or not plan.replicas:

@@ -194,3 +194,74 @@ def test_a_report_claiming_more_time_than_its_node_had_leaves_the_status_moving(
                      "the status at the honest node's step")
     assert status["goodput"] == 0.9
     assert f"node {lying}'s progress report refused" in _ready(op, job)["message"]
+
+
+REFUSING = "refuse-status"
+PROBE = "refuse-status-probe"  # a ConfigMap the same policy refuses: whether it is in force
+
+
+def test_a_status_the_api_server_refuses_is_said_once_not_retried_in_a_loop(
+        running_operator) -> None:
+    """An admission policy (as a platform team might install) refuses the job's status but
+    for its conditions: the operator says so in Ready and in a Warning event with the API
+    server's message, once, and waits for the next change instead of retrying the same write
+    every few seconds."""
+    op, job = running_operator, REFUSING
+    admission = client.AdmissionregistrationV1Api(op.admin)
+    core = client.CoreV1Api(op.admin)
+    policy = f"tessera-test-{REFUSING}"
+    admission.create_validating_admission_policy({
+        "metadata": {"name": policy},
+        "spec": {"failurePolicy": "Fail",
+                 "matchConstraints": {"resourceRules": [
+                     {"apiGroups": ["tessera.dev"], "apiVersions": ["*"],
+                      "operations": ["UPDATE"], "resources": ["ntptrainingjobs/status"]},
+                     {"apiGroups": [""], "apiVersions": ["v1"], "operations": ["CREATE"],
+                      "resources": ["configmaps"]}]},
+                 "matchConditions": [{"name": "this-job", "expression":
+                                      f"object.metadata.name in ['{REFUSING}', '{PROBE}']"}],
+                 "validations": [{"expression": f"object.metadata.name != '{PROBE}' && "
+                                  "!has(object.status.phase)", "reason": "Invalid",
+                                  "message": "status writes of this job are closed"}]}})
+    admission.create_validating_admission_policy_binding({
+        "metadata": {"name": policy},
+        "spec": {"policyName": policy, "validationActions": ["Deny"],
+                 "matchResources": {"namespaceSelector": {"matchLabels": {
+                     "kubernetes.io/metadata.name": op.namespace}}}}})
+
+    def in_force() -> bool:
+        try:
+            core.create_namespaced_config_map(op.namespace, {"metadata": {"name": PROBE}})
+        except client.ApiException as exc:
+            return exc.status == 422
+        core.delete_namespaced_config_map(PROBE, op.namespace)
+        return False
+
+    def refusals() -> list[str]:
+        return [e.message for e in core.list_namespaced_event(
+            op.namespace, field_selector=f"involvedObject.name={job},reason=StatusRefused").items]
+
+    refused = f"job {op.namespace}/{job}: status refused by the API server"
+    try:
+        op.wait(in_force, bool, "the admission policy in force")
+        op.create_nodes(job, 2)
+        op.create_job(_job(job))
+        op.start_rendezvous(job)
+        [said] = op.wait(refusals, bool, "the StatusRefused event")
+        assert "status writes of this job are closed" in said
+        ready = op.wait(lambda: _ready(op, job), lambda c: c.get("reason") == "StatusRefused",
+                        "Ready saying the status is refused")
+        assert ready["status"] == "False"
+        assert "status writes of this job are closed" in ready["message"]
+        assert "phase" not in op.status(job)
+        # A change brings a reconcile: its write is refused again, said in the log, no event
+        # more, and never put back on a retry timer.
+        before = op.log.read_text().count(refused)
+        _write_reports(op, job, {"a-node": {"node": "a-node"}})
+        text = op.wait(op.log.read_text, lambda t: t.count(refused) > before,
+                       "the next refusal logged")
+        assert refusals() == [said]
+        assert f"reconcile of job {op.namespace}/{job} failed" not in text
+    finally:
+        admission.delete_validating_admission_policy_binding(policy)
+        admission.delete_validating_admission_policy(policy)
