@@ -199,7 +199,8 @@ def from_rank_deaths(reports: Mapping[str, NodeReport | None], gpus_per_node: in
     for node, report in sorted(reports.items()):
         if report is None:
             continue
-        for index, at in sorted(report.rank_deaths.items()):
+        for index, death in sorted(report.rank_deaths.items()):
+            at = death.at
             if index >= gpus_per_node:
                 continue  # not a GPU of the job's
             if at - now > hold_s:
@@ -211,7 +212,8 @@ def from_rank_deaths(reports: Mapping[str, NodeReport | None], gpus_per_node: in
             if waiting:
                 ends.append(at + hold_s)
             if waiting != settled:
-                failed[(node, index)] = "its rank died (its node agent saw it exit)"
+                failed[(node, index)] = "its rank died (its node agent saw it exit" + (
+                    f": {death.error})" if death.error else ")")
     if failed and not settled:
         problems.append(f"GPUs {', '.join(f'{n}/{i}' for n, i in sorted(failed))} out of the "
                         f"layout: their rank died; back once DCGM calls them healthy after it, "

@@ -77,9 +77,11 @@ def attempt_pods(pods: Sequence[Mapping[str, Any]], attempt: int
 
 def lifecycle(job: Mapping[str, Any], spec: NTPTrainingJobSpec,
               pods: Sequence[Mapping[str, Any]], reports: Mapping[str, NodeReport | None],
-              now: datetime) -> Lifecycle:
+              now: datetime, ended_by: Failure | None = None) -> Lifecycle:
     """Where `job` (its spec typed: `spec`) is, given the pods it controls and its attempt's
-    progress reports."""
+    progress reports; `ended_by`: a failure of the running attempt that its pods do not show
+    (the life policy's: a GPU of its layout lost, a rank that died again, pods that never
+    started), which ends it as a failed trainer pod does."""
     status = job.get("status") or {}
     attempt, restarts = int(status.get("attempt", 0)), int(status.get("restarts", 0))
     earlier = Account.from_status(status.get("earlierAttempts"))
@@ -88,7 +90,8 @@ def lifecycle(job: Mapping[str, Any], spec: NTPTrainingJobSpec,
     finish = finished(status)
     if finish is None:
         failed, done = outcome(workload.trainer_pods(mine, job))
-        budget = spec.failure_policy.max_restarts
+        failed = failed or ended_by
+        budget = spec.failure_policy.max_restarts if failed is None or failed.retries else 0
         if failed is not None and restarts < budget:
             # The restart's downtime counts from the failure: the attempt's reports end at
             # their last write, and the failed node's agent wrote none after.
@@ -97,7 +100,7 @@ def lifecycle(job: Mapping[str, Any], spec: NTPTrainingJobSpec,
                              failed.at or format_time(now), ended=True,
                              delete_pods=_live(pods))
         if failed is not None:
-            reason = "RestartLimitReached" if budget else "TrainerFailed"
+            reason = failed.reason or ("RestartLimitReached" if budget else "TrainerFailed")
             more = f" after {restarts} restart(s), failurePolicy.maxRestarts {budget}" \
                 if budget else ""
             finish = Finish(False, reason, failed.message + more, format_time(now))
@@ -158,10 +161,14 @@ def finished(status: Mapping[str, Any]) -> Finish | None:
 
 @dataclass(frozen=True)
 class Failure:
-    """The first trainer pod of an attempt that failed."""
+    """What ended an attempt: the first trainer pod that failed, or a failure the life policy
+    found. `retries`: whether the job's restart budget may restart it (else it fails the job,
+    for `reason`)."""
 
     message: str
-    at: str | None  # when its container ended (RFC 3339), when the kubelet says
+    at: str | None  # when it failed (RFC 3339; a container's end, when the kubelet says)
+    retries: bool = True
+    reason: str | None = None  # the Failed condition's; None: by the restart budget
 
 
 def outcome(trainer_pods: Sequence[Mapping[str, Any]]) -> tuple[Failure | None, bool]:

@@ -10,8 +10,8 @@ last step they completed, the node's goodput ledger (docs/goodput.md), what its 
 (`Device`; absent in reports of agents that do not say), the job's nodes whose agents it found
 silent (`silentNodes`: their heartbeat on the job's store stopped, `ntp.nodeagent.heartbeat`;
 absent when none, and in reports of agents that do not watch), the GPUs of its node whose rank
-died, with when (`rankDeaths`: GPU index -> Unix seconds, the node's clock; a GPU leaves it once
-a rank starts on it again; absent when none) and a state:
+died (`rankDeaths`: GPU index -> `RankDeath`; a GPU leaves it once a rank starts on it again;
+absent when none) and a state:
 
 | state | the node's agent |
 | --- | --- |
@@ -101,6 +101,41 @@ def report_key(node: str) -> str:
     return f"{node}.json"
 
 
+# A dead rank's last error line, as a report carries it: enough for the exception's type and
+# message, while the reports of thousands of nodes still share one ConfigMap.
+ERROR_MAX = 300
+
+
+@dataclass(frozen=True)
+class RankDeath:
+    """How the rank on one GPU of the node died: when (`at`, Unix seconds, the node's clock),
+    the job's last step it completed (None: none since it started), its last error line
+    (its stderr's, else how it exited), and whether it died `again`: the GPU's previous rank
+    died too, and this one came back and got no step past the step that one died at, so the
+    fault is the job's (a data path, a tokenizer, an exception at a step), not the GPU's. In
+    JSON, a death with only its time is that number (as agents that say no more write it)."""
+
+    at: float
+    step: int | None = None
+    error: str = ""
+    again: bool = False
+
+    def to_json(self) -> float | dict[str, Any]:
+        if self.step is None and not self.error and not self.again:
+            return self.at
+        return {"at": self.at, **({"step": self.step} if self.step is not None else {}),
+                **({"error": self.error} if self.error else {}),
+                **({"again": True} if self.again else {})}
+
+    @classmethod
+    def from_json(cls, value: Any) -> RankDeath:
+        """From what `_check` validated."""
+        if isinstance(value, Mapping):
+            return cls(float(value["at"]), value.get("step"), value.get("error", ""),
+                       bool(value.get("again", False)))
+        return cls(float(value))
+
+
 @dataclass(frozen=True)
 class NodeReport:
     """One node's progress (module docstring). Seconds are floats; `badput_seconds` has a
@@ -129,16 +164,18 @@ class NodeReport:
     device: Device | None = None  # what its ranks train on; None: not said
     # Nodes of the job whose agents its agent found silent, and still does: lost to the job.
     silent_nodes: tuple[str, ...] = ()
-    # GPU index -> when (Unix seconds) the rank on it died, for the GPUs of this node with no
-    # rank started since: the operator takes each out of the layout at once.
-    rank_deaths: Mapping[int, float] = field(default_factory=dict)
+    # GPU index -> how the rank on it died, for the GPUs of this node with no rank started
+    # since: the operator takes each out of the layout at once. A number given is a death at
+    # that time (Unix seconds) and no more.
+    rank_deaths: Mapping[int, RankDeath] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "rank_deaths", {
+            i: d if isinstance(d, RankDeath) else RankDeath(d)
+            for i, d in sorted(self.rank_deaths.items())})
         _check(self.to_dict())  # one validation, whoever builds the report
         object.__setattr__(self, "state", State(self.state))
         object.__setattr__(self, "silent_nodes", tuple(sorted(set(self.silent_nodes))))
-        object.__setattr__(self, "rank_deaths",
-                           {int(i): float(at) for i, at in sorted(self.rank_deaths.items())})
         # a category with no time is the same report with or without it
         object.__setattr__(self, "badput_seconds",
                            {c: float(s) for c, s in self.badput_seconds.items() if s})
@@ -176,7 +213,7 @@ class NodeReport:
         if self.silent_nodes:
             out["silentNodes"] = list(self.silent_nodes)
         if self.rank_deaths:
-            out["rankDeaths"] = {str(i): at for i, at in self.rank_deaths.items()}
+            out["rankDeaths"] = {str(i): d.to_json() for i, d in self.rank_deaths.items()}
         return out
 
     @classmethod
@@ -202,7 +239,8 @@ class NodeReport:
             device=None if d.get("device") is None
             else Device(d["device"], d.get("cudaDevices")),
             silent_nodes=tuple(d.get("silentNodes", ())),
-            rank_deaths={int(i): at for i, at in d.get("rankDeaths", {}).items()},
+            rank_deaths={int(i): RankDeath.from_json(death)
+                         for i, death in d.get("rankDeaths", {}).items()},
         )
 
     def to_json(self) -> str:
@@ -248,8 +286,21 @@ def _check(document: object) -> Mapping[str, Any]:
     if not isinstance(deaths, Mapping) or not all(
             isinstance(i, str) and i.isascii() and i.isdigit() for i in deaths):
         raise ReportError(f"rankDeaths: an object of GPU indices, got {deaths!r}")
-    for index in deaths:
-        _seconds(deaths, index, f"rankDeaths.{index}")
+    for index, death in deaths.items():
+        name = f"rankDeaths.{index}"
+        if not isinstance(death, Mapping):
+            _seconds(deaths, index, name)
+            continue
+        if "at" not in death:
+            raise ReportError(f"{name}: an object with at, got {death!r}")
+        _seconds(death, "at", f"{name}.at")
+        if death.get("step") is not None:
+            _count(death, "step", f"{name}.step")
+        error = death.get("error", "")
+        if not isinstance(error, str) or len(error) > ERROR_MAX:
+            raise ReportError(f"{name}.error: a string of at most {ERROR_MAX} characters")
+        if not isinstance(death.get("again", False), bool):
+            raise ReportError(f"{name}.again: true or false, got {death['again']!r}")
     silent = d.get("silentNodes", [])
     if not isinstance(silent, list) or not all(isinstance(n, str) and n for n in silent):
         raise ReportError(f"silentNodes: a list of node names, got {silent!r}")
@@ -277,11 +328,11 @@ def _check(document: object) -> Mapping[str, Any]:
     return d
 
 
-def _count(d: Mapping[str, Any], key: str) -> int:
+def _count(d: Mapping[str, Any], key: str, name: str | None = None) -> int:
     value = d.get(key, 0)
     # bool is an int in Python, never a count in a report
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise ReportError(f"{key}: a non-negative integer, got {value!r}")
+        raise ReportError(f"{name or key}: a non-negative integer, got {value!r}")
     return value
 
 

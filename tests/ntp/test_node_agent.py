@@ -471,3 +471,45 @@ def test_an_agents_metrics_and_report_agree_with_what_its_ranks_did(tmp_path, re
         print(f"\n{steps} steps: wall {report.wall_seconds:.2f} s, productive "
               f"{report.productive_seconds:.2f} s, badput {report.badput_seconds}, "
               f"goodput {report.goodput:.3f}")
+
+
+@pytest.mark.hardening
+def test_a_rank_that_dies_again_without_getting_past_its_step_is_reported_as_the_jobs_fault(
+        tmp_path, rendezvous):
+    """Both ranks of a node start on a data path that does not exist: each dies before its
+    first step, and the node's report names its GPU with the rank's last error line. Let back
+    on its GPU (a generation that brings the GPUs back, as the operator publishes once its
+    hold ends), each dies again before any step: the report says it died again, the
+    operator's cue that the fault is the job's, not the GPU's."""
+    node = NODES[0]
+    (tmp_path / "generations").mkdir()
+    missing = tmp_path / "no-such-data"
+    agent = spawn(
+        [sys.executable, "-m", "ntp.nodeagent", "--node", node, "--until-step", str(STEPS),
+         "--generations", str(tmp_path / "generations"), "--work-dir", str(tmp_path / "work"),
+         "--metrics-port", "0", "--", "--data", str(missing)],
+        tmp_path / "agent.log", {"OMP_NUM_THREADS": "1"})
+    report_path = tmp_path / "progress" / f"{node}.json"
+
+    def deaths() -> dict:
+        return {} if not report_path.exists() else \
+            NodeReport.from_json(report_path.read_text()).rank_deaths
+
+    try:
+        first = Generation(1, SHAPE, 8, "NTP", (GPUS[node],), Rendezvous("127.0.0.1", rendezvous))
+        publish(tmp_path / "generations", first)
+        died = probes.poll_until(deaths, lambda d: len(d) == 2, timeout=PHASE_S,
+                                 error=lambda d: AssertionError(f"{d}\n" + (
+                                     tmp_path / "agent.log").read_text()[-3000:]))
+        for death in died.values():
+            assert death.step is None and not death.again
+            assert death.error.startswith("exited with 1: ") and str(missing) in death.error
+        publish(tmp_path / "generations",
+                next_generation(first, first.replicas, lost=set(first.gpus)))
+        again = probes.poll_until(deaths, lambda d: d and all(x.again for x in d.values()),
+                                  timeout=PHASE_S, error=lambda d: AssertionError(f"{d}\n" + (
+                                      tmp_path / "agent.log").read_text()[-3000:]))
+        assert sorted(again) == [0, 1] and all(str(missing) in x.error for x in again.values())
+    finally:
+        agent.kill()
+        agent.wait()

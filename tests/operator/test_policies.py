@@ -17,7 +17,7 @@ from tessera_contracts import gpuhealth, progress
 from tessera_contracts.generation import Generation, Rendezvous
 from tessera_contracts.jobspec import defaulted
 from tessera_contracts.powertarget import to_object
-from tessera_contracts.progress import NodeReport, State
+from tessera_contracts.progress import NodeReport, RankDeath, State
 from tessera_contracts.unreadable import Unreadable
 from tessera_dev import paths
 from tessera_operator import desired, health, planner, workload
@@ -365,3 +365,36 @@ def test_a_report_spending_more_than_its_wall_time_is_refused_and_goodput_stays_
     # an account folded before (a hand edit) reads back within its wall time
     assert progress.Account.from_status(
         {"wallSeconds": 100.0, "productiveSeconds": 1.0e6}).productive_seconds == 100.0
+
+
+# ----------------------------------------------------------------------------------------------
+# hardening: failures that must end
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.hardening
+@pytest.mark.parametrize("restarts", [0, 3])
+def test_life_a_rank_that_died_again_restarts_the_attempt_then_fails_with_its_error(
+        restarts: int) -> None:
+    """A rank died again on its GPU without getting past its previous rank's step there (a
+    data path that does not exist): not a GPU to hold out and let back for ever, but a restart
+    of the attempt from its checkpoint, counted; with maxRestarts (3) spent, the job fails
+    with the rank's last error in its Failed condition."""
+    job = _job(**_mode("NTP"))
+    error = "exited with 1: ntp.dataset.DatasetError: no dataset at /data/x (not a directory)"
+    death = RankDeath(NOW.timestamp() - 2, None, error, again=True)
+    observed = _in_force(job, reports={A: NodeReport(A, 1, 0, 1000, State.RECONFIGURING,
+                                                     rank_deaths={3: death})})
+    observed = replace(observed, job=observed.job | {"status": observed.job["status"] | {
+        "restarts": restarts}})
+    found, _ = life.life(_spec(job), observed, NOW)
+    if restarts < 3:
+        assert (found.stage, found.restarts, found.ended) == (Stage.STOPPING, restarts + 1, True)
+        return
+    assert found.stage is Stage.FINISHED and found.finish is not None
+    assert found.finish.reason == "RestartLimitReached" and error in found.finish.message
+    assert f"GPU {A}/3 died again" in found.finish.message
+    # a death that is not again is the GPU's: held out, not a restart
+    once = replace(observed, reports={A: NodeReport(A, 1, 0, 1000, State.RECONFIGURING,
+                                                    rank_deaths={3: replace(death, again=False)})})
+    assert life.life(_spec(job), once, NOW)[0].stage is Stage.RUNNING
