@@ -64,6 +64,7 @@ class Decision:
     """What steps 0-4 decided for a running attempt, and what applying it met: the status,
     events and power writes are written up from it (`_written`)."""
 
+    spec: Spec
     observed: Observed  # as the attempt sees it (`life.of_attempt`)
     previous: Mapping[str, Any]  # the status as observed
     now: datetime
@@ -186,7 +187,7 @@ def desired(spec: Spec | Problem, observed: Observed, now: datetime) -> Desired:
     children = placement.children(observed.job, spec.whole, planned.placement, found.attempt)
     # 5. Written up: the status, the events, the power writes.
     return _written(Decision(
-        observed, previous, now, found, planned, children, stale, outdated, reports,
+        spec, observed, previous, now, found, planned, children, stale, outdated, reports,
         refused_reports, plan, blocked, targets, layout, in_force))
 
 
@@ -227,18 +228,21 @@ def _written(decision: Decision, sync: SyncPlan | None = None) -> Desired:
         notes, held = (*notes, f"power targets refused: {d.refused}"), ()
     trained = None if in_force is None else progress.summarize(
         d.reports, in_force.generation, sorted({g.node for g in in_force.gpus}), d.life.earlier)
+    spec = d.spec.whole
+    starting = life.starting(spec, d.observed, d.life.attempt)
     status = conditions.render(
         plan, problems, d.previous, now=format_time(d.now),
         generation=int(job["metadata"].get("generation", 0)),
         layout_generation=layout_generation, notes=notes, held=held, trained=trained,
         life=d.life, outdated=d.outdated,
         tp_layout=None if in_force is None else planner.format_layout(in_force.tp_degrees),
-        why=signal_.reasons)
+        why=signal_.reasons, starting=starting, policy=spec.failure_policy)
     events = []
     if layout_generation != int(d.previous.get("layoutGeneration", 0)) and plan is not None:
         events.append(Event("Normal", "LayoutChanged",
                             f"layout generation {layout_generation}: TP {plan.tp_layout or '-'}"))
-    recheck = signal_.recheck_at
+    recheck = min((t for t in (signal_.recheck_at, starting.gives_up_at) if t is not None),
+                  default=None)
     return Desired(d.planned.placement, d.children, layout, d.observed.layout.resource_version,
                    targets, held, status, (*events, *_condition_events(d.previous, status)),
                    delete_configmaps=d.stale,

@@ -2,9 +2,9 @@
 (`reconcile.reconcile`); and kopf's indices, which the mapping and the reconciles read.
 
 Triggers: the job seen (created, or listed when the operator starts) or its spec changed, and
-its slow resync (`jobqueue.JobQueue.after`); one of its pods
-changing phase or address (the rendezvous gets one: generation 1 can be published; a trainer
-ends); a node agent's progress report; a change to one of its nodes' labels, GPUs, cordons or
+its slow resync (`jobqueue.JobQueue.after`); one of its pods changing phase or address (the
+rendezvous gets one: generation 1 can be published; a trainer ends) or why it waits to start;
+a node agent's progress report; a change to one of its nodes' labels, GPUs, cordons or
 schedulability (and any node change for the jobs too few nodes fit); a GPU's state or
 XIDs in its nodes' GPUHealth; a change to one of its children (its trainer identity, its
 progress ConfigMap: they converge back); an agent reporting a cut in effect while a raise waits
@@ -35,7 +35,15 @@ from urllib3.exceptions import HTTPError
 from tessera_contracts import api, gpuhealth
 from tessera_contracts.api import JOB_LABEL, ROLE_LABEL
 from tessera_contracts.unreadable import Unreadable
-from tessera_operator import apply, metrics, observe, power_targets, reconcile, workload
+from tessera_operator import (
+    apply,
+    lifecycle,
+    metrics,
+    observe,
+    power_targets,
+    reconcile,
+    workload,
+)
 from tessera_operator.jobqueue import JobKey
 from tessera_operator.observed import child_view, ours
 from tessera_operator.workload import TRAINER
@@ -192,8 +200,11 @@ async def on_pod(type: str, namespace: str, name: str, labels: kopf.Labels,
                  status: kopf.Status, memo: kopf.Memo, logger: logging.Logger,
                  **indices: Any) -> None:
     """Reconcile a job when one of its pods gets an address (the rendezvous: generation 1
-    can be published), ends, or disappears."""
-    facts = None if type == "DELETED" else (status.get("phase"), status.get("podIP"))
+    can be published), ends, disappears, or waits to start for another reason (unschedulable,
+    an image not pulled: the job's PodsStarted says so)."""
+    waits = lifecycle.waiting({"metadata": {}, "status": dict(status)})
+    facts = None if type == "DELETED" else (status.get("phase"), status.get("podIP"),
+                                            waits and waits[0])
     if memo.seen.changed(("Pod", namespace, name), facts):
         await _reconcile_soon(memo, (namespace, labels[JOB_LABEL]), logger, _indices(indices))
 

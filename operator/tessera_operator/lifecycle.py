@@ -186,6 +186,50 @@ def outcome(trainer_pods: Sequence[Mapping[str, Any]]) -> tuple[Failure | None, 
     return None, done
 
 
+@dataclass(frozen=True)
+class Starting:
+    """The running attempt's pods that have not started (`waiting`), each with why (pod,
+    reason, message, by name), of its `pods` in all, and when the attempt gives up on the
+    first of them (Unix seconds; None: none waits)."""
+
+    waiting: tuple[tuple[str, str, str], ...] = ()
+    pods: int = 0
+    gives_up_at: float | None = None
+
+
+# Waiting reasons of a container on its way to start: no more than that it is not started yet.
+_STARTING = ("ContainerCreating", "PodInitializing")
+
+
+def waiting(pod: Mapping[str, Any]) -> tuple[str, str] | None:
+    """Why `pod` has not started, as the scheduler and the kubelet say (a reason and a
+    message): not scheduled, an init container waiting or still running, a container waiting
+    (its image not pulled, its configuration missing); None once it runs or ended, or while it
+    is being deleted."""
+    status = pod.get("status") or {}
+    if status.get("phase") in ("Running", SUCCEEDED, FAILED) \
+            or pod["metadata"].get("deletionTimestamp"):
+        return None
+    scheduled = next((c for c in status.get("conditions") or []
+                      if c.get("type") == "PodScheduled"), {})
+    if scheduled.get("status") == "False":
+        return scheduled.get("reason") or "Unschedulable", scheduled.get("message") or ""
+    if not scheduled:
+        return "Pending", "not scheduled yet"
+    for kind, statuses in (("init container", status.get("initContainerStatuses")),
+                           ("container", status.get("containerStatuses"))):
+        for container in statuses or []:
+            state = container.get("state") or {}
+            where = f"{kind} {container.get('name', '?')}"
+            if (held := state.get("waiting")) and held.get("reason") not in _STARTING:
+                return str(held.get("reason") or "Waiting"), \
+                    f"{where}: {held.get('message') or 'waiting'}"
+            if kind == "init container" and "running" in state:
+                return "InitContainerRunning", \
+                    f"{where} running since {state['running'].get('startedAt', '?')}"
+    return "ContainerCreating", "its containers are being created"
+
+
 def _live(pods: Sequence[Mapping[str, Any]], running_only: bool = False) -> tuple[str, ...]:
     """The names of `pods` not being deleted already (with `running_only`, nor ended)."""
     return tuple(p["metadata"]["name"] for p in pods

@@ -265,3 +265,31 @@ def test_a_status_the_api_server_refuses_is_said_once_not_retried_in_a_loop(
     finally:
         admission.delete_validating_admission_policy_binding(policy)
         admission.delete_validating_admission_policy(policy)
+
+
+def _condition(op: RunningOperator, job: str, kind: str) -> dict[str, Any]:
+    return next((c for c in op.status(job).get("conditions") or [] if c["type"] == kind), {})
+
+
+def test_trainer_pods_that_never_start_are_said_then_given_up_by_the_jobs_policy(
+        running_operator) -> None:
+    """These nodes have no kubelet: the trainer pods never start and hold their nodes.
+    PodsStarted says why each waits and when the attempt gives up; at podStartTimeoutSeconds
+    (its minimum, 30 s) the job fails by its onPodStartTimeout (Fail), its pods deleted and
+    its nodes released."""
+    op, job = running_operator, "never-starts"
+    op.create_nodes(job, 2)
+    body = _job(job)
+    body["spec"]["failurePolicy"] |= {"podStartTimeoutSeconds": 30, "onPodStartTimeout": "Fail"}
+    op.create_job(body)
+    op.start_rendezvous(job)
+    waiting = op.wait(lambda: _condition(op, job, "PodsStarted"),
+                      lambda c: c.get("status") == "False" and c.get("reason") != "NoPods",
+                      "PodsStarted saying why the trainer pods wait")
+    assert f"pod {job}-" in waiting["message"]
+    assert "podStartTimeoutSeconds 30 s, onPodStartTimeout Fail" in waiting["message"]
+    failed = op.wait(lambda: _condition(op, job, "Failed"), lambda c: c.get("status") == "True",
+                     "the job Failed")
+    assert failed["reason"] == "PodStartTimeout"
+    assert "did not start within failurePolicy.podStartTimeoutSeconds" in failed["message"]
+    op.wait(lambda: _pods(op, job), lambda pods: pods == [], "its pods deleted")

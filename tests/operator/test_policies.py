@@ -398,3 +398,54 @@ def test_life_a_rank_that_died_again_restarts_the_attempt_then_fails_with_its_er
     once = replace(observed, reports={A: NodeReport(A, 1, 0, 1000, State.RECONFIGURING,
                                                     rank_deaths={3: replace(death, again=False)})})
     assert life.life(_spec(job), once, NOW)[0].stage is Stage.RUNNING
+
+
+def _waiting(pod: dict[str, Any], created: float, **status: Any) -> dict[str, Any]:
+    meta = pod["metadata"] | {"creationTimestamp": datetime.fromtimestamp(
+        created, UTC).isoformat().replace("+00:00", "Z")}
+    return pod | {"metadata": meta, "status": {"phase": "Pending"} | status}
+
+
+SCHEDULED = {"type": "PodScheduled", "status": "True"}
+UNSCHEDULABLE = {"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+                 "message": "0/3 nodes are available: 1 Insufficient nvidia.com/gpu."}
+PULL = {"name": "trainer", "state": {"waiting": {
+    "reason": "ImagePullBackOff", "message": 'Back-off pulling image "ghcr.io/x/trainer:nope"'}}}
+INIT = {"name": "fetch", "state": {"running": {"startedAt": "2026-12-01T07:00:00Z"}}}
+
+
+@pytest.mark.hardening
+@pytest.mark.parametrize(("status", "reason", "words"), [
+    ({"conditions": [UNSCHEDULABLE]}, "Unschedulable", "Insufficient nvidia.com/gpu"),
+    ({"conditions": [SCHEDULED], "containerStatuses": [PULL]}, "ImagePullBackOff",
+     "container trainer: Back-off pulling image"),
+    ({"conditions": [SCHEDULED], "initContainerStatuses": [INIT]}, "InitContainerRunning",
+     "init container fetch running since"),
+])
+@pytest.mark.parametrize("action", ["Restart", "Fail"])
+def test_pods_that_never_start_say_why_then_the_attempt_gives_up_by_the_jobs_policy(
+        status: dict[str, Any], reason: str, words: str, action: str) -> None:
+    """A trainer pod that cannot start holds its node: PodsStarted says why (the scheduler's
+    or the kubelet's reason) and when the attempt gives up; the job asks to be reconciled
+    then. At podStartTimeoutSeconds its pods are deleted: a restart counted (Restart), or the
+    job fails (Fail)."""
+    job = _job(failurePolicy=EXAMPLE["spec"]["failurePolicy"] | {"onPodStartTimeout": action})
+    timeout = _spec(job).whole.failure_policy.pod_start_timeout_seconds
+    created = NOW.timestamp() - 60
+    rendezvous, first, second = _pods(job)
+    pods = (_waiting(rendezvous, created, phase="Running", podIP=IP),
+            _waiting(first, created, phase="Running"), _waiting(second, created, **status))
+    observed = _in_force(job, pods=pods)
+    wanted = desired.desired(_spec(job), observed, NOW)
+    started = next(c for c in wanted.status["conditions"] if c["type"] == "PodsStarted")
+    assert (started["status"], started["reason"]) == ("False", reason)
+    assert words in started["message"] and f"onPodStartTimeout {action}" in started["message"]
+    assert wanted.requeue_after == pytest.approx(timeout - 60)
+    late = datetime.fromtimestamp(created + timeout, UTC)
+    found, _ = life.life(_spec(job), observed, late)
+    if action == "Restart":
+        assert (found.stage, found.restarts) == (Stage.STOPPING, 1)
+    else:
+        assert found.stage is Stage.FINISHED and found.finish is not None
+        assert found.finish.reason == "PodStartTimeout" and reason in found.finish.message
+    assert set(found.delete_pods) == {p["metadata"]["name"] for p in pods}  # nodes released

@@ -19,6 +19,7 @@ from datetime import UTC, datetime
 
 from tessera_contracts import progress
 from tessera_contracts.generation import layout_configmap
+from tessera_contracts.jobspec import NTPTrainingJobSpec
 from tessera_contracts.powertarget import format_time
 from tessera_operator import health, lifecycle, planner, workload
 from tessera_operator.lifecycle import Lifecycle, Stage
@@ -31,8 +32,9 @@ def life(spec: Spec, observed: Observed, now: datetime
     """The job's lifecycle from its pods and its attempt's progress reports (every node that
     reported: an attempt that ends folds them all into the job's account), and the GPUs lost
     under its layout that end its attempt, with why (CKPT-RESTART; none otherwise). A rank
-    that died again (`died_again`) or such a loss ends the running attempt as a failed
-    trainer pod does, within the same restart budget."""
+    that died again (`died_again`), pods that did not start in time (`_gave_up`) or such a
+    loss end the running attempt as a failed trainer pod does, within the same restart
+    budget (pods that did not start fail the job at once under onPodStartTimeout Fail)."""
     status = observed.job.get("status") or {}
     name = progress.progress_configmap(observed.job["metadata"]["name"])
     current = observed.configmap_attempts.get(name) == int(status.get("attempt", 0))
@@ -41,7 +43,7 @@ def life(spec: Spec, observed: Observed, now: datetime
     if found.stage is not Stage.RUNNING:
         return found, {}
     lost: dict[planner.GpuId, str] = {}
-    ended = died_again(observed, reports, now)
+    ended = died_again(observed, reports, now) or _gave_up(spec, observed, found.attempt, now)
     run = spec.planning
     if ended is None and isinstance(run, planner.JobSpec) and run.restarts_on_loss:
         lost = _lost_layout(spec, run, of_attempt(observed, found.attempt), now)
@@ -97,6 +99,42 @@ def _lost_layout(spec: Spec, run: planner.JobSpec, observed: Observed, now: date
     gone = {gpu: "its trainer pod is gone" for gpu in sorted(used)
             if gpu[0] not in placement.values()}
     return gone | {gpu: found.reasons.get(gpu, "") for gpu in sorted(used & found.failed)}
+
+
+def starting(spec: NTPTrainingJobSpec, observed: Observed, attempt: int
+             ) -> lifecycle.Starting:
+    """The attempt's pods not started, and when `failurePolicy.podStartTimeoutSeconds` after
+    its creation the first of them makes the attempt give up."""
+    mine, _ = lifecycle.attempt_pods(observed.pods, attempt)
+    found, since = [], []
+    for pod in sorted(mine, key=lambda p: p["metadata"]["name"]):
+        why = lifecycle.waiting(pod)
+        if why is None:
+            continue
+        found.append((pod["metadata"]["name"], *why))
+        created = pod["metadata"].get("creationTimestamp")
+        if created:
+            since.append(datetime.fromisoformat(str(created)).timestamp())
+    timeout = spec.failure_policy.pod_start_timeout_seconds
+    return lifecycle.Starting(tuple(found), len(mine), min(since) + timeout if since else None)
+
+
+def _gave_up(spec: Spec, observed: Observed, attempt: int, now: datetime
+             ) -> lifecycle.Failure | None:
+    """Pods of the attempt that did not start within `failurePolicy.podStartTimeoutSeconds`
+    (unschedulable, an image that cannot be pulled, an init container that never ends): they
+    would hold their nodes for ever. The attempt gives up: its pods are deleted, and by
+    `onPodStartTimeout` the job restarts (a restart counted, its pods placed anew) or fails."""
+    found = starting(spec.whole, observed, attempt)
+    if found.gives_up_at is None or now.timestamp() < found.gives_up_at:
+        return None
+    policy = spec.whole.failure_policy
+    pod, reason, message = found.waiting[0]
+    restarts = policy.on_pod_start_timeout == "Restart"
+    return lifecycle.Failure(
+        f"pod {pod} did not start within failurePolicy.podStartTimeoutSeconds "
+        f"({policy.pod_start_timeout_seconds} s): {reason}: {message}", format_time(now),
+        retries=restarts, reason=None if restarts else "PodStartTimeout")
 
 
 def _loss(observed: Observed, lost: Mapping[planner.GpuId, str], now: datetime
