@@ -203,9 +203,12 @@ def _plan(spec: Spec, observed: Observed, now: datetime) -> _Planned:
     if (unpowered := planner.budget_problem(run, domains)) is not None:
         return _Planned(problems=(unpowered,))
     found, lost = signal.health_of(spec.whole, observed, where, nodes, now)
-    if run.restarts_on_loss and (in_force := observed.layout.generation) is not None:
+    published = observed.layout.generation
+    if run.restarts_on_loss and published is not None:
         # An attempt keeps its first layout: its plan is that layout's nodes, the spares idle.
-        domains = {n: d for n, d in domains.items() if n in {g.node for g in in_force.gpus}}
+        domains = {n: d for n, d in domains.items() if n in {g.node for g in published.gpus}}
+    found = found.merge(publish.held_back(
+        published, observed.reports_of(sorted(set(where.values()))), lost.failed))
     plan = planner.plan(run, domains, found.failed)
     return _Planned(where, plan, plan.problems, found, lost)
 

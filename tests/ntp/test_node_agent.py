@@ -26,10 +26,10 @@ import pytest
 import torch.distributed as dist
 from prometheus_client.parser import text_string_to_metric_families
 
-from ntp.distributed import End, EndReason, arrival_key, end_generation, end_key
+from ntp.distributed import End, EndReason, arrival_key, end_generation, end_key, process_key
 from ntp.launch import launch_local
 from ntp.model import FLAVORS
-from ntp.nodeagent.agent import AgentError, Devices, DirectorySource, NodeAgent
+from ntp.nodeagent.agent import AgentError, Devices, DirectorySource, NodeAgent, RankProcess
 from ntp.nodeagent.main import parse_args
 from tessera_contracts.generation import Generation, Gpu, Rendezvous, next_generation
 from tessera_contracts.progress import NodeReport, Phase, State, summarize
@@ -513,3 +513,28 @@ def test_a_rank_that_dies_again_without_getting_past_its_step_is_reported_as_the
     finally:
         agent.kill()
         agent.wait()
+
+
+@pytest.mark.hardening
+def test_a_generation_after_a_loss_ends_a_pending_planned_switch_too(tmp_path):
+    """The node's rank runs generation 1 and a planned generation 2 is published (its switch
+    still pending) when generation 3 follows a loss: the agent ends generation 2 as well as
+    1. Left open, the survivors' recovery would take them to generation 2 first: at its
+    rendezvous they would wait for the lost ranks until its timeout (600 s), or, the lost GPU's
+    process being alive (DCGM failed it under the process), form it and train on without
+    generation 3 for good."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    agent = NodeAgent(NODES[0], DirectorySource(tmp_path), tmp_path / "work", STEPS)
+    agent.store = store
+    rank = subprocess.Popen(["sleep", str(PHASE_S)], preexec_fn=die_with_parent())
+    try:
+        agent.ranks[rank.pid] = RankProcess(GPUS[NODES[0]][0], 0, 1, rank)
+        store.set(process_key(socket.gethostname(), rank.pid), "1")  # as the rank registers
+        agent.end_running(3)
+        for generation in (1, 2):
+            assert EndReason.decode(store.get(end_key(generation)).decode()) == EndReason(
+                End.FAILED, "generation 3 follows a loss")
+        assert not store.check([end_key(3)])
+    finally:
+        rank.kill()
+        rank.wait()

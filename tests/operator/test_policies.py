@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from tessera_contracts import gpuhealth, progress
-from tessera_contracts.generation import Generation, Rendezvous
+from tessera_contracts.generation import LAYOUT_KEY, Generation, Gpu, Rendezvous, next_generation
 from tessera_contracts.jobspec import defaulted
 from tessera_contracts.powertarget import to_object
 from tessera_contracts.progress import NodeReport, RankDeath, State
@@ -449,3 +449,33 @@ def test_pods_that_never_start_say_why_then_the_attempt_gives_up_by_the_jobs_pol
         assert found.stage is Stage.FINISHED and found.finish is not None
         assert found.finish.reason == "PodStartTimeout" and reason in found.finish.message
     assert set(found.delete_pods) == {p["metadata"]["name"] for p in pods}  # nodes released
+
+
+@pytest.mark.hardening
+def test_a_loss_while_a_planned_switch_is_pending_leaves_its_joining_gpus_out() -> None:
+    """Generation 3 is planned (A/3 back after its rank died: a process still to start) and no
+    node trains in it yet when B/5's rank dies. The generation that follows the loss leaves
+    A/3 out as well as B/5: with it the survivors would wait at its rendezvous for a process
+    still starting (a planned generation's 600 s timeout when it never comes). A loss outside
+    the pending generation, or once a node trains in it, holds nothing back."""
+    job = _job(**_mode("NTP"))
+    first = _first_generation(job)
+    a3, b5 = Gpu(A, 3), Gpu(B, 5)
+    without_a3 = next_generation(first, [[g for g in r if g != a3] for r in first.replicas],
+                                 lost={a3})
+    planned = next_generation(without_a3, first.replicas, at_step=130)
+    died = NodeReport(B, 2, 125, 1000, State.RECONFIGURING,
+                      rank_deaths={5: RankDeath(NOW.timestamp() - 1)})
+    reports = {A: NodeReport(A, 2, 125, 1000, State.TRAINING), B: died}
+    observed = replace(_in_force(job, reports=reports),
+                       layout=Layout("9", generation=planned))
+    observed = replace(observed, job=observed.job | {"status": {"layoutGeneration": 3}})
+    wanted = desired.desired(_spec(job), observed, NOW)
+    assert wanted.layout is not None
+    after = Generation.from_dict(json.loads(wanted.layout["data"][LAYOUT_KEY]))
+    assert after.generation == 4 and after.at_step is None
+    assert {a3, b5}.isdisjoint(g for r in after.replicas for g in r)
+    assert publish.held_back(planned, reports, frozenset({(A, 0)})).failed == {(A, 3)}
+    assert not publish.held_back(planned, reports, frozenset({(C, 0)})).failed
+    trained = {**reports, A: NodeReport(A, 3, 131, 1000, State.TRAINING)}
+    assert not publish.held_back(planned, trained, frozenset({(B, 5)})).failed

@@ -389,12 +389,14 @@ class NodeAgent:
 
     def end_running(self, number: int) -> None:
         """Generation `number` follows a loss (it is not planned): end the generations this
-        node's ranks are still in, as failed. Whoever saw the loss first (a node's agent, or the
-        operator for a node that died whole or a GPU that DCGM failed under a live process)
-        may not be anyone who can end them: the ranks would wait on the lost ones until their
-        collective timeout. Ending one that has ended already changes nothing."""
+        node's ranks are still in, as failed, and every one after them before `number` (a
+        planned switch still pending, whose rendezvous the survivors would otherwise wait at
+        for the lost ranks until its timeout). Whoever saw the loss first (a node's agent, or
+        the operator for a node that died whole or a GPU that DCGM failed under a live
+        process) may not be anyone who can end them: the ranks would wait on the lost ones
+        until their collective timeout. Ending one that has ended already changes nothing."""
         assert self.store is not None
-        for old in sorted(g for g in self.joined() if g < number):
+        for old in range(min(self.joined(), default=number), number):
             reason = end_generation(self.store, old, EndReason(
                 End.FAILED, f"generation {number} follows a loss"))
             log.info("%s: generation %d ended (%s) for generation %d", self.node, old, reason,
