@@ -22,6 +22,8 @@ COMMANDS: Commands = {
                      "publish this node's GPU health from DCGM"),
     "cordon-gpu": ("tessera_cli.cordon", "cordon one GPU of a node: Tessera plans around it"),
     "uncordon-gpu": ("tessera_cli.uncordon", "give a cordoned GPU back to the planner"),
+    "plan": ("tessera_cli.plan",
+             "a job's memory per GPU, healthy and degraded, from its YAML (no cluster)"),
     "uninstall": ("tessera_cli.uninstall",
                   "delete every NTPTrainingJob, wait until they are gone and their GPUs "
                   "settled, stop the operator (before removing Tessera)"),

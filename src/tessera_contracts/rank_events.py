@@ -1,12 +1,13 @@
-"""What a trainer rank tells its node agent: one JSON line on stdout per step (`StepRecord`) and
-per event (`RankEvent`), among the rest of its output.
+"""What a trainer rank tells its node agent: one JSON line on stdout per step (`StepRecord`), per
+event (`RankEvent`) and per evaluation on the held-out split (`EvalRecord`), among the rest of
+its output.
 
 Every rank of the job prints them (`ntp.train` writes them with `to_line`); each node's agent
 reads its own ranks' lines with `parse_line` into the node's goodput ledger
-(`ntp.nodeagent.progress.NodeProgress`). An event line is tagged by its `event` key; a step line
-is the one with a `loss`. A line that is neither (a log line, any other JSON) is no record; a
-record that does not follow the contract is a `RecordError` naming the field, never anything
-else.
+(`ntp.nodeagent.progress.NodeProgress`). An event line is tagged by its `event` key, an
+evaluation's by its `eval_loss`; a step line is the one with a `loss`. A line that is none of
+them (a log line, any other JSON) is no record; a record that does not follow the contract is a
+`RecordError` naming the field, never anything else.
 """
 
 from __future__ import annotations
@@ -127,7 +128,39 @@ class RankEvent:
                    why=d.get("why", "") if restore else "")
 
 
-Record = StepRecord | RankEvent
+@dataclass(frozen=True)
+class EvalRecord:
+    """The loss on the held-out split after a step, as one rank saw it (every rank prints it)."""
+
+    step: int  # the job's steps done when it was evaluated
+    rank: int
+    generation: int
+    eval_loss: float  # mean next-token loss over the evaluated samples (NaN once it diverges)
+    samples: int  # held-out samples evaluated
+    time: float | None = None  # wall clock, Unix seconds
+
+    def __post_init__(self) -> None:
+        _check_eval(self.to_dict())
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"step": self.step, "rank": self.rank,
+                               "generation": self.generation, "eval_loss": self.eval_loss,
+                               "samples": self.samples}
+        return out if self.time is None else out | {"time": self.time}
+
+    def to_line(self) -> str:
+        return json.dumps(self.to_dict())
+
+    @classmethod
+    def from_dict(cls, record: Mapping[str, Any]) -> EvalRecord:
+        d = _check_eval(record)
+        ended = d.get("time")
+        return cls(step=d["step"], rank=d["rank"], generation=d["generation"],
+                   eval_loss=float(d["eval_loss"]), samples=d["samples"],
+                   time=None if ended is None else float(ended))
+
+
+Record = StepRecord | RankEvent | EvalRecord
 
 
 def parse_record(record: object) -> Record | None:
@@ -136,6 +169,8 @@ def parse_record(record: object) -> Record | None:
         return None
     if "event" in record:
         return RankEvent.from_dict(record)
+    if "eval_loss" in record:
+        return EvalRecord.from_dict(record)
     if "loss" in record:
         return StepRecord.from_dict(record)
     return None
@@ -171,6 +206,15 @@ def _check_step(d: Mapping[str, Any]) -> Mapping[str, Any]:
         if d.get(key) is not None:
             _number(d, key)
     _degrees(d, required=False)
+    return d
+
+
+def _check_eval(d: Mapping[str, Any]) -> Mapping[str, Any]:
+    for key in ("step", "rank", "generation", "samples"):
+        _count(d, key, required=True)
+    _number(d, "eval_loss", seconds=False)
+    if d.get("time") is not None:
+        _number(d, "time")
     return d
 
 

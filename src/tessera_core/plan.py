@@ -517,6 +517,10 @@ def plan_job(
     return layout_from_shards(shape, [by_degree[tp] for tp in tp_degrees], global_batch, mode)
 
 
+# The gradient sync's bucket cap, in dense elements (about 1/TP of it on each rank).
+DEFAULT_BUCKET_ELEMENTS = 50_000_000
+
+
 def bucket_groups(sizes: Sequence[int], cap: int) -> list[list[int]]:
     """Consecutive parameter groups merged into gradient buckets of about `cap` elements.
 
@@ -567,39 +571,47 @@ def reshard_moves(
         for j, shard in enumerate(rep.shards):
             old_shard[rep.global_rank(j)] = shard
             old_replica[rep.global_rank(j)] = rep.index
+    # 1. What each new rank keeps and what it lacks (set work: most units stay where they are).
+    new_ranks = [(rep, j, shard) for rep in new.replicas for j, shard in enumerate(rep.shards)]
+    kept: list[dict[str, list[int]]] = []
+    lacking: list[dict[str, list[int]]] = []
+    for rep, j, shard in new_ranks:
+        me = origin[rep.global_rank(j)]
+        held = {k: set() if me is None else set(old_shard[me].units(k)) for k in UNIT_KINDS}
+        kept.append({k: [u for u in shard.units(k) if u in held[k]] for k in UNIT_KINDS})
+        lacking.append({k: [u for u in shard.units(k) if u not in held[k]] for k in UNIT_KINDS})
+    # 2. The survivors holding each lacking unit.
     holders: dict[str, dict[int, list[int]]] = {kind: {} for kind in UNIT_KINDS}
-    for o in survivors:
-        for kind in UNIT_KINDS:
+    for kind in UNIT_KINDS:
+        wanted = {u for need in lacking for u in need[kind]}
+        for o in survivors:
             for u in old_shard[o].units(kind):
-                holders[kind].setdefault(u, []).append(o)
+                if u in wanted:
+                    holders[kind].setdefault(u, []).append(o)
+    # 3. A source for each lacking unit, in rank, kind and unit order, spreading the load.
     load = dict.fromkeys(survivors, 0)
     moves = []
-    for rep in new.replicas:
-        for j, shard in enumerate(rep.shards):
-            me = origin[rep.global_rank(j)]
-            got: dict[int, dict[str, list[int]]] = {}
-            for kind in UNIT_KINDS:
-                mine = set() if me is None else set(old_shard[me].units(kind))
-                for u in shard.units(kind):
-                    if u in mine:
-                        src = me
-                    else:
-                        if u not in holders[kind]:
-                            raise PlanError(
-                                f"{kind} {u} survives on no rank: restore from a checkpoint"
-                            )
-                        src = min(
-                            holders[kind][u],
-                            key=lambda o: (old_replica[o] != old_replica.get(me), load[o], o),
-                        )
-                        load[src] += 1
-                    got.setdefault(new_rank[src], {}).setdefault(kind, []).append(u)
-            moves.append(
-                tuple(
-                    RankShard(**{k: tuple(v) for k, v in got.get(s, {}).items()})
-                    for s in range(new.world_size)
+    for (rep, j, _), keep, need in zip(new_ranks, kept, lacking, strict=True):
+        me = origin[rep.global_rank(j)]
+        got: dict[int, dict[str, list[int]]] = {}
+        for kind in UNIT_KINDS:
+            if keep[kind]:
+                got.setdefault(new_rank[me], {})[kind] = list(keep[kind])
+            for u in need[kind]:
+                if u not in holders[kind]:
+                    raise PlanError(f"{kind} {u} survives on no rank: restore from a checkpoint")
+                src = min(
+                    holders[kind][u],
+                    key=lambda o: (old_replica[o] != old_replica.get(me), load[o], o),
                 )
+                load[src] += 1
+                got.setdefault(new_rank[src], {}).setdefault(kind, []).append(u)
+        moves.append(
+            tuple(
+                RankShard(**{k: tuple(v) for k, v in got.get(s, {}).items()})
+                for s in range(new.world_size)
             )
+        )
     return tuple(moves)
 
 

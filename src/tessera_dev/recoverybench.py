@@ -1,25 +1,36 @@
 """`tessera-dev bench recovery`: every failure policy on the same job and the same faults.
 
-A local cluster of its own per policy (3 simulated nodes x 2 GPUs, Tessera installed from
+A local cluster of its own per policy (simulated nodes of 3 GPUs, Tessera installed from
 manifests/local; fresh for each, so no policy meets a node another one froze) runs one job shape
-(the example's model, TP2 x DP2, 6 GPUs so that one node is spare, checkpointing every `--interval`
-steps on shared storage) once per policy: NTP, NTP-PW, DROP, SPARE and CKPT-RESTART, with the
-product's timeouts (heartbeat, rendezvous, restart) as shipped. Into each run it injects one
-scripted sequence, each fault once the job trains again after the one before: a GPU of the layout
-falls off the bus (XID 79), that GPU comes back, a GPU of the layout is cordoned, the cordon is
-lifted, a node of the layout freezes whole (its node process and every process of its pods
-SIGSTOPped; the node holding the job's rendezvous is never the one). Each fault meets the job
-whole, so every policy has a layout of two nodes to lose one of (DROP, which keeps to its own
-nodes, would otherwise have none left to train on).
+(the example's model, TP3 x DP2 on two nodes, checkpointing every `--interval` steps on shared
+storage) once per policy: NTP, NTP-PW, DROP, SPARE and CKPT-RESTART, with the product's timeouts
+(heartbeat, rendezvous, restart) as shipped. SPARE and CKPT-RESTART get a third node, the spare
+their policies restart or stand in on; NTP, NTP-PW and DROP run on the job's two nodes alone:
+with a spare whole group at hand the planner packs it in place of the hit one, and NTP's
+reshard would never be measured. Without it a GPU lost or cordoned leaves its replica training
+at TP2 on the group's two survivors, and units move between TP ranks: the survivors rebalance
+the split among themselves and take the lost rank's units from its DP peer
+(`tessera_core.plan.reshard_moves`).
+
+Into each run it injects one scripted sequence, each fault once the job trains settled on the
+layout the operator published in answer to the one before: a GPU of the layout falls off the bus
+(XID 79), that GPU comes back, a GPU of the layout is cordoned, the cordon is lifted, a node of
+the layout freezes whole (its node process and every process of its pods SIGSTOPped; the node
+holding the job's rendezvous is never the one). Each fault meets the job whole.
 
 It reads what the job did from its trainer pods' logs (each step's end time, samples and
-layout; the node agents' notices of a failure) and reports, per policy and fault, detection,
-pause, steps redone (`tessera_dev.recovery_figures`), and per policy the throughput while
-degraded against healthy, goodput in time and step form, and energy per sample from the
-simulated GPUs' energy counters. A table on stdout; `recovery.json` (`tessera.recovery/v1`, what
-`tessera-dev simulate --pauses` reads) and `recovery.png` (steps over time per policy, faults
-marked) in `--out`. The machine's load average is printed beside each run: on two shared cores
-every figure includes the contention of the control plane, the nodes and the ranks.
+layout; the node agents' notices of a failure) and every layout document the operator
+published (each replica's GPUs, from a watch: a drop and a spare's join can follow each other
+within a second), and reports, per policy and fault, detection, every switch of layout the
+fault caused with what it did and its pause, the layouts the job went through, the time it
+trained at reduced capacity and the steps redone (`tessera_dev.recovery_figures`); per policy the
+throughput while degraded against healthy, goodput in time and step form, and energy per sample
+from the simulated GPUs' energy counters; and, per failure, the training time NTP lost (pauses
+and steps redone) against checkpoint-restart's. A table on stdout; `recovery.json`
+(`tessera.recovery/v2`, what `tessera-dev simulate --pauses` reads) and `recovery.png` (steps
+over time per policy, faults marked) in `--out`. The machine's load average is printed beside
+each run: on two shared cores every figure includes the contention of the control plane, the
+nodes and the ranks.
 """
 
 from __future__ import annotations
@@ -39,8 +50,9 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+import urllib3
 import yaml
-from kubernetes import client
+from kubernetes import client, watch
 
 from tessera_agents.power.sim_backend import SimBackend
 from tessera_cli import cordon
@@ -64,6 +76,7 @@ from tessera_dev.recovery_figures import (
     Fault,
     FaultFigures,
     FiguresError,
+    Replicas,
     RunFigures,
     Step,
     fault_figures,
@@ -74,10 +87,15 @@ from tessera_dev.recovery_figures import (
 from tessera_dev.simnode import faults
 from tessera_sim.pauses import FAILURE_KINDS, FORMAT
 
-NODES, GPUS, TP, DP = 3, 2, 2, 2
+GPUS, TP, DP = 3, 3, 2
+JOB_NODES = TP * DP // GPUS
 # The job's failure policy -> the simulator's name for it (tessera_sim.policies).
 POLICIES = {"NTP": "ntp", "NTP-PW": "ntp-pw", "DROP": "dp-drop", "SPARE": "spares",
             "CKPT-RESTART": "ckpt-restart"}
+# The policies that take a spare node: SPARE stands it in for a hit group, CKPT-RESTART
+# restarts on it. NTP and NTP-PW keep the hit group at a lower TP degree (given a spare they
+# would take its whole group instead); DROP keeps to its own groups.
+SPARES = frozenset({"SPARE", "CKPT-RESTART"})
 SEQUENCE = ("gpu-lost", "gpu-returned", "gpu-cordoned", "gpu-uncordoned", "node-lost")
 # A fault that takes back the one before it in the sequence.
 UNDOES = {"gpu-returned": "gpu-lost", "gpu-uncordoned": "gpu-cordoned"}
@@ -88,13 +106,19 @@ NOTICE = re.compile(r"generation \d+ (ended: )?failed")
 HANG_S = 300.0
 
 
+def nodes(policy: str) -> int:
+    """The nodes of `policy`'s cluster and job: the job's, and a spare where it takes one."""
+    return JOB_NODES + (policy in SPARES)
+
+
 def job_manifest(policy: str, claim: str, interval: int) -> dict[str, Any]:
-    """The example job on this cluster: TP2 x DP2 on 6 GPUs, checkpoints on `claim`."""
+    """The example job on this cluster: TP3 x DP2 on `nodes(policy)` nodes, checkpoints on
+    `claim`."""
     job = demo_data.without_dataset(yaml.safe_load(EXAMPLE.read_text()))
     job["metadata"] = {"name": "bench"}
     spec = job["spec"]
     spec |= {"tensorParallelSize": TP, "dataParallelReplicas": DP, "gpusPerNode": GPUS,
-             "totalGPUs": NODES * GPUS, "steps": 10_000_000,
+             "totalGPUs": nodes(policy) * GPUS, "steps": 10_000_000,
              "checkpointPolicy": {"path": "/checkpoints/run", "intervalSteps": interval}}
     spec["failurePolicy"] = {"mode": policy, "minTensorParallelSize": 1}
     if policy == "NTP-PW":
@@ -110,13 +134,15 @@ def job_manifest(policy: str, claim: str, interval: int) -> dict[str, Any]:
 @dataclass
 class Watch:
     """What the job's trainer pods log: steps (one per layout and step) and failure notices;
-    and the layout the operator publishes, (attempt, generation), with when it was first seen."""
+    every layout the operator publishes, (attempt, generation) -> its replicas; and the one it
+    publishes now, with when it was first seen."""
 
     api: client.ApiClient
     namespace: str
     job: str
     steps: dict[tuple[int, int, int], Step] = field(default_factory=dict)
     notices: list[float] = field(default_factory=list)
+    layouts: dict[tuple[int, int], Replicas] = field(default_factory=dict)
     published: tuple[int, int] | None = None
     since: float = 0.0
     changed: threading.Condition = field(default_factory=threading.Condition)
@@ -128,17 +154,34 @@ class Watch:
         threading.Thread(target=self._layouts, daemon=True).start()
 
     def _layouts(self) -> None:
+        """Every version of the layout ConfigMap, as a watch delivers it; a watch that breaks
+        is started afresh (its first events are the ConfigMap as it is)."""
         core = client.CoreV1Api(self.api)
-        while not self.stopped.wait(0.5):
+        selector = f"metadata.name={layout_configmap(self.job)}"
+        while not self.stopped.is_set():
             try:
-                found = published_layout(core, self.namespace, self.job)
-            except (client.ApiException, OSError, ValueError):
-                continue  # the next look
-            now = None if found is None else (found[0], found[1].generation)
-            with self.changed:
-                if now != self.published:
-                    self.published, self.since = now, time.time()
-                    self.changed.notify_all()
+                for event in watch.Watch().stream(core.list_namespaced_config_map,
+                                                  self.namespace, field_selector=selector,
+                                                  timeout_seconds=30, _request_timeout=60):
+                    if self.stopped.is_set():
+                        return
+                    try:
+                        found = None if event["type"] == "DELETED" else layout_of(event["object"])
+                    except ValueError:
+                        continue  # no generation: nothing the ranks could train on either
+                    self._publish(found)
+            except (client.ApiException, OSError, ValueError, urllib3.exceptions.HTTPError):
+                self.stopped.wait(0.5)  # the next watch
+
+    def _publish(self, found: tuple[int, Generation] | None) -> None:
+        key = None if found is None else (found[0], found[1].generation)
+        with self.changed:
+            if found is not None:
+                self.layouts.setdefault(key, tuple(tuple(str(g) for g in replica)
+                                                   for replica in found[1].replicas))
+            if key != self.published:
+                self.published, self.since = key, time.time()
+                self.changed.notify_all()
 
     def _pods(self) -> None:
         core = client.CoreV1Api(self.api)
@@ -187,12 +230,12 @@ class Watch:
         with self.changed:
             if key not in self.steps:
                 self.steps[key] = Step(record.time, record.step, record.samples,
-                                       (attempt, record.generation))
+                                       (attempt, record.generation), record.tp_degrees)
                 self.changed.notify_all()
 
-    def snapshot(self) -> list[Step]:
+    def snapshot(self) -> tuple[list[Step], dict[tuple[int, int], Replicas]]:
         with self.changed:
-            return sorted(self.steps.values(), key=lambda s: s.time)
+            return sorted(self.steps.values(), key=lambda s: s.time), dict(self.layouts)
 
     def until(self, what: str, done: Callable[[list[Step]], bool]) -> list[Step]:
         deadline = time.monotonic() + HANG_S
@@ -212,17 +255,13 @@ class Watch:
             return min((t for t in self.notices if t > after), default=None)
 
 
-def energy_mj(data_dir: Path) -> float:
-    """Every simulated GPU's energy counter, summed (mJ)."""
+def energy_mj(data_dir: Path, names: list[str]) -> float:
+    """The simulated GPUs' energy counters of nodes `names`, summed (mJ)."""
     total = 0.0
-    for name in cluster_nodes():
+    for name in names:
         state = faults.node_dir(data_dir, name) / faults.GPU_STATE
         total += sum(g.energy_mj for g in SimBackend(state_path=state).snapshot())
     return total
-
-
-def cluster_nodes() -> list[str]:
-    return [spec.name for spec in cluster.node_specs(NODES, GPUS)]
 
 
 def published_layout(core: client.CoreV1Api, namespace: str, job: str
@@ -236,6 +275,12 @@ def published_layout(core: client.CoreV1Api, namespace: str, job: str
         if exc.status == 404:
             return None
         raise
+    return layout_of(cm)
+
+
+def layout_of(cm: client.V1ConfigMap) -> tuple[int, Generation] | None:
+    """The attempt and generation a layout ConfigMap holds; None when it holds none. ValueError
+    for a document that is no generation."""
     data = cm.data or {}
     if LAYOUT_KEY not in data:
         return None
@@ -399,6 +444,7 @@ def _check(code: int) -> None:
 class Result:
     policy: str
     steps: list[Step]
+    layouts: dict[tuple[int, int], Replicas]
     faults: list[Fault]
     figures: list[FaultFigures]
     run: RunFigures
@@ -411,9 +457,10 @@ def bench_policy(plane: launcher.ControlPlane, running: cluster.Cluster, api: cl
                  settle: int) -> Result:
     load_before = os.getloadavg()[0]
     run = Run(plane, running, api, policy, interval, settle)
+    names = list(running.nodes)
     with run.job() as watch:
         watch.until("the job's first steps", lambda s: len(s) >= warmup + settle)
-        start_mj, start_at = energy_mj(plane.data_dir), time.time()
+        start_mj, start_at = energy_mj(plane.data_dir, names), time.time()
         for kind in sequence:
             ready = run.inject(kind)
             try:
@@ -428,21 +475,23 @@ def bench_policy(plane: launcher.ControlPlane, running: cluster.Cluster, api: cl
         stop_at = time.time()
         run.undo()
         run.frozen = run.cordoned = None
-        energy_j = (energy_mj(plane.data_dir) - start_mj) / 1e3
+        energy_j = (energy_mj(plane.data_dir, names) - start_mj) / 1e3
         status = run.status()
-        steps = watch.snapshot()
+        steps, layouts = watch.snapshot()
     noticed = [Fault(f.kind, f.at, watch.first_notice(f.at) if f.kind in DETECTED else None)
                for f in run.faults]
     ends = [f.at for f in noticed[1:]] + [stop_at]
-    figures = [fault_figures(steps, f, until) for f, until in zip(noticed, ends, strict=True)]
+    figures = [fault_figures(steps, f, layouts, TP * DP, until)
+               for f, until in zip(noticed, ends, strict=True)]
     inside = [s for s in steps if s.time <= stop_at]
     figures_run = run_figures(inside, noticed, figures, warmup, energy_j, start_at)
-    return Result(policy, steps, noticed, figures, figures_run, status.get("goodput"),
+    return Result(policy, steps, layouts, noticed, figures, figures_run, status.get("goodput"),
                   (load_before, os.getloadavg()[0]))
 
 
 def document(results: list[Result], interval: int, warmup: int) -> dict[str, Any]:
-    """The bench's file: `tessera.recovery/v1` (tessera_sim.pauses) with each run's figures."""
+    """The bench's file: `tessera.recovery/v2` (tessera_sim.pauses) with each run's figures and
+    the layouts it trained on."""
     shape = ModelShape.from_spec(yaml.safe_load(EXAMPLE.read_text())["spec"]["model"])
     first = results[0]
     step_s = step_time(first.steps[warmup:], first.steps[warmup].time, first.faults[0].at
@@ -451,17 +500,36 @@ def document(results: list[Result], interval: int, warmup: int) -> dict[str, Any
         "format": FORMAT,
         "note": f"measured by `tessera-dev bench recovery` on {os.cpu_count()} cores; the "
                 f"checkpoint interval is {interval} steps (the product's default, 1000, would "
-                "take the bench's job minutes to reach)",
-        "job": {"gpus": TP * DP, "nodes": NODES, "gpus_per_node": GPUS, "tp": TP, "pp": 1,
+                "take the bench's job minutes to reach); the job's nodes, and for "
+                f"{', '.join(sorted(SPARES))} a spare node besides (runs.*.nodes)",
+        "job": {"gpus": TP * DP, "nodes": JOB_NODES, "gpus_per_node": GPUS, "tp": TP, "pp": 1,
                 "dp": DP, "parameters": parameters(shape), "step_seconds": round(step_s, 4),
                 "checkpoint_interval_steps": interval,
                 "checkpoint_interval_seconds": round(interval * step_s, 3)},
-        "policies": {POLICIES[r.policy]: {"faults": [_rounded(f.to_dict()) for f in r.figures]}
+        "policies": {POLICIES[r.policy]: {"faults": [f.to_dict() for f in r.figures]}
                      for r in results},
         "runs": {POLICIES[r.policy]: _rounded(r.run.to_dict() | {
             "status_goodput": r.status_goodput, "load_before": r.load[0],
-            "load_after": r.load[1]}) for r in results},
+            "load_after": r.load[1], "nodes": nodes(r.policy)}) | timeline(r)
+                 for r in results},
     }
+
+
+def timeline(result: Result) -> dict[str, Any]:
+    """When each fault was injected (`faults_at`) and the layouts the run trained on, in order
+    (`trained`): each one's attempt, generation, replicas (each rank's GPU, from its document),
+    TP degrees (as its ranks logged them), the first step done on it and when; times in seconds
+    from the run's first step."""
+    first: dict[tuple[int, int], Step] = {}
+    for step in result.steps:
+        first.setdefault(step.layout, step)
+    t0 = result.steps[0].time
+    return {"faults_at": [round(f.at - t0, 4) for f in result.faults], "trained": [
+            {"attempt": key[0], "generation": key[1],
+             "replicas": [list(r) for r in result.layouts.get(key, ())],
+             "tp_degrees": list(step.tp_degrees),
+             "first_step": step.step, "first_at": round(step.time - t0, 4)}
+            for key, step in first.items()]}
 
 
 def parameters(shape: ModelShape) -> int:
@@ -476,13 +544,15 @@ def _rounded(values: dict[str, Any]) -> dict[str, Any]:
 
 
 def table(results: list[Result]) -> str:
-    rows = ["| policy | fault | detection s | pause s | steps redone | relaid |",
-            "| --- | --- | --- | --- | --- | --- |"]
+    rows = ["| policy | fault | detection s | pause s | switches | reduced s | steps redone | "
+            "layouts (TP per replica) -change pause s-> ... |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in results:
         for f in r.figures:
             detection = "-" if f.detection_s is None else f"{f.detection_s:.2f}"
             rows.append(f"| {r.policy} | {f.kind} | {detection} | {f.pause_s:.2f} | "
-                        f"{f.steps_redone} | {'yes' if f.relaid else 'no'} |")
+                        f"{len(f.switches)} | {f.reduced_s:.1f} | {f.steps_redone} | "
+                        f"{went_through(f)} |")
     rows += ["", "| policy | healthy samples/s | degraded / healthy | goodput time | goodput "
              "step | status goodput | J / sample | load 1-min before / after |",
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
@@ -497,16 +567,36 @@ def table(results: list[Result]) -> str:
     return "\n".join(rows)
 
 
+def went_through(f: FaultFigures) -> str:
+    """The layouts a fault went through, each switch between them with what it did and its
+    pause: "3,3 -reshard 0.36-> 2,3"."""
+    text = _layout(f.layouts[0])
+    for s in f.switches:
+        text += f" -{'+'.join(s.changes) or 'same GPUs'} {s.pause_s:.2f}-> {_layout(s.layout)}"
+    return text
+
+
+def _layout(degrees: tuple[int, ...]) -> str:
+    return ",".join(map(str, degrees))
+
+
 def ratios(results: list[Result]) -> list[str]:
-    """NTP's pause against checkpoint-restart's per failure (a repair the restart does not take
-    back until its next attempt has no pause to compare), and NTP's steps redone."""
+    """Per failure, the training time NTP lost against checkpoint-restart's
+    (`FaultFigures.lost_s`: pauses, and steps redone at the run's healthy pace), with the
+    layouts NTP went through; and NTP's steps redone."""
     by = {r.policy: r for r in results}
     out = []
     if "NTP" in by and "CKPT-RESTART" in by:
+        ntp_step, ckpt_step = by["NTP"].run.healthy_step_s, by["CKPT-RESTART"].run.healthy_step_s
         for ntp, ckpt in zip(by["NTP"].figures, by["CKPT-RESTART"].figures, strict=False):
-            if ntp.kind == ckpt.kind and ntp.kind in FAILURE_KINDS and ckpt.pause_s > 0:
-                out.append(f"{ntp.kind}: NTP pause / CKPT-RESTART pause = "
-                           f"{ntp.pause_s / ckpt.pause_s:.3f} (target <= 0.1)")
+            lost = ckpt.lost_s(ckpt_step)
+            if ntp.kind == ckpt.kind and ntp.kind in FAILURE_KINDS and lost > 0:
+                out.append(
+                    f"{ntp.kind}: NTP lost {ntp.lost_s(ntp_step):.2f} s (pause "
+                    f"{ntp.pause_s:.2f} s, {ntp.steps_redone} steps redone; {went_through(ntp)}), "
+                    f"CKPT-RESTART {lost:.2f} s (pause {ckpt.pause_s:.2f} s, {ckpt.steps_redone} "
+                    f"steps redone at {ckpt_step:.3f} s): NTP / CKPT-RESTART = "
+                    f"{ntp.lost_s(ntp_step) / lost:.3f} (target <= 0.1)")
     if "NTP" in by:
         out.append(f"NTP steps redone: {sum(f.steps_redone for f in by['NTP'].figures)} "
                    "(target 0)")
@@ -568,11 +658,11 @@ def on_own_cluster(policy: str, opts: argparse.Namespace) -> Result:
     """`policy`'s run on a local cluster started for it: a frozen and thawed node, a GPU
     restored, are not left for the next policy to meet."""
     with launcher.ControlPlane.start(bin_dir=launcher.prebuilt()) as plane:
-        running = cluster.Cluster.start(plane, cluster.node_specs(NODES, GPUS))
+        running = cluster.Cluster.start(plane, cluster.node_specs(nodes(policy), GPUS))
         try:
             install.apply(plane.kubeconfig)
             with plane.api_client() as api:
-                install.wait(api, NODES, timeout=HANG_S)
+                install.wait(api, nodes(policy), timeout=HANG_S)
                 return bench_policy(plane, running, api, policy, opts.faults, opts.interval,
                                     opts.warmup, opts.settle)
         finally:
@@ -600,7 +690,7 @@ def main(argv: list[str]) -> int:
     print("\n".join(ratios(results)))
     print(f"{len(results)} policies in {time.monotonic() - started:.0f} s on "
           f"{os.cpu_count()} cores; the load averages above are the machine's while each ran "
-          "(the control plane, 3 nodes and the job's ranks share these cores, so every time "
+          "(the control plane, the nodes and the job's ranks share these cores, so every time "
           "includes their contention)")
     print(f"wrote {opts.out / 'recovery.json'} and {opts.out / 'recovery.png'}")
     return 0 if len(results) == len(opts.policies) else 1

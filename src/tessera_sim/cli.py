@@ -387,7 +387,7 @@ def render_measured(
         f"bench of {job.parameters:,} parameters; rest scaled x{f.restart:.3g} for "
         f"{f.sim_nodes:,} nodes against {f.bench_nodes}; {f.shard_bytes / pauses.GB:.3g} GB "
         f"per GPU moved at {m.storage_gbps:g} GB/s from storage, {m.scale_out_gbps:g} GB/s "
-        f"scale-out, {m.scale_up_gbps:g} GB/s scale-up)",
+        f"scale-out)",
         box=box.SIMPLE_HEAD,
         pad_edge=False,
     )

@@ -16,30 +16,43 @@ from typing import Any
 from tessera_sim.config import MAX_DAYS, SimConfig
 from tessera_sim.policies import POLICY_NAMES, Policy
 
-FORMAT = "tessera.recovery/v1"
+FORMAT = "tessera.recovery/v2"
 FAILURE_KINDS: tuple[str, ...] = ("gpu-lost", "gpu-cordoned", "node-lost")
 # A GPU back to the job: off the bus and returned, or its cordon lifted.
 REPAIR_KINDS: tuple[str, ...] = ("gpu-returned", "gpu-uncordoned")
 # The one policy that restarts the job; every other one relays its groups out live.
 RESTART_POLICY = "ckpt-restart"
-# Where a recovering GPU's state comes from, by policy, as the ScalingModel bandwidth it moves
-# at: a restart reads its shard from checkpoint storage; a spare or a regrouped data-parallel
-# group copies a whole shard from a peer replica over the scale-out network; an NTP survivor
-# takes a share of the lost GPU's units over the scale-up domain (NVLink).
-LINKS: dict[str, str] = {
-    RESTART_POLICY: "storage_gbps",
-    "spares": "scale_out_gbps", "dp-drop": "scale_out_gbps", "dp-drop-unpacked": "scale_out_gbps",
-    "ntp": "scale_up_gbps", "ntp-pw": "scale_up_gbps", "tessera": "scale_up_gbps",
-}  # fmt: skip
+# What a switch from one layout to the next did, by the bytes a GPU receives for it, fewest
+# first: a replica left the job (nothing moves); a replica went on on its own TP group at another
+# degree or membership (a reshard: the hit group's survivors take the lost GPU's units, a
+# returning GPU its own); a replica formed on GPUs that held nothing of it (a spare, a group
+# back); the job restarted from its checkpoint.
+CHANGES: tuple[str, ...] = ("drop", "reshard", "join", "restart")
+# Where a GPU receives the bytes of each change from, as the ScalingModel bandwidth it moves
+# at. A restart reads its shard from checkpoint storage. A joining GPU copies a whole shard from
+# a data-parallel peer, on another node. A reshard's units come from DP peers too:
+# `tessera_core.plan.reshard_moves` takes a unit from a survivor holding it, and no survivor of
+# the hit group holds the lost GPU's units (TP shards are disjoint), nor, at scale, most of a
+# returning GPU's (a process that held nothing takes each unit from the least-loaded holder, of
+# any replica); the survivors' rebalancing among themselves runs alongside over the scale-up
+# domain, at several times the bandwidth, and is not charged.
+LINKS: dict[str, str] = {"reshard": "scale_out_gbps", "join": "scale_out_gbps",
+                         "restart": "storage_gbps"}
 # Bytes per GB of the bandwidths: decimal, as link and storage speeds are quoted.
 GB = 1e9
 # A scaled pause must fit the simulator's clock, as --reconfigure-seconds must.
 MAX_PAUSE_S = 86_400 * MAX_DAYS
 
 _JOB_INTS = ("gpus", "nodes", "gpus_per_node", "tp", "pp", "dp", "parameters")
-_FAULT_KEYS = {"kind", "detection_s", "pause_s", "steps_redone", "checkpoint_load_s"}
-# A pauses file nests five levels deep (policies, a policy, its faults, a fault); far deeper is
-# no pauses file, and Python's JSON reader would run out of stack on it.
+_FAULT_KEYS = {"kind", "detection_s", "pause_s", "steps_redone", "checkpoint_load_s", "layouts",
+               "switches", "reduced_s"}
+_SWITCH_KEYS = {"changes", "pause_s"}
+# A fault's pause is the sum of its switches' to this many seconds: the bench writes each to
+# 0.1 ms, so a larger difference is no rounding.
+PAUSE_SUM_S = 1e-6
+# A pauses file nests seven levels deep (policies, a policy, its faults, a fault, its switches,
+# a switch, its changes); far deeper is no pauses file, and Python's JSON reader would run out
+# of stack on it.
 MAX_DEPTH = 16
 # A value shown in an error is cut to this many characters: the error stays one readable line.
 SHOWN = 40
@@ -140,15 +153,31 @@ class BenchJob:
 
 
 @dataclass(frozen=True)
+class MeasuredSwitch:
+    """One change of layout a fault caused: what it did (CHANGES, none when the new layout runs
+    on the same GPUs) and its pause, from the last step on the layout before to the first on
+    the one after."""
+
+    changes: tuple[str, ...]
+    pause_s: float
+
+
+@dataclass(frozen=True)
 class MeasuredFault:
-    """One fault the bench injected and the pause it measured around it."""
+    """One fault the bench injected, every switch of layout it caused and the pauses."""
 
     kind: str
     # None when the policy does not detect the fault itself (a cordon is announced to it).
     detection_s: float | None
-    # From the last step before the fault to the first step after it.
+    # Every switch's pause, summed; with no switch, the gap around the fault (a step's time).
     pause_s: float
     steps_redone: int
+    # The TP degree of every replica the job trained on: before the fault, then after each
+    # switch (a restart's new attempt included).
+    layouts: tuple[tuple[int, ...], ...]
+    switches: tuple[MeasuredSwitch, ...]
+    # Seconds the job trained on fewer GPUs than its whole layout, until the next fault.
+    reduced_s: float
     checkpoint_load_s: float = 0.0
 
     @property
@@ -178,8 +207,6 @@ class ScalingModel:
     storage_gbps: float = 2.0
     # Per GPU, GB/s: one 400 Gb/s NIC per GPU, as in an HGX H100/H200 node.
     scale_out_gbps: float = 50.0
-    # Per GPU, GB/s: NVLink 4's 900 GB/s bidirectional, one direction.
-    scale_up_gbps: float = 450.0
 
     def __post_init__(self) -> None:
         # A zero knob would divide by zero deep in the scaling; name it here instead.
@@ -199,8 +226,9 @@ class Factors:
     sim_nodes: int
     # The simulated job's state per GPU: parameters / (tp x pp) x bytes per parameter.
     shard_bytes: float
-    # Policy -> {"failure": s, "repair": s}: the bytes a recovering GPU receives on the simulated
-    # job over the link its policy uses; the bench's job is too small to show them.
+    # Change (CHANGES) -> {"failure": s, "repair": s}: the bytes a recovering GPU receives on the
+    # simulated job for a switch that made it, over its link; the bench's job is too small to
+    # show them.
     transfer_s: dict[str, dict[str, float]]
     # The assumptions the transfers were computed with, for the record.
     model: ScalingModel
@@ -255,7 +283,8 @@ def parse(doc: Any) -> MeasuredPauses:
         faults = entry.get("faults")
         if not isinstance(faults, list) or not faults:
             raise PausesError(f"{path}.faults", "must be a non-empty list of faults")
-        parsed[name] = tuple(_parse_fault(f, f"{path}.faults[{i}]") for i, f in enumerate(faults))
+        parsed[name] = tuple(_parse_fault(f, f"{path}.faults[{i}]", job)
+                             for i, f in enumerate(faults))
     return MeasuredPauses(job, parsed)
 
 
@@ -276,21 +305,19 @@ def factors(job: BenchJob, cfg: SimConfig, model: ScalingModel = ScalingModel())
         bench_nodes=job.nodes,
         sim_nodes=sim_nodes,
         shard_bytes=shard,
-        transfer_s={name: _transfers(name, shard, cfg.tp, model) for name in POLICY_NAMES},
+        transfer_s={change: _transfers(change, shard, cfg.tp, model) for change in CHANGES},
         model=model,
     )
 
 
-def scale_fault(fault: MeasuredFault, policy: str, f: Factors) -> float:
+def scale_fault(fault: MeasuredFault, f: Factors) -> float:
     """The fault's pause on the simulated job: detection and checkpoint load held, the rest by the
-    restart factor, plus the policy's transfer of the simulated job's bytes."""
+    restart factor, plus each switch's transfer of the simulated job's bytes: that of the change
+    that moves the most (a switch's changes move at once, to different GPUs)."""
     which = "repair" if fault.kind in REPAIR_KINDS else "failure"
-    return (
-        (fault.detection_s or 0.0)
-        + fault.checkpoint_load_s
-        + fault.rest_s * f.restart
-        + f.transfer_s[policy][which]
-    )
+    moved = sum(max((f.transfer_s[c][which] for c in s.changes), default=0.0)
+                for s in fault.switches)
+    return (fault.detection_s or 0.0) + fault.checkpoint_load_s + fault.rest_s * f.restart + moved
 
 
 def scale(
@@ -304,7 +331,7 @@ def scale(
     lost_work = cfg.policy.lost_work_s
     scaled = {}
     for name, faults in measured.policies.items():
-        rows = tuple(ScaledFault(fault, scale_fault(fault, name, f)) for fault in faults)
+        rows = tuple(ScaledFault(fault, scale_fault(fault, f)) for fault in faults)
         by_kind: dict[str, list[float]] = {}
         for row in rows:
             by_kind.setdefault(row.fault.kind, []).append(row.scaled_s)
@@ -343,16 +370,16 @@ def apply(policies: Sequence[Policy], scaled: ScaledPauses) -> tuple[Policy, ...
     return tuple(out)
 
 
-def _transfers(policy: str, shard: float, tp: int, model: ScalingModel) -> dict[str, float]:
-    """Seconds for a recovering GPU to receive its bytes under `policy`, on failure and repair:
-    a whole shard, except an NTP survivor's share of a lost GPU's, shard / (tp - 1); none on a
-    restart's repair (a restarted job takes a returned GPU only at its next attempt, whose
-    restart pays the load)."""
-    link = LINKS[policy]
-    whole = shard / (getattr(model, link) * GB)
+def _transfers(change: str, shard: float, tp: int, model: ScalingModel) -> dict[str, float]:
+    """Seconds for a recovering GPU to receive its bytes for `change`, on failure and repair: a
+    whole shard, except a reshard survivor's share of a lost GPU's, shard / (tp - 1); none for
+    a drop."""
+    if change not in LINKS:
+        return {"failure": 0.0, "repair": 0.0}
+    whole = shard / (getattr(model, LINKS[change]) * GB)
     # With TP1 there is no survivor to share the lost units among: the whole shard moves.
-    survivors = max(tp - 1, 1) if link == "scale_up_gbps" else 1
-    return {"failure": whole / survivors, "repair": 0.0 if policy == RESTART_POLICY else whole}
+    survivors = max(tp - 1, 1) if change == "reshard" else 1
+    return {"failure": whole / survivors, "repair": whole}
 
 
 def _object(doc: dict[str, Any], key: str) -> dict[str, Any]:
@@ -415,7 +442,7 @@ def _parse_job(job: dict[str, Any]) -> BenchJob:
     return parsed
 
 
-def _parse_fault(entry: Any, path: str) -> MeasuredFault:
+def _parse_fault(entry: Any, path: str, job: BenchJob) -> MeasuredFault:
     if not isinstance(entry, dict):
         raise PausesError(path, "must be an object")
     _no_other_keys(entry, _FAULT_KEYS, path)
@@ -426,15 +453,32 @@ def _parse_fault(entry: Any, path: str) -> MeasuredFault:
     if "detection_s" not in entry:
         raise PausesError(f"{path}.detection_s", "is missing (null when not detected in-job)")
     detection = None if entry["detection_s"] is None else _number(entry, "detection_s", path)
+    layouts = _list(entry, "layouts", path)
+    if not layouts:
+        raise PausesError(f"{path}.layouts", "must list the layout before the fault")
+    switches = _list(entry, "switches", path)
+    if len(switches) != len(layouts) - 1:
+        raise PausesError(f"{path}.switches", f"must be one per layout after the first: "
+                          f"{len(layouts) - 1}, got {len(switches)}")  # fmt: skip
     fault = MeasuredFault(
         kind=entry["kind"],
         detection_s=detection,
         pause_s=_number(entry, "pause_s", path),
         steps_redone=_integer(entry, "steps_redone", path, minimum=0),
+        layouts=tuple(_parse_layout(x, f"{path}.layouts[{i}]", job)
+                      for i, x in enumerate(layouts)),
+        switches=tuple(_parse_switch(x, f"{path}.switches[{i}]")
+                       for i, x in enumerate(switches)),
+        reduced_s=_number(entry, "reduced_s", path),
         checkpoint_load_s=_number(entry, "checkpoint_load_s", path)
         if "checkpoint_load_s" in entry
         else 0.0,
     )
+    if fault.switches:
+        total = sum(s.pause_s for s in fault.switches)
+        if abs(total - fault.pause_s) > PAUSE_SUM_S:
+            raise PausesError(f"{path}.pause_s", f"must be the sum of its switches' pauses, "
+                              f"{total:g}, got {fault.pause_s:g}")  # fmt: skip
     if fault.rest_s < 0:
         raise PausesError(
             f"{path}.pause_s",
@@ -442,3 +486,34 @@ def _parse_fault(entry: Any, path: str) -> MeasuredFault:
             f"{fault.pause_s - fault.rest_s:g}, got {fault.pause_s:g}",
         )
     return fault
+
+
+def _list(entry: dict[str, Any], key: str, path: str) -> list[Any]:
+    value = _present(entry, key, path)
+    if not isinstance(value, list):
+        raise PausesError(f"{path}.{key}", f"must be a list, got {_shown(value)}")
+    return value
+
+
+def _parse_layout(value: Any, path: str, job: BenchJob) -> tuple[int, ...]:
+    """A layout: the TP degree of each of at most job.dp replicas, each within 1..job.tp."""
+    if not isinstance(value, list) or not 1 <= len(value) <= job.dp:
+        raise PausesError(path, f"must list the TP degree of 1 to {job.dp} (job.dp) replicas, "
+                          f"got {_shown(value)}")  # fmt: skip
+    for i, tp in enumerate(value):
+        if not isinstance(tp, int) or isinstance(tp, bool) or not 1 <= tp <= job.tp:
+            raise PausesError(f"{path}[{i}]", f"must be an integer in 1..{job.tp} (job.tp), "
+                              f"got {_shown(tp)}")  # fmt: skip
+    return tuple(value)
+
+
+def _parse_switch(entry: Any, path: str) -> MeasuredSwitch:
+    if not isinstance(entry, dict):
+        raise PausesError(path, "must be an object")
+    _no_other_keys(entry, _SWITCH_KEYS, path)
+    changes = _list(entry, "changes", path)
+    for i, change in enumerate(changes):
+        if change not in CHANGES or change in changes[:i]:
+            raise PausesError(f"{path}.changes[{i}]", f"must be one of {', '.join(CHANGES)}, "
+                              f"each once, got {_shown(change)}")  # fmt: skip
+    return MeasuredSwitch(tuple(changes), _number(entry, "pause_s", path))

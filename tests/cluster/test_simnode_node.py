@@ -82,6 +82,7 @@ def test_node_registers_heartbeats_and_reports_failed_gpus(
         assert labels["nvidia.com/gpu.present"] == "true"
         assert labels["nvidia.com/gpu.count"] == "4"
         assert labels["nvidia.com/gpu.product"] == "NVIDIA-H200"
+        assert labels["nvidia.com/gpu.memory"] == "143771"  # MiB, as GPU feature discovery says
         assert labels["nvidia.com/gpu.clique"] == f"test.{node.name}"
         assert labels["kubernetes.io/hostname"] == node.name
         assert seen.status.capacity[GPU] == seen.status.allocatable[GPU] == "4"

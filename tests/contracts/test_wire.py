@@ -30,6 +30,7 @@ from tessera_contracts.invocation import (
     RankInvocation,
 )
 from tessera_contracts.rank_events import (
+    EvalRecord,
     EventKind,
     RankEvent,
     RecordError,
@@ -189,10 +190,13 @@ EVENTS = [
 
 
 TIMED = StepRecord(1, 0, 0, 1.0, 0.1, 8, time=1_700_000_003.25)
+EVAL = EvalRecord(step=20, rank=1, generation=2, eval_loss=3.25, samples=32,
+                  time=1_700_000_004.5)
 
 
-@pytest.mark.parametrize("record", [STEP, StepRecord(1, 0, 0, 1.0, 0.1, 8), TIMED, *EVENTS])
-def test_a_rank_record_reads_back_as_printed(record: StepRecord | RankEvent) -> None:
+@pytest.mark.parametrize("record", [STEP, StepRecord(1, 0, 0, 1.0, 0.1, 8), TIMED, *EVENTS,
+                                    EVAL, EvalRecord(5, 0, 1, 4.0, 8)])
+def test_a_rank_record_reads_back_as_printed(record: StepRecord | RankEvent | EvalRecord) -> None:
     line = record.to_line()
     assert "\n" not in line and line.startswith("{")
     assert parse_line(line) == record
@@ -208,6 +212,9 @@ def test_the_lines_keep_the_form_every_reader_of_the_logs_knows() -> None:
         "time": 1_700_000_001.0, "checkpoint": None, "why": "no survivor", "rank": 0}
     assert "checkpoint" not in json.loads(EVENTS[0].to_line())
     assert json.loads(TIMED.to_line())["time"] == 1_700_000_003.25  # when the step ended
+    assert json.loads(EVAL.to_line()) == {
+        "step": 20, "rank": 1, "generation": 2, "eval_loss": 3.25, "samples": 32,
+        "time": 1_700_000_004.5}
 
 
 def test_a_diverged_loss_is_a_step_all_the_same() -> None:
@@ -261,6 +268,10 @@ _DROP = object()
     (EVENTS[0], {"tp_degrees": _DROP}, "tp_degrees"),
     (EVENTS[1], {"checkpoint": 3}, "checkpoint"),
     (EVENTS[1], {"why": ["x"]}, "why"),
+    (EVAL, {"eval_loss": "3.25"}, "eval_loss"),
+    (EVAL, {"samples": _DROP}, "samples"),
+    (EVAL, {"step": -2}, "step"),
+    (EVAL, {"time": -1}, "time"),
 ])
 def test_a_malformed_record_is_refused_with_the_field(record: StepRecord | RankEvent,
                                                       change: dict[str, object],
@@ -274,7 +285,7 @@ def test_a_malformed_record_is_refused_with_the_field(record: StepRecord | RankE
 @settings(max_examples=300, deadline=None)
 @given(st.dictionaries(st.sampled_from(
     ["event", "step", "rank", "loss", "generation", "step_s", "compute_s", "samples", "tokens",
-     "tp_degrees", "time", "checkpoint", "why"]), JSON | st.integers(0, 10)))
+     "tp_degrees", "time", "checkpoint", "why", "eval_loss"]), JSON | st.integers(0, 10)))
 def test_any_line_is_a_record_no_record_or_refused_with_a_reason(record: dict) -> None:
     try:
         read = parse_line(json.dumps(record))
@@ -282,7 +293,7 @@ def test_any_line_is_a_record_no_record_or_refused_with_a_reason(record: dict) -
         return
     if read is not None:
         assert parse_line(read.to_line()) == read or isinstance(read, StepRecord) and \
-            math.isnan(read.loss)
+            math.isnan(read.loss) or isinstance(read, EvalRecord) and math.isnan(read.eval_loss)
 
 
 # --- command lines -------------------------------------------------------------------------

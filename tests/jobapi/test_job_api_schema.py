@@ -118,6 +118,20 @@ TRAINER_INPUTS: dict[str, tuple[Callable[[dict], None], str, str]] = {
                            "spec.checkpointPolicy.keep", "greater than or equal to 1"),
     "too many checkpoints kept": (lambda s: s["checkpointPolicy"].update(keep=1001),
                                   "spec.checkpointPolicy.keep", "less than or equal to 1000"),
+    "a micro-batch of none": (lambda s: s.update(microBatchSize=0),
+                              "spec.microBatchSize", "greater than or equal to 1"),
+    "a checkpointing mode the trainer lacks": (
+        lambda s: s.update(activationCheckpointing={"mode": "offload"}),
+        "spec.activationCheckpointing.mode", '"none", "full", "selective"'),
+    "a learning rate of zero": (lambda s: s.update(optimizer={"learningRate": 0}),
+                                "spec.optimizer.learningRate", "greater than 0"),
+    "a wsd schedule with no decay": (
+        lambda s: s.update(optimizer={"schedule": {"type": "wsd", "warmupSteps": 10}}),
+        "spec.optimizer.schedule.decaySteps", "must be set for the wsd schedule"),
+    "an evaluation with no period": (lambda s: s.update(eval={"samples": 8}),
+                                     "spec.eval.everySteps", "Required value"),
+    "a GPU memory that is no quantity": (lambda s: s.update(gpuMemory="80 GB"),
+                                         "spec.gpuMemory", "should match"),
 }
 
 

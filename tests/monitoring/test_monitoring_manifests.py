@@ -121,7 +121,8 @@ def test_the_dashboard_loads_with_the_panels_asked_for() -> None:
                    "Reconfigurations and lost steps (1 h)", "GPU power limit and target",
                    "DCGM power draw", "DCGM last XID and failing health watches",
                    "Health agents reading dcgm-exporter", "Operator reconciles",
-                   "Operator reconcile time (p99)", "Operator leader"):
+                   "Operator reconcile time (p99)", "Operator leader",
+                   "Loss: training and held-out"):
         assert wanted in titles
     for panel in board["panels"]:
         assert panel["targets"] and all(t["expr"].strip() for t in panel["targets"])
@@ -146,7 +147,7 @@ def exporters() -> Iterator[dict[str, list[str]]]:
         ledger.step_done(step, samples=8, tokens=8 * 256)
         steps.observe(1.0)
     trainer = serve(ledger, "127.0.0.1", 0, {"ntpjob": "llama-small", "node": "gpu-node-0"},
-                    step_times=steps)
+                    loss=lambda: 2.5, step_times=steps, eval_loss=lambda: 2.75)
 
     status = NodeStatus(
         node="gpu-node-0", rack="rack-0", budget_mw=4_800_000, rack_budget_mw=9_600_000,

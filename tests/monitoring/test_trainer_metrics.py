@@ -10,7 +10,7 @@ import pytest
 
 from ntp.nodeagent.metrics import StepTimes, registry, serve
 from ntp.nodeagent.progress import NodeProgress
-from tessera_contracts.rank_events import StepRecord
+from tessera_contracts.rank_events import EvalRecord, StepRecord
 from tessera_contracts.vocabulary import Phase
 from tessera_core.goodput import Ledger
 from tessera_dev.controlplane.prometheus import Prometheus
@@ -136,3 +136,23 @@ def test_the_node_agent_times_each_step_once_as_its_ranks_measured_it() -> None:
             samples[("tessera_step_seconds_bucket", "0.4")],
             samples[("tessera_step_seconds_bucket", "0.6")],
             samples[("tessera_step_seconds_bucket", "2.5")]) == (0, 1, 2, 3)
+
+
+def test_the_node_agent_serves_the_newest_held_out_loss_beside_the_training_loss() -> None:
+    progress = NodeProgress("gpu-node-0", steps=10, clock=Clock())
+    reg = registry(progress.ledger, LABELS, lambda: progress.loss,
+                   progress.step_times, lambda: progress.eval_loss)
+
+    def gauge(name: str) -> list[float]:
+        (family,) = (f for f in reg.collect() if f.name == name)
+        return [s.value for s in family.samples]
+
+    assert gauge("tessera_eval_loss") == []  # nothing evaluated yet: no sample, not a zero
+    for step, loss, held_out in ((1, 3.5, None), (2, 3.0, 3.25), (3, 2.75, None)):
+        for rank in (0, 1):
+            progress.read(StepRecord(step=step, rank=rank, generation=1, loss=loss,
+                                     step_s=0.1, samples=8).to_line().encode())
+            if held_out is not None:
+                progress.read(EvalRecord(step=step, rank=rank, generation=1,
+                                         eval_loss=held_out, samples=16).to_line().encode())
+    assert (gauge("tessera_loss"), gauge("tessera_eval_loss")) == ([2.75], [3.25])

@@ -21,11 +21,11 @@ import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
 from ntp.checkpoint import CheckpointSaver, dense_state, latest, load_state, save_state
+from ntp.checkpointing import Checkpointing
 from ntp.initialize import dense_model, materialize
 from ntp.launch import launch_local
 from ntp.model import FLAVORS, Transformer
 from ntp.parallelize import apply_ntp
-from ntp.train import Checkpointing
 from tessera_core.plan import RankShard, plan_job, plan_replica
 
 pytestmark = pytest.mark.checkpoint

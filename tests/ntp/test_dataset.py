@@ -104,9 +104,9 @@ def stream_of(docs: list[str], tok: Tokenizer, eos_id: int) -> list[int]:
 class DocumentedOrder:
     """Global sample k -> its window, as docs/data.md defines the order."""
 
-    def __init__(self, stream: list[int], seq_len: int, seed: int) -> None:
+    def __init__(self, stream: list[int], seq_len: int, seed: int, held_out: int = 0) -> None:
         self.stream, self.seq_len, self.seed = stream, seq_len, seed
-        self.n = (len(stream) - 1) // seq_len
+        self.n = (len(stream) - 1) // seq_len - held_out
         self.perms: dict[int, list[int]] = {}
 
     def window(self, i: int) -> list[int]:
@@ -291,6 +291,28 @@ def test_epochs_wrap_around_in_a_new_order(dataset_dir, docs):
     assert epoch0 != epoch1
     # a batch across the boundary is the end of one epoch and the start of the next
     assert data.samples(n - 3, 6).tolist() == epoch0[-3:] + epoch1[:3]
+
+
+def test_held_out_windows_are_never_trained_on(dataset_dir, docs):
+    index = json.loads((dataset_dir / "index.json").read_text())
+    stream = stream_of(docs, encoder(dataset_dir), index["eos_id"])
+    windows = (len(stream) - 1) // SEQ_LEN
+    held = 3
+    data = TokenDataset.open(dataset_dir, SEQ_LEN, SEED, SHAPE.vocab, held_out=held)
+    order = DocumentedOrder(stream, SEQ_LEN, SEED, held_out=held)
+    assert data.num_samples == windows - held
+    # Training: every other window once an epoch, in the documented order, none held out.
+    trained = data.samples(0, 2 * data.num_samples).tolist()
+    assert trained == [order.sample(k) for k in range(2 * data.num_samples)]
+    last = [order.window(i) for i in range(windows - held, windows)]
+    assert not any(w in trained for w in last)
+    # Held out: the stream's last windows in stream order, cycling.
+    assert data.held_out_samples(0, held + 1).tolist() == last + last[:1]
+    message = single_line_error(
+        lambda: TokenDataset.open(dataset_dir, SEQ_LEN, SEED, SHAPE.vocab, held_out=windows))
+    assert "leaves none to train on" in message
+    unsplit = TokenDataset.open(dataset_dir, SEQ_LEN, SEED, SHAPE.vocab)
+    assert "no held-out windows" in single_line_error(lambda: unsplit.held_out_samples(0, 1))
 
 
 def single_line_error(call) -> str:

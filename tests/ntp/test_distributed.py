@@ -77,7 +77,7 @@ def test_a_launcher_ends_the_generation_its_dead_child_was_in():
 
 
 def test_a_planned_generation_forms_once_the_processes_it_adds_have_come():
-    """Its survivors train on until then (`ntp.train.Trainer.agreed_switch`)."""
+    """Its survivors train on until then (`ntp.membership.Membership.agreed_switch`)."""
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     assert ready_to_form(store, 2, joiners=0)  # a cordon adds nobody
     assert not ready_to_form(store, 2, joiners=1)
@@ -101,7 +101,7 @@ def test_a_planned_generation_forms_once_the_processes_it_adds_have_come():
         assert not ready_to_form(store, 2, joiners=2)
     finally:
         # A generation that ended before its new processes came has nobody left to wait for:
-        # the survivors go on to it and past it (`Trainer.join_formed`); the joiner leaves.
+        # the survivors go on to it and past it (`Membership.join_formed`); the joiner leaves.
         end_generation(store, 2, EndReason(End.FAILED, "the joiner's GPU failed again"))
         thread.join()
     assert ready_to_form(store, 2, joiners=2)

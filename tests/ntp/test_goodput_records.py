@@ -34,7 +34,7 @@ class Clock:
 
 
 def step(n: int, rank: int, *, generation: int = 1, step_s: float = 1.0) -> StepRecord:
-    """What `ntp.train.log_step` prints."""
+    """What `ntp.report.RankRecord.log_step` prints."""
     return StepRecord(step=n, rank=rank, generation=generation, loss=1.0, step_s=step_s,
                       samples=8, tokens=8 * 64, tp_degrees=(2,))
 

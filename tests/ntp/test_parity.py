@@ -43,8 +43,14 @@ GRAD_TOL = 1e-5
 
 
 def adamw(model: torch.nn.Module) -> torch.optim.AdamW:
+    """torch's AdamW as the trainer's recipe sets it: weight decay on the weight matrices, none
+    on norm gains and the token embedding."""
+    named = list(model.named_parameters())
+    kept = [p for n, p in named if p.dim() < 2 or n == "tok_embeddings.weight"]
+    decayed = [p for n, p in named if not (p.dim() < 2 or n == "tok_embeddings.weight")]
     return torch.optim.AdamW(
-        model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY, foreach=False
+        [{"params": decayed, "weight_decay": WEIGHT_DECAY}, {"params": kept, "weight_decay": 0.0}],
+        lr=LR, betas=BETAS, eps=EPS, foreach=False,
     )
 
 
@@ -332,6 +338,11 @@ LAYOUTS = {
         (),
     ),
     "uniform tp2+tp2, no exchange": (lambda: plan_job(SHAPE, [2, 2], global_batch=8), ()),
+    # 8 + 6 rows in micro-batches of 3 (the last of each replica short), every layer recomputed
+    "tp4+tp3, micro-batches of 3, full activation checkpointing": (
+        lambda: plan_job(SHAPE, [4, 3], global_batch=14),
+        ("--micro-batch-size", "3", "--activation-checkpointing", "full"),
+    ),
     "non-contiguous tp3+tp2 ntp-pw, sync after backward": (
         lambda: layout_from_shards(
             SHAPE, [interleaved(3), interleaved(2, offset=1)], global_batch=10, mode="ntp-pw"
@@ -455,8 +466,11 @@ def test_checkpoint_moves_between_layouts(tmp_path):
 LOSS_AT_STEP_3 = {"generation": 1, "origin": [0, 1, 2, 3, 4, 5, 7]}  # old rank 6 is gone
 
 
-def run_losing_rank_6(tmp: Path, steps: int, joiners: list | None = None) -> dict:
+def run_losing_rank_6(
+    tmp: Path, steps: int, joiners: list | None = None, extra: tuple[str, ...] = ()
+) -> dict:
     """TP4 + TP4 where global rank 6 dies at the start of step 3; TP4 + TP3 takes over."""
+    tmp.mkdir(parents=True, exist_ok=True)
     (tmp / "gen1.json").write_text(
         json.dumps(plan_job(SHAPE, [4, 3], global_batch=16).to_dict() | LOSS_AT_STEP_3)
     )
@@ -464,7 +478,7 @@ def run_losing_rank_6(tmp: Path, steps: int, joiners: list | None = None) -> dic
         plan_job(SHAPE, [4, 4], global_batch=16),
         tmp,
         steps=steps,
-        extra=("--layout-dir", str(tmp), "--reconfigure-timeout", "60"),
+        extra=("--layout-dir", str(tmp), "--reconfigure-timeout", "60", *extra),
         faults={6: 3},
         may_fail={6},
         joiners=joiners or [],
@@ -484,6 +498,33 @@ def test_live_reconfiguration_after_a_gpu_loss(tmp_path):
     gathered = ckpt_state(got["ckpt"])
     states = rank_dumps(tmp_path, "state", after.world_size)
     assert local_excess(after, states, gathered, exactly(gathered)) == 0
+
+
+MICRO_AND_RECOMPUTED = ("--micro-batch-size", "3", "--activation-checkpointing", "selective")
+
+
+def test_micro_batches_and_recomputation_through_a_relayout_and_a_restore(tmp_path):
+    # The loss of rank 6 at step 3 and TP4 + TP3 from there, every replica's share in
+    # micro-batches of 3 with every other layer recomputed: the dense loss curve, and every
+    # rank holding exactly its slices of the gathered state.
+    got = run_losing_rank_6(tmp_path / "live", steps=6, extra=MICRO_AND_RECOMPUTED)
+    want = dense_run(16, 7)
+    assert got["losses"] == pytest.approx(want["losses"][:6], abs=1e-4)
+    after = plan_job(SHAPE, [4, 3], global_batch=16)
+    gathered = ckpt_state(got["ckpt"])
+    states = rank_dumps(tmp_path / "live", "state", after.world_size)
+    assert local_excess(after, states, gathered, exactly(gathered)) == 0
+    # Restored from that checkpoint onto TP3 + TP2: the dense step 7 from it.
+    shutil.copytree(tmp_path / "live" / "ckpt", tmp_path / "restored" / "ckpt")
+    restored = run_layout(plan_job(SHAPE, [3, 2], global_batch=16), tmp_path / "restored", 1,
+                          extra=("--resume", *MICRO_AND_RECOMPUTED))
+    assert restored["losses"] == pytest.approx(want["losses"][6:], abs=1e-4)
+    step = dense_step_from(got["ckpt"], 16)
+    assert dense_excess(ckpt_state(restored["ckpt"]), step["states"][0],
+                        state_bounds(step)) <= 1
+    grads = local_excess(plan_job(SHAPE, [3, 2], global_batch=16), restored["grads"],
+                         step["grads"][0], grad_bounds(step["grads"][0]))
+    assert grads <= 1
 
 
 def test_a_returning_gpu_joins_without_a_restart(tmp_path):

@@ -260,7 +260,7 @@ def test_job_goodput_weights_each_node_by_its_wall_time_including_nodes_that_lef
 
 
 def step_line(step: int, rank: int, compute_s: float | None, generation: int = 1) -> bytes:
-    """A rank's step line as ntp.train.log_step prints it."""
+    """A rank's step line as ntp.report.RankRecord.log_step prints it."""
     line = {"step": step, "rank": rank, "loss": 2.0, "step_s": 1.0, "samples": 64,
             "generation": generation}
     return json.dumps(line if compute_s is None else line | {"compute_s": compute_s}).encode()

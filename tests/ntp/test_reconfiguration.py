@@ -20,10 +20,10 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
+from ntp.cli import parse_args
 from ntp.distributed import End, EndReason, arrival_key, end_generation, end_key
 from ntp.launch import LaunchReport, launch_local
 from ntp.model import FLAVORS
-from ntp.train import parse_args
 from tessera_contracts.generation import Generation, Gpu, Rendezvous, next_generation
 from tessera_contracts.invocation import RankInvocation
 

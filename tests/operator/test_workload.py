@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import yaml
 
-from ntp.train import parse_args
+from ntp.cli import parse_args
 from tessera_contracts.api import ATTEMPT_LABEL, INPUTS_ANNOTATION, JOB_LABEL, ROLE_LABEL
 from tessera_contracts.invocation import AgentInvocation, RankInvocation
 from tessera_contracts.jobspec import NTPTrainingJobSpec
@@ -107,7 +107,7 @@ def test_the_trainer_pod_carries_the_specs_fields_and_its_template() -> None:
 
 
 def _trainer_options(job: Mapping[str, Any]) -> argparse.Namespace:
-    """Every rank's options as the trainer reads them (`ntp.train.parse_args`) from the pod's
+    """Every rank's options as the trainer reads them (`ntp.cli.parse_args`) from the pod's
     command line, the node agent's invocation in between."""
     args = _trainer(workload.trainer_pod(job, _spec(job), 0, "node-x"))["args"]
     options = AgentInvocation.from_args(args).trainer_args

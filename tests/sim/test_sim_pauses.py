@@ -34,6 +34,14 @@ def sample() -> dict[str, Any]:
     return json.loads(SAMPLE.read_text())
 
 
+def fault(kind: str, detection: float | None, pause: float, redone: int, changes: list[str]
+          ) -> dict[str, Any]:
+    """A fault entry whose one switch did `changes` (a TP2 x DP2 layout before and after)."""
+    return {"kind": kind, "detection_s": detection, "pause_s": pause, "steps_redone": redone,
+            "layouts": [[2, 2], [2, 2]], "switches": [{"changes": changes, "pause_s": pause}],
+            "reduced_s": 0.0}
+
+
 def model_parameters(cfg: SimConfig) -> int:
     """The paper model's parameter count written out: per layer Q and O (h x h each), K and V
     (kv_heads x head_dim x h each), the SwiGLU gate, up and down (3 x h x ffn); then the
@@ -51,17 +59,18 @@ def test_the_paper_model_has_its_487b_parameters() -> None:
 
 def test_scaled_pauses_are_the_documented_model(paper_config: SimConfig) -> None:
     # The README's model, written out: detection and checkpoint load held; the rest times
-    # R = log2(2 x nodes), sim (32,768 GPUs / 8 per node) over bench; plus the simulated shard,
-    # P / (tp x pp) x 12 bytes, over the policy's link: from storage at 2 GB/s (a restart), from
-    # a peer over 50 GB/s scale-out (spares, DP regrouping), or, for an NTP survivor, 1/(tp - 1)
-    # of it over 450 GB/s NVLink (the whole shard for a returned GPU). A restart also loses half
-    # the simulated checkpoint interval. Per policy the mean over the failure kinds present.
+    # R = log2(2 x nodes), sim (32,768 GPUs / 8 per node) over bench; plus, per switch, the
+    # simulated shard, P / (tp x pp) x 12 bytes, over the link of what the switch did: from
+    # storage at 2 GB/s (a restart), from a DP peer over 50 GB/s scale-out (a join; a reshard:
+    # 1/(tp - 1) of it for a survivor, the whole shard for a returned GPU), nothing (a drop).
+    # A restart also loses half the simulated checkpoint interval. Per policy the mean over the
+    # failure kinds present.
     doc = sample()
     job = doc["job"]
     r = math.log2(2 * 32_768 / 8) / math.log2(2 * job["nodes"])
     shard = model_parameters(paper_config) / (32 * 8) * 12
     storage, scale_out = shard / 2e9, shard / 50e9
-    survivor, returned = shard / 31 / 450e9, shard / 450e9
+    survivor = shard / 31 / 50e9
     restart = [
         3.0 + 2.5 + (31.0 - 3.0 - 2.5) * r + storage,  # gpu-lost
         3.5 + 2.5 + (36.0 - 3.5 - 2.5) * r + storage,  # node-lost
@@ -69,10 +78,12 @@ def test_scaled_pauses_are_the_documented_model(paper_config: SimConfig) -> None
     ]
     expected = {
         "ckpt-restart": (sum(restart) / 3 + 60 * 30 / 2, 0.0),
-        "ntp": (((3.0 + (4.2 - 3.0) * r) + 0.9 * r) / 2 + survivor, 1.1 * r + returned),
-        "ntp-pw": (((3.0 + (4.3 - 3.0) * r) + 1.0 * r) / 2 + survivor, 1.1 * r + returned),
-        "dp-drop": (3.0 + (4.6 - 3.0) * r + scale_out, 1.2 * r + scale_out),
-        # No repair measured: the assumed one (none) stays.
+        "ntp": (((3.0 + (4.2 - 3.0) * r) + 0.9 * r) / 2 + survivor, 1.1 * r + scale_out),
+        "ntp-pw": (((3.0 + (4.3 - 3.0) * r) + 1.0 * r) / 2 + survivor, 1.1 * r + scale_out),
+        # A drop moves nothing; the replica's join when the GPU is back moves a whole shard.
+        "dp-drop": (3.0 + (4.6 - 3.0) * r, 1.2 * r + scale_out),
+        # A drop, then the spare's join: both pauses, and the join's shard. No repair
+        # measured: the assumed one (none) stays.
         "spares": (3.0 + (6.0 - 3.0) * r + scale_out, 0.0),
     }
     assumed = {p.name: p for p in build_policies(paper_config)}
@@ -87,12 +98,9 @@ def test_scaled_pauses_are_the_documented_model(paper_config: SimConfig) -> None
     f = scaled.factors
     assert (f.restart, f.bench_nodes, f.sim_nodes) == (6.5, 2, 4096)
     assert f.shard_bytes == pytest.approx(shard, rel=1e-12)
-    # a restart takes a returned GPU only at its next attempt: nothing moves on a repair
-    links = {"ckpt-restart": (storage, 0.0), "spares": (scale_out, scale_out),
-             "dp-drop": (scale_out, scale_out), "dp-drop-unpacked": (scale_out, scale_out),
-             "ntp": (survivor, returned), "ntp-pw": (survivor, returned),
-             "tessera": (survivor, returned)}  # fmt: skip
-    assert set(f.transfer_s) == set(links) == set(POLICY_NAMES)
+    links = {"drop": (0.0, 0.0), "reshard": (survivor, scale_out), "join": (scale_out, scale_out),
+             "restart": (storage, storage)}  # fmt: skip
+    assert set(f.transfer_s) == set(links) == set(pauses.CHANGES)
     for name, (failure, repair) in links.items():
         assert f.transfer_s[name]["failure"] == pytest.approx(failure, rel=1e-12), name
         assert f.transfer_s[name]["repair"] == pytest.approx(repair, rel=1e-12), name
@@ -102,51 +110,73 @@ def test_scaled_pauses_are_the_documented_model(paper_config: SimConfig) -> None
 
 
 def test_a_live_relayout_moves_far_fewer_bytes_than_a_restart(paper_config: SimConfig) -> None:
-    # The same measured pause under NTP and under a restart: both keep detection and grow the
-    # rest alike, but an NTP survivor receives 1/31 of a shard over NVLink where a restarted GPU
-    # reads the whole 22.9 GB shard from storage.
+    # The same measured pause as a reshard and as a restart: both keep detection and grow the
+    # rest alike, but a reshard survivor receives 1/31 of a shard from its DP peers where a
+    # restarted GPU reads the whole 22.9 GB shard from storage.
     doc = sample()
-    fault = {"kind": "gpu-lost", "detection_s": 3.0, "pause_s": 3.5, "steps_redone": 0}
-    doc["policies"] = {"ntp": {"faults": [fault]}, "ckpt-restart": {"faults": [fault]}}
+    doc["policies"] = {"ntp": {"faults": [fault("gpu-lost", 3.0, 3.5, 0, ["reshard"])]},
+                       "ckpt-restart": {"faults": [fault("gpu-lost", 3.0, 3.5, 0, ["restart"])]}}
     scaled = pauses.scale(pauses.parse(doc), paper_config)
     shard = model_parameters(paper_config) / (32 * 8) * 12
     r = 13 / 2
     ntp = scaled.policies["ntp"].faults[0].scaled_s
     restart = scaled.policies["ckpt-restart"].faults[0].scaled_s
-    assert ntp == pytest.approx(3.0 + 0.5 * r + shard / 31 / 450e9, rel=1e-12)
+    assert ntp == pytest.approx(3.0 + 0.5 * r + shard / 31 / 50e9, rel=1e-12)
     assert restart == pytest.approx(3.0 + 0.5 * r + shard / 2e9, rel=1e-12)
     assert restart > 2.5 * ntp
     transfer = scaled.factors.transfer_s
-    assert transfer["ntp"]["failure"] < transfer["ckpt-restart"]["failure"] / 5000
+    assert transfer["reshard"]["failure"] < transfer["restart"]["failure"] / 500
+
+
+def test_only_what_was_measured_as_a_reshard_is_scaled_as_one(paper_config: SimConfig) -> None:
+    # One NTP policy's faults, the same pauses, each switch a different change: what moves is
+    # what the switch did, not the policy's name. A fault that switched nothing moves nothing;
+    # a switch of several changes moves the costliest's bytes; a fault of two switches both.
+    doc = sample()
+    shard = model_parameters(paper_config) / (32 * 8) * 12
+    drop_join = fault("gpu-lost", 0.5, 2.0, 0, ["drop"])
+    drop_join["layouts"].append([2, 2])
+    drop_join["switches"] = [{"changes": ["drop"], "pause_s": 1.5},
+                             {"changes": ["join"], "pause_s": 0.5}]  # fmt: skip
+    none = fault("gpu-returned", None, 0.2, 0, [])
+    none["layouts"], none["switches"] = [[2, 2]], []
+    doc["policies"] = {"ntp": {"faults": [
+        fault("gpu-lost", 0.5, 2.0, 0, ["reshard"]), fault("gpu-lost", 0.5, 2.0, 0, ["drop"]),
+        fault("gpu-lost", 0.5, 2.0, 0, ["drop", "join"]), drop_join, none]}}  # fmt: skip
+    scaled = [f.scaled_s for f in pauses.scale(pauses.parse(doc), paper_config)
+              .policies["ntp"].faults]  # fmt: skip
+    held = 0.5 + 1.5 * 13 / 2
+    assert scaled == pytest.approx([held + shard / 31 / 50e9, held, held + shard / 50e9,
+                                    held + shard / 50e9, 0.2 * 13 / 2], rel=1e-12)
 
 
 def test_the_transfer_follows_the_scaling_models_bandwidths(paper_config: SimConfig) -> None:
     measured = pauses.parse(sample())
     default = pauses.scale(measured, paper_config).factors.transfer_s
     model = pauses.ScalingModel(
-        bytes_per_parameter=2.0, storage_gbps=4.0, scale_out_gbps=10.0, scale_up_gbps=900.0
+        bytes_per_parameter=2.0, storage_gbps=4.0, scale_out_gbps=10.0
     )
     changed = pauses.scale(measured, paper_config, model).factors.transfer_s
     # Bytes 12 -> 2 (a sixth), each link's bandwidth changed by its own ratio.
-    ratios = {"ckpt-restart": 4.0 / 2.0, "spares": 10.0 / 50.0, "ntp": 900.0 / 450.0}
+    ratios = {"restart": 4.0 / 2.0, "join": 10.0 / 50.0, "reshard": 10.0 / 50.0}
     for name, ratio in ratios.items():
         for which in ("failure", "repair"):
             want = default[name][which] / 6 / ratio
             assert changed[name][which] == pytest.approx(want, rel=1e-12), (name, which)
-    # A restart moves nothing when a GPU returns: the job takes it at its next attempt.
-    assert default["ckpt-restart"]["repair"] == changed["ckpt-restart"]["repair"] == 0.0
-    # TP1 has no NTP survivor to share a lost GPU's units among: the whole shard moves.
+    # A drop moves nothing, whatever the links.
+    assert default["drop"] == changed["drop"] == {"failure": 0.0, "repair": 0.0}
+    # TP1 has no survivor to share a lost GPU's units among: the whole shard moves.
     tp1 = SimConfig(gpus=1024, domain_size=8, tp=1, pp=4, dp=256).validate()
-    whole = model_parameters(tp1) / 4 * 12 / 450e9
-    transfer = pauses.factors(measured.job, tp1).transfer_s["ntp"]
+    whole = model_parameters(tp1) / 4 * 12 / 50e9
+    transfer = pauses.factors(measured.job, tp1).transfer_s["reshard"]
     assert transfer == pytest.approx({"failure": whole, "repair": whole}, rel=1e-12)
     # A storage slow enough pushes the restart past the simulator's clock: refused, named.
     slow = pauses.ScalingModel(storage_gbps=1e-9)
     with pytest.raises(pauses.PausesError, match=r"policies\.ckpt-restart: the failure pause "
                        r"scales to 2\.29e\+10 s"):  # fmt: skip
         pauses.scale(measured, paper_config, slow)
-    with pytest.raises(ValueError, match="ScalingModel.scale_up_gbps must be > 0, got 0"):
-        pauses.ScalingModel(scale_up_gbps=0)
+    with pytest.raises(ValueError, match="ScalingModel.scale_out_gbps must be > 0, got 0"):
+        pauses.ScalingModel(scale_out_gbps=0)
 
 
 def test_shorter_measured_pauses_raise_goodput_and_absent_policies_keep_theirs() -> None:
@@ -156,8 +186,8 @@ def test_shorter_measured_pauses_raise_goodput_and_absent_policies_keep_theirs()
         failures=FailureConfig(rate_per_gpu_day=0.01),
     ).validate()  # fmt: skip
     doc = sample()
-    quick = {"kind": "gpu-lost", "detection_s": 0.05, "pause_s": 0.1, "steps_redone": 1}
-    slow = {"kind": "gpu-lost", "detection_s": 5.0, "pause_s": 600.0, "steps_redone": 50}
+    quick = fault("gpu-lost", 0.05, 0.1, 1, ["reshard"])
+    slow = fault("gpu-lost", 5.0, 600.0, 50, ["restart"])
     doc["policies"] = {"ntp": {"faults": [quick]}, "ckpt-restart": {"faults": [slow]}}
     scaled = pauses.scale(pauses.parse(doc), cfg)
     assumed = {p.name: p for p in build_policies(cfg)}
@@ -196,18 +226,21 @@ def test_the_benchs_own_file_charges_every_policy_its_measured_pauses(
         0.1 * scaled.policies["ckpt-restart"].failure_stall_s
 
 
-def _mutate(path: str, value: Any) -> dict[str, Any]:
-    """The sample with the value at a dotted path (list indices as [i]) set; `...` removes it."""
+def _mutate(path: str, value: Any, *more: Any) -> dict[str, Any]:
+    """The sample with the value at a dotted path (list indices as [i]) set, and at each further
+    (path, value) pair; `...` removes it."""
     doc = copy.deepcopy(sample())
-    keys = path.replace("[", ".").replace("]", "").split(".")
-    node: Any = doc
-    for key in keys[:-1]:
-        node = node[int(key)] if isinstance(node, list) else node[key]
-    last: Any = int(keys[-1]) if isinstance(node, list) else keys[-1]
-    if value is ...:
-        del node[last]
-    else:
-        node[last] = value
+    pairs = [(path, value), *zip(more[::2], more[1::2], strict=True)]
+    for where, what in pairs:
+        keys = where.replace("[", ".").replace("]", "").split(".")
+        node: Any = doc
+        for key in keys[:-1]:
+            node = node[int(key)] if isinstance(node, list) else node[key]
+        last: Any = int(keys[-1]) if isinstance(node, list) else keys[-1]
+        if what is ...:
+            del node[last]
+        else:
+            node[last] = what
     return doc
 
 
@@ -217,7 +250,7 @@ def _mutate(path: str, value: Any) -> dict[str, Any]:
         (None, "cannot read: No such file or directory"),
         ("{", "not JSON: Expecting property name"),
         ([1, 2], "must be a JSON object"),
-        (_mutate("format", "tessera.recovery/v2"), "format: must be 'tessera.recovery/v1', got"),
+        (_mutate("format", "tessera.recovery/v1"), "format: must be 'tessera.recovery/v2', got"),
         (_mutate("job", ...), "job: is missing"),
         (_mutate("job.tp", 4), "job.gpus: tp x pp x dp = 4 x 1 x 2 = 8, but gpus = 4"),
         (_mutate("job.parameters", 0), "job.parameters: must be an integer >= 1, got 0"),
@@ -240,14 +273,32 @@ def _mutate(path: str, value: Any) -> dict[str, Any]:
         (_mutate("policies.ntp.faults[0].pause_seconds", 4.2), "policies.ntp.faults[0]."
          "pause_seconds: unknown key"),
         # A repair within the clock, 2e9 s, grows x4 (128 nodes against 2) past its 4.32e9 s.
-        (_mutate("policies.ntp.faults[2].pause_s", 2e9), "policies.ntp: the repair pause scales "
-         "to 8e+09 s"),
+        (_mutate("policies.ntp.faults[2].pause_s", 2e9,
+                 "policies.ntp.faults[2].switches[0].pause_s", 2e9),
+         "policies.ntp: the repair pause scales to 8e+09 s"),
+        # Every switch is charged: a fault's pause is its switches', summed.
+        (_mutate("policies.spares.faults[0].pause_s", 3.5), "policies.spares.faults[0].pause_s: "
+         "must be the sum of its switches' pauses, 6, got 3.5"),
+        (_mutate("policies.spares.faults[0].switches[1]", ...), "policies.spares.faults[0]."
+         "switches: must be one per layout after the first: 2, got 1"),
+        (_mutate("policies.ntp.faults[0].switches[0].changes", ["shuffle"]), "policies.ntp."
+         "faults[0].switches[0].changes[0]: must be one of drop, reshard, join, restart, each "
+         "once, got 'shuffle'"),
+        (_mutate("policies.ntp.faults[0].switches[0].changes", ["join", "join"]), "policies.ntp."
+         "faults[0].switches[0].changes[1]: must be one of drop, reshard, join, restart, each "
+         "once, got 'join'"),
+        (_mutate("policies.ntp.faults[0].layouts[1]", [3, 2]), "policies.ntp.faults[0]."
+         "layouts[1][0]: must be an integer in 1..2 (job.tp), got 3"),
+        (_mutate("policies.ntp.faults[0].layouts[1]", [2, 2, 2]), "policies.ntp.faults[0]."
+         "layouts[1]: must list the TP degree of 1 to 2 (job.dp) replicas, got [2, 2, 2]"),
+        (_mutate("policies.ntp.faults[0].reduced_s", ...), "policies.ntp.faults[0].reduced_s: "
+         "is missing"),
         # 2 GPUs a node: one node cannot hold the bench's 4 GPUs (two nodes just can: the sample)
         pytest.param(_mutate("job.nodes", 1), "job.nodes: 1 nodes of 2 GPUs cannot hold 4 GPUs",
                      marks=pytest.mark.hardening, id="nodes-cannot-hold-the-job"),
         pytest.param(_mutate("policies", {}), "policies: is empty: a pauses file measures at "
                      "least one policy", marks=pytest.mark.hardening, id="no-policy"),
-        pytest.param('{"format": "tessera.recovery/v1", "job": ' + "[" * 100_000 + "]" * 100_000
+        pytest.param('{"format": "tessera.recovery/v2", "job": ' + "[" * 100_000 + "]" * 100_000
                      + "}", "job[0][0][0][0][0][0][0][0][0][0][0][0][0][0][0]: nested deeper than "
                      "16 levels", marks=pytest.mark.hardening, id="nested-too-deep"),
         pytest.param(json.dumps(_mutate("job.gpus", 7)).replace('"gpus": 7', '"gpus": '
@@ -305,20 +356,21 @@ def test_the_command_writes_both_goodputs_into_study_json(tmp_path: Path) -> Non
         assert rows[name]["pauses"] == "measured"
         assert 0.0 < rows[name]["goodput_mean_measured"] <= 1.0
     # The pauses charged are the scaled ones: on the 1,024-GPU TP8 x PP4 job (128 nodes against
-    # the bench's 2, R = 8 / 2), ntp's repair is its 1.1 s bench pause times R plus a whole
-    # 12-byte-per-parameter shard over 450 GB/s NVLink; a cordon moves a seventh of a shard.
+    # the bench's 2, R = 8 / 2), ntp's repair (a reshard) is its 1.1 s bench pause times R plus
+    # a whole 12-byte-per-parameter shard over 50 GB/s scale-out; a cordon moves a seventh of a
+    # shard.
     shard = model_parameters(SimConfig()) / 32 * 12
-    assert rows["ntp"]["repair_stall_s"] == pytest.approx(1.1 * 4 + shard / 450e9, rel=1e-12)
+    assert rows["ntp"]["repair_stall_s"] == pytest.approx(1.1 * 4 + shard / 50e9, rel=1e-12)
     assert rows["tessera"]["failure_stall_s"] == rows["tessera"]["failure_stall_s_assumed"] == 60
     scaled = {f["kind"]: f["scaled_pause_s"] for f in section["faults"]["ntp"]}
-    assert scaled["gpu-cordoned"] == pytest.approx(0.9 * 4 + shard / 7 / 450e9, rel=1e-12)
+    assert scaled["gpu-cordoned"] == pytest.approx(0.9 * 4 + shard / 7 / 50e9, rel=1e-12)
+    assert section["faults"]["spares"][0]["layouts"] == [[2, 2], [2], [2, 2]]
     factors = section["factors"]
     assert (factors["restart"], factors["bench_nodes"], factors["sim_nodes"]) == (4.0, 2, 128)
     assert factors["shard_bytes"] == pytest.approx(shard, rel=1e-12)
-    assert factors["transfer_s"]["ckpt-restart"]["failure"] == pytest.approx(shard / 2e9)
+    assert factors["transfer_s"]["restart"]["failure"] == pytest.approx(shard / 2e9)
     assert factors["model"] == {"gpus_per_node": 8, "bytes_per_parameter": 12.0,
-                                "storage_gbps": 2.0, "scale_out_gbps": 50.0,
-                                "scale_up_gbps": 450.0}  # fmt: skip
+                                "storage_gbps": 2.0, "scale_out_gbps": 50.0}  # fmt: skip
     assert (out / "goodput_measured_pauses.csv").read_text().startswith("policy,pauses,")
 
 

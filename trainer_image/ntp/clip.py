@@ -13,23 +13,21 @@ from tessera_contracts.model_shape import ModelShape
 from tessera_core.plan import RankShard
 
 
-def clip_grad_norm_(
+def grad_norm(
     model: nn.Module,
-    max_norm: float,
     shape: ModelShape,
     shards: Sequence[RankShard],
     rank: int,
     group: dist.ProcessGroup,
     world: dist.ProcessGroup | None = None,
-) -> float:
-    """torch.nn.utils.clip_grad_norm_ of the dense model, for synchronized sharded gradients.
+) -> torch.Tensor:
+    """The dense model's gradient norm, from synchronized sharded gradients (a collective over
+    the TP group, and with `world` over the job).
 
     KV copies hold the same gradient after the sync, so only the lowest holder counts them;
-    replicated parameters are counted on rank 0. Returns the total norm.
-
-    Each replica sums its squares in the order of its own layout, so replicas' norms differ in
-    the last bits; with `world` (every rank of the job) all of them take replica 0's norm, so
-    every replica scales by the same coefficient and none drifts from the others.
+    replicated parameters are counted on rank 0. Each replica sums its squares in the order of
+    its own layout, so replicas' norms differ in the last bits; with `world` (every rank of the
+    job) all of them take replica 0's norm.
     """
     squares = []
     for name, p in model.named_parameters():
@@ -51,6 +49,13 @@ def clip_grad_norm_(
     norm = total.sqrt()
     if world is not None and dist.get_world_size(world) > 1:
         dist.broadcast(norm, group_src=0, group=world)
+    return norm
+
+
+def clip_grad_norm_(model: nn.Module, max_norm: float, norm: torch.Tensor) -> float:
+    """torch.nn.utils.clip_grad_norm_ of the dense model, given its norm (`grad_norm`: every
+    replica scales by the same coefficient, so none drifts from the others). Returns the norm.
+    """
     # The same coefficient as torch's, applied unconditionally like torch does.
     coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
     for p in model.parameters():

@@ -2,7 +2,9 @@
 
 Global sample k is window `order(epoch)[k % N]` of epoch `k // N` (N windows), so a step that
 takes samples [s*G, (s+1)*G) sees the same global batch under every layout, and a run resumed at
-step s continues exactly there (docs/data.md). Shards are memory-mapped, never read whole.
+step s continues exactly there (docs/data.md). With a held-out split of H windows, the last H
+windows of the token stream are never trained on (N counts the others) and held-out sample k is
+window `N + k % H`, in stream order. Shards are memory-mapped, never read whole.
 """
 
 from __future__ import annotations
@@ -95,8 +97,9 @@ class TokenDataset:
     the documents' concatenated tokens, served endlessly in a seeded order per epoch."""
 
     def __init__(self, path: Path, index: dict[str, Any], shards: list[torch.Tensor],
-                 seq_len: int, seed: int) -> None:
+                 seq_len: int, seed: int, held_out: int = 0) -> None:
         self.path, self.index, self.seq_len, self.seed = path, index, seq_len, seed
+        self.held_out = held_out
         self._shards = shards
         self._starts = [0]
         for shard in shards:
@@ -105,9 +108,10 @@ class TokenDataset:
 
     @classmethod
     def open(cls, path: Path, seq_len: int, seed: int, vocab_size: int,
-             tokenizer: Path | None = None) -> TokenDataset:
+             tokenizer: Path | None = None, held_out: int = 0) -> TokenDataset:
         """The dataset at `path` for a model of `vocab_size` tokens and `seq_len` positions;
-        with `tokenizer`, checked to be the one the dataset was prepared with."""
+        with `tokenizer`, checked to be the one the dataset was prepared with; with `held_out`,
+        its last windows kept apart for evaluation."""
         path = Path(path)
         index = _read_index(path)
         if index["vocab_size"] > vocab_size:
@@ -125,15 +129,19 @@ class TokenDataset:
                                    f"{index['tokenizer_sha256'][:12]}...)")
         if seq_len < 1:
             raise DatasetError(f"seq_len must be at least 1, got {seq_len}")
-        if (index["tokens"] - 1) // seq_len < 1:
+        windows = (index["tokens"] - 1) // seq_len
+        if windows < 1:
             raise DatasetError(f"dataset {path} holds {index['tokens']} tokens, fewer than one "
                                f"window of {seq_len + 1}")
-        return cls(path, index, _map_shards(path, index), seq_len, seed)
+        if held_out < 0 or held_out >= windows:
+            raise DatasetError(f"dataset {path} holds {windows} windows of {seq_len + 1} tokens: "
+                               f"holding {held_out} out leaves none to train on")
+        return cls(path, index, _map_shards(path, index), seq_len, seed, held_out)
 
     @property
     def num_samples(self) -> int:
-        """N: windows per epoch."""
-        return (self.tokens - 1) // self.seq_len
+        """N: windows per epoch (the held-out ones apart)."""
+        return (self.tokens - 1) // self.seq_len - self.held_out
 
     @property
     def vocab_size(self) -> int:
@@ -156,6 +164,19 @@ class TokenDataset:
         for row, k in enumerate(range(start, start + count)):
             epoch, position = divmod(k, n)
             window = int(self._epoch_order(epoch)[position])
+            rows[row] = self._span(window * length, window * length + length + 1)
+        return rows
+
+    def held_out_samples(self, start: int, count: int) -> torch.Tensor:
+        """Held-out samples start .. start+count-1 (cycling through the split)."""
+        if self.held_out == 0:
+            raise DatasetError(f"dataset {self.path} is opened with no held-out windows")
+        if start < 0 or count < 0:
+            raise DatasetError(f"held_out_samples({start}, {count}): start and count must be >= 0")
+        length = self.seq_len
+        rows = torch.empty((count, length + 1), dtype=torch.int64)
+        for row, k in enumerate(range(start, start + count)):
+            window = self.num_samples + k % self.held_out
             rows[row] = self._span(window * length, window * length + length + 1)
         return rows
 

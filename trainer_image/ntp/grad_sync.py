@@ -10,10 +10,14 @@ Per bucket (a few layers' parameters, in backward order) the sync runs four stag
 Each bucket's stage 0 starts when its last gradient is accumulated; every launch advances the
 older buckets by one stage, so the exchange overlaps the rest of backward. The order of
 collectives on each group is the same on all its ranks because it only depends on bucket order.
+With micro-batches, the backward passes before the last run under `no_sync`: their gradients
+accumulate locally and the sync overlaps the last one's backward.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -33,9 +37,7 @@ from ntp.sharding import (
     unpack,
 )
 from tessera_contracts.model_shape import ModelShape
-from tessera_core.plan import JobLayout, RankShard, bucket_groups
-
-DEFAULT_BUCKET_ELEMENTS = 50_000_000
+from tessera_core.plan import DEFAULT_BUCKET_ELEMENTS, JobLayout, RankShard, bucket_groups
 
 
 @dataclass
@@ -117,10 +119,13 @@ class GradSync:
             for bucket in bucket_parameters(named, self.shape, bucket_elements)
         ]
         self._inflight: list[_Bucket] = []
+        self._accumulating = False
         self._empty = torch.zeros(0, device=next(model.parameters()).device)
-        for bucket in self._buckets:
-            for p in bucket.params:
-                p.register_post_accumulate_grad_hook(lambda _p, b=bucket: self._on_grad(b))
+        self._hooks = [
+            p.register_post_accumulate_grad_hook(lambda _p, b=bucket: self._on_grad(b))
+            for bucket in self._buckets
+            for p in bucket.params
+        ]
 
     # -- setup ----------------------------------------------------------------------------------
 
@@ -174,7 +179,19 @@ class GradSync:
 
     # -- the pipeline ---------------------------------------------------------------------------
 
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside accumulate their gradients locally and sync nothing: the
+        micro-batches before the last."""
+        self._accumulating = True
+        try:
+            yield
+        finally:
+            self._accumulating = False
+
     def _on_grad(self, bucket: _Bucket) -> None:
+        if self._accumulating:
+            return
         bucket.ready += 1
         if self.overlap and bucket.ready == len(bucket.params):
             self._launch(bucket)
@@ -297,6 +314,14 @@ class GradSync:
         bucket.work = bucket.replicated_work = None
         bucket.inbox = bucket.partition = bucket.replicated_flat = None
         bucket.stage = 4
+
+    def close(self) -> None:
+        """Remove the gradient hooks. They are held by the parameters from outside Python's
+        reach, so without this the sync and the model it hooks keep each other alive after the
+        generation is left."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
 
     def finish(self) -> None:
         """Complete every bucket's sync; call after backward, before the optimizer step."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import zlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch import nn
@@ -80,6 +80,17 @@ def materialize(model: nn.Module, device: torch.device | str) -> None:
                 module._parameters[key] = nn.Parameter(
                     torch.empty_like(p, device=device), requires_grad=p.requires_grad
                 )
+    model.to(device)
+
+
+def adopt(model: nn.Module, weights: Mapping[str, torch.Tensor], device: torch.device | str
+          ) -> None:
+    """Make the given tensors (a relayout's moved weights) the model's parameters, as they are:
+    nothing is allocated or copied; move the buffers to `device`."""
+    for name, p in list(model.named_parameters()):
+        owner, _, leaf = name.rpartition(".")
+        module = model.get_submodule(owner)
+        module._parameters[leaf] = nn.Parameter(weights[name], requires_grad=p.requires_grad)
     model.to(device)
 
 

@@ -42,6 +42,7 @@ GPU_RESOURCE = "nvidia.com/gpu"
 KUBELET_PORT = 10250
 HEARTBEAT_S = 10.0  # the kubelet's node status and lease renewal period
 LEASE_S = 40  # the kubelet's lease duration
+H200_MEMORY_MIB = 143771  # nvidia.com/gpu.memory of an H200 (141 GB HBM3e)
 _NAME = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
 _LABEL_VALUE = re.compile(r"(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?")
 _QUANTITY = re.compile(r"[0-9]+(\.[0-9]+)?(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?")
@@ -66,6 +67,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--domain-label", help="label naming the node's NVLink domain")
     p.add_argument("--domain", help="the node's NVLink domain (with --domain-label)")
     p.add_argument("--product", default="NVIDIA-H200", help="nvidia.com/gpu.product label")
+    p.add_argument("--gpu-memory-mib", type=int, default=H200_MEMORY_MIB,
+                   help="nvidia.com/gpu.memory label: each GPU's memory in MiB, as GPU feature "
+                        "discovery publishes it (default: an H200's)")
     p.add_argument("--nfs-dir", type=Path,
                    help="folder of the cluster's NFS exports (an nfs PersistentVolume "
                         "{server, path} is NFS_DIR/SERVER/PATH); nodes given the same one share "
@@ -105,6 +109,8 @@ def _check(args: argparse.Namespace) -> None:
         raise UsageError(f"--domain {args.domain!r} is not a valid label value")
     if not _LABEL_VALUE.fullmatch(args.product) or len(args.product) > 63:
         raise UsageError(f"--product {args.product!r} is not a valid label value")
+    if args.gpu_memory_mib < 1:
+        raise UsageError(f"--gpu-memory-mib must be at least 1, got {args.gpu_memory_mib}")
     tls = (args.kubelet_cert, args.kubelet_key, args.client_ca)
     if any(tls) and not all(tls):
         raise UsageError("--kubelet-cert, --kubelet-key and --client-ca go together")
@@ -183,6 +189,7 @@ class Node:
             "kubernetes.io/arch": _arch(), "nvidia.com/gpu.present": "true",
             "nvidia.com/gpu.count": str(self.gpu_count),
             "nvidia.com/gpu.product": self.args.product,
+            "nvidia.com/gpu.memory": str(self.args.gpu_memory_mib),
         }
         if self.args.domain_label:
             labels[self.args.domain_label] = self.args.domain

@@ -64,11 +64,11 @@ def report_file(directory: Path) -> Callable[[NodeReport], None]:
 
 def serve_metrics(progress: NodeProgress, addr: str, port: int, labels: Mapping[str, str]
                   ) -> None:
-    """The node's goodput metrics and loss at http://addr:port/metrics; a port that cannot be
-    had is logged, not fatal (training matters more than its metrics)."""
+    """The node's goodput metrics, training and held-out loss at http://addr:port/metrics; a
+    port that cannot be had is logged, not fatal (training matters more than its metrics)."""
     try:
         server = metrics.serve(progress.ledger, addr, port, labels, lambda: progress.loss,
-                               progress.step_times)
+                               progress.step_times, lambda: progress.eval_loss)
     except OSError as exc:
         log.error("no metrics: cannot serve on %s:%d: %s", addr, port, exc)
         return

@@ -69,10 +69,11 @@ class GoodputCollector(Collector):
     """Yields fresh metric families from the ledger on each scrape; keeps nothing itself."""
 
     def __init__(self, ledger: Ledger, labels: Mapping[str, str], loss: Loss | None = None,
-                 step_times: StepTimes | None = None) -> None:
+                 step_times: StepTimes | None = None, eval_loss: Loss | None = None) -> None:
         self._ledger = ledger
         self._labels = dict(labels)
         self._loss = loss or (lambda: None)
+        self._eval_loss = eval_loss or (lambda: None)
         self._step_times = step_times or StepTimes()
 
     def _family(self, kind: type[GaugeMetricFamily] | type[CounterMetricFamily], name: str,
@@ -111,6 +112,9 @@ class GoodputCollector(Collector):
         yield self._family(gauge, "tessera_loss",
                            "The job's loss at the last step that counts (NaN once it diverges)",
                            self._loss())
+        yield self._family(gauge, "tessera_eval_loss",
+                           "The job's loss on its held-out split at the newest evaluation",
+                           self._eval_loss())
         buckets, total = self._step_times.buckets()
         steps = HistogramMetricFamily("tessera_step_seconds",
                                       "Duration of the completed steps, as the ranks measure them",
@@ -133,17 +137,20 @@ class GoodputCollector(Collector):
 
 
 def registry(ledger: Ledger, labels: Mapping[str, str], loss: Loss | None = None,
-             step_times: StepTimes | None = None) -> CollectorRegistry:
+             step_times: StepTimes | None = None, eval_loss: Loss | None = None
+             ) -> CollectorRegistry:
     """A registry holding only the ledger's collector (no process or platform metrics)."""
     reg = CollectorRegistry(auto_describe=False)
-    reg.register(GoodputCollector(ledger, labels, loss, step_times))
+    reg.register(GoodputCollector(ledger, labels, loss, step_times, eval_loss))
     return reg
 
 
 def serve(ledger: Ledger, addr: str, port: int, labels: Mapping[str, str],
-          loss: Loss | None = None, step_times: StepTimes | None = None) -> HTTPServer:
-    """Serve the ledger's metrics, `loss` read on each scrape and `step_times` (none observed
-    without it), at http://addr:port/metrics from a daemon thread; port 0 picks a free port (the
-    server's `server_port`). `shutdown()` stops it."""
-    server, _thread = start_http_server(port, addr, registry(ledger, labels, loss, step_times))
+          loss: Loss | None = None, step_times: StepTimes | None = None,
+          eval_loss: Loss | None = None) -> HTTPServer:
+    """Serve the ledger's metrics, `loss` and `eval_loss` read on each scrape and `step_times`
+    (none observed without it), at http://addr:port/metrics from a daemon thread; port 0 picks a
+    free port (the server's `server_port`). `shutdown()` stops it."""
+    server, _thread = start_http_server(
+        port, addr, registry(ledger, labels, loss, step_times, eval_loss))
     return server

@@ -14,6 +14,7 @@ from ntp.nodeagent.metrics import StepTimes
 from tessera_contracts.generation import Generation
 from tessera_contracts.progress import Device, NodeReport, RankDeath, State, report_period
 from tessera_contracts.rank_events import (
+    EvalRecord,
     EventKind,
     RankEvent,
     RecordError,
@@ -56,6 +57,7 @@ class NodeProgress:
         self.message = ""
         self.device: Device | None = None  # what the node's ranks train on, once one started
         self.loss: float | None = None  # of the last step that counts (the metrics' gauge)
+        self.eval_loss: float | None = None  # of the newest evaluation (the metrics' gauge)
         self.step_times = StepTimes()  # of every step this node completed (the metrics')
         self.silent: tuple[str, ...] = ()  # the job's nodes whose agents went silent
         self.deaths: dict[int, RankDeath] = {}  # GPU index -> how its rank died
@@ -78,12 +80,16 @@ class NodeProgress:
             self.record(record)
         return record
 
-    def record(self, record: StepRecord | RankEvent) -> None:
-        """A step a rank completed (`ntp.train.log_step`), or an event (`Trainer.event`)."""
+    def record(self, record: StepRecord | RankEvent | EvalRecord) -> None:
+        """A step a rank completed (`ntp.report.RankRecord.log_step`), an event
+        (`ntp.relayout.RankState.event`), or an evaluation on the held-out split."""
         at = self.clock()
         with self._lock:
             try:
-                if isinstance(record, RankEvent):
+                if isinstance(record, EvalRecord):
+                    # Every rank prints it; after a rollback the redone step's is the newest.
+                    self.eval_loss = record.eval_loss
+                elif isinstance(record, RankEvent):
                     self._event(record, at)
                 else:
                     self._step(record, at)
