@@ -506,9 +506,11 @@ def test_a_rank_that_dies_again_without_getting_past_its_step_is_reported_as_the
             assert death.error.startswith("exited with 1: ") and str(missing) in death.error
         publish(tmp_path / "generations",
                 next_generation(first, first.replicas, lost=set(first.gpus)))
-        again = probes.poll_until(deaths, lambda d: d and all(x.again for x in d.values()),
-                                  timeout=PHASE_S, error=lambda d: AssertionError(f"{d}\n" + (
-                                      tmp_path / "agent.log").read_text()[-3000:]))
+        # each GPU's second death, both named at once (a rank started removes its GPU)
+        again = probes.poll_until(
+            deaths, lambda d: len(d) == 2 and all(x.again for x in d.values()),
+            timeout=PHASE_S, error=lambda d: AssertionError(
+                f"{d}\n" + (tmp_path / "agent.log").read_text()[-3000:]))
         assert sorted(again) == [0, 1] and all(str(missing) in x.error for x in again.values())
     finally:
         agent.kill()
