@@ -1,11 +1,11 @@
 """Bring the API in line with a `Desired` (writes only), idempotently: every child has a
 deterministic name, and a write is made only where the world differs from what is wanted.
 
-- Children: the pods the job lacks are created (a pod's spec cannot change once made: one
-  that exists is left as it is); every other child (the trainer identity, the progress
-  ConfigMap) is server-side applied under the field manager `tessera-operator` whenever the
-  watches saw it differ from the one wanted (missing, or its labels, owner, rules, subjects or
-  role changed by someone or by a newer operator), so a change reaches running jobs.
+- Children: the pods the job lacks are created, with strict field validation (a pod's spec cannot
+  change once made: one that exists is left as it is); every other child (the trainer identity, the
+  progress ConfigMap) is server-side applied under the field manager `tessera-operator` whenever the
+  watches saw it differ from the one wanted (missing, or its labels, owner, rules, subjects or role
+  changed by someone or by a newer operator), so a change reaches running jobs.
 - The layout ConfigMap: created for generation 1, server-side applied for each later one with
   the resourceVersion it was read at (a concurrent writer makes the write fail, and the retry
   re-observes).
@@ -14,6 +14,9 @@ deterministic name, and a write is made only where the world differs from what i
 - The status: one JSON merge patch, with an explicit null for each key the previous status had
   and the new one has not, so a key the status no longer holds is cleared; none when equal.
   One the API server refuses as invalid is returned, not raised: retrying it cannot help.
+- A queued job's Kueue Workload: server-side applied when the one observed lacks what is
+  wanted; its status written by a JSON patch that holds only on the version read (Kueue writes
+  the same conditions: a conflict is retried from the next observation).
 - One Kubernetes Event per decision.
 """
 
@@ -32,6 +35,7 @@ from kubernetes.client.exceptions import ApiException
 from tessera_contracts.api import GROUP, JOB_LABEL, JOB_PLURAL, OPERATOR_MANAGER, VERSION
 from tessera_operator import power_targets, workload
 from tessera_operator.desired import Desired, Event
+from tessera_operator.kueue_workload import KUEUE_GROUP, KUEUE_VERSION, WORKLOADS
 from tessera_operator.observed import Observed, child_view
 from tessera_operator.settings import API_TIMEOUT_S
 
@@ -92,20 +96,43 @@ def _covers(live: object, wanted: object) -> bool:
 def _create_pod(api: client.ApiClient, pod: Mapping[str, Any], dry_run: bool = False
                 ) -> str | None:
     """Create a pod under its deterministic name (or only try: `dry_run`); one someone else
-    made of that name is left as it is (the job's pods are those it controls). Returns why the
-    API server refused it as invalid or forbidden."""
+    made of that name is left as it is (the job's pods are those it controls). Returns why it
+    was refused: by the API server as invalid or forbidden, or a field the pod schema does not
+    have (a misspelt one of the job's template), named by its path, never dropped. The client
+    refuses such a field itself before sending (its pod model forbids unknown fields); strict
+    field validation has the API server refuse any its own schema lacks."""
+    name = pod["metadata"]["name"]
     try:
         # The answer, read as bytes: the client's models of a pod cost more than the request.
         client.CoreV1Api(api).create_namespaced_pod(
             pod["metadata"]["namespace"], pod, field_manager=OPERATOR_MANAGER,
+            field_validation="Strict",
             _request_timeout=API_TIMEOUT_S, _preload_content=False,
             **({"dry_run": "All"} if dry_run else {})).read()
     except ApiException as exc:
         if exc.status in REFUSED:
-            return f"pod {pod['metadata']['name']}: {api_message(exc)}"
+            return f"pod {name}: {api_message(exc)}"
         if exc.status != 409:
             raise
+    except ValueError as exc:  # the client's validation of the pod (pydantic's error)
+        return f"pod {name}: {_unknown_fields(exc)}"
     return None
+
+
+def _unknown_fields(exc: ValueError) -> str:
+    """The client's refusal of a pod, each unknown field named by its path as the API server
+    names it (`spec.containers[0].imagePullPolicyy`); any other refusal as the client says."""
+    errors = getattr(exc, "errors", None)
+    found = errors() if callable(errors) else []
+    paths = []
+    for error in found:
+        if error.get("type") != "extra_forbidden":
+            return str(exc)
+        # the first item of the location is the call's argument (the pod)
+        path = "".join(f"[{part}]" if isinstance(part, int) else f".{part}"
+                       for part in error["loc"][1:]).lstrip(".")
+        paths.append(f'unknown field "{path}"')
+    return ", ".join(paths) or str(exc)
 
 
 def leftovers(api: client.ApiClient, job: Mapping[str, Any], wanted: Desired) -> None:
@@ -197,6 +224,42 @@ def release_power(api: client.ApiClient, job: Mapping[str, Any]) -> None:
     power_targets.sync_targets(api, [], job_owner=workload.owner(job),
                                job_label=(JOB_LABEL, job["metadata"]["name"]),
                                timeout_s=API_TIMEOUT_S)
+
+
+def queue(api: client.ApiClient, observed: Observed, wanted: Desired,
+          logger: logging.Logger) -> None:
+    """Apply the job's Kueue Workload where the one observed lacks what is wanted, then write
+    its status; a status write that met a newer version (Kueue wrote it meanwhile) waits for
+    the reconcile that version's event brings."""
+    custom = client.CustomObjectsApi(api)
+    live = None if observed.queue is None else observed.queue.workload
+    body = wanted.workload
+    if body is not None and not _covers(live, body):
+        meta = body["metadata"]
+        try:
+            custom.patch_namespaced_custom_object(
+                KUEUE_GROUP, KUEUE_VERSION, meta["namespace"], WORKLOADS, meta["name"], body,
+                field_manager=OPERATOR_MANAGER, force=True, _content_type=APPLY,
+                _request_timeout=API_TIMEOUT_S)
+        except ApiException as exc:
+            # Kueue refuses a change to the pod sets of an admitted Workload: the job runs on
+            # what was admitted, and its next Workload (a new job) asks anew.
+            if exc.status != 422:
+                raise
+            logger.warning(f"Workload {meta['namespace']}/{meta['name']} not changed: "
+                           f"{api_message(exc)}")
+    if wanted.workload_status and live is not None:
+        meta = live["metadata"]
+        try:
+            custom.patch_namespaced_custom_object_status(
+                KUEUE_GROUP, KUEUE_VERSION, meta["namespace"], WORKLOADS, meta["name"],
+                list(wanted.workload_status), _content_type="application/json-patch+json",
+                _request_timeout=API_TIMEOUT_S)
+        except ApiException as exc:
+            if exc.status not in (409, 422):
+                raise
+            logger.info(f"Workload {meta['namespace']}/{meta['name']} changed meanwhile: "
+                        f"{api_message(exc)}")
 
 
 def status(api: client.ApiClient, job: Mapping[str, Any], wanted: Mapping[str, Any]

@@ -199,6 +199,8 @@ def _stopped(life: Lifecycle) -> tuple[Condition, ...]:
     attempt."""
     if life.finish is not None:
         why = Problem("Finished", life.finish.message)
+    elif life.stage is Stage.SUSPENDED and life.waiting is not None:
+        why = Problem("WaitingForKueue", f"Kueue holds the job suspended: {life.waiting}")
     elif life.stage is Stage.SUSPENDED:
         why = Problem("Suspended", "spec.suspend is true: no pod runs and the job's power "
                                    "targets are released; the resume starts from the last "
@@ -219,9 +221,13 @@ def _stopped(life: Lifecycle) -> tuple[Condition, ...]:
 
 def _lifecycle(life: Lifecycle, outdated: Sequence[str]) -> tuple[Condition, ...]:
     """Suspended, UpToDate, and Complete or Failed once the job finished."""
-    suspended = Condition("Suspended", True, "JobSuspended", "spec.suspend is true") \
-        if life.stage is Stage.SUSPENDED else Condition("Suspended", False, "JobNotSuspended",
-                                                        "spec.suspend is false")
+    if life.stage is not Stage.SUSPENDED:
+        suspended = Condition("Suspended", False, "JobNotSuspended", "spec.suspend is false")
+    elif life.waiting is not None:
+        suspended = Condition("Suspended", True, "WaitingForKueue",
+                              f"Kueue holds the job suspended: {life.waiting}")
+    else:
+        suspended = Condition("Suspended", True, "JobSuspended", "spec.suspend is true")
     if outdated:
         fields = ", ".join(f"spec.{name}" for name in outdated)
         current = Condition("UpToDate", False, "RestartPending", (

@@ -2,8 +2,10 @@
 
 `desired(spec, observed, now)` takes the steps a reconcile decides on, with no I/O, each policy
 in a room of its own (`tessera_operator.policies`):
-0. Where the job is in its life (`life.life`); a job that runs no attempt gets no plan and no
-   child (`_stopped`).
+0. Its Kueue queue, for a job labelled with one (`queueing.decide`): held suspended until Kueue
+   admits its Workload, run with the admission's flavor; its Workload and what its status is
+   to say. Then where the job is in its life (`life.life`); a job that runs no attempt gets no
+   plan and no child (`_stopped`).
 1. The spec the operator runs (`job_spec`, read once at the reconcile's edge; else InvalidSpec,
    PipelineParallelNotSupported: nothing made).
 2. Placement (`placement.place`): nodes for the trainer pods the job lacks; too few gives
@@ -35,7 +37,7 @@ from tessera_operator import conditions, health, planner, workload
 from tessera_operator.lifecycle import Lifecycle, Stage
 from tessera_operator.observed import Observed, Spec
 from tessera_operator.planner import Problem
-from tessera_operator.policies import life, placement, power, publish, signal
+from tessera_operator.policies import life, placement, power, publish, queueing, signal
 from tessera_operator.power_planning import SyncPlan
 
 
@@ -109,6 +111,10 @@ class Desired:
     # The one pass of writes that brings the job's power targets to `targets`.
     sync: SyncPlan = field(default_factory=lambda: SyncPlan({}, (), ()))
     decision: Decision | None = None  # a running attempt's, to write up anew
+    # A job labelled with a Kueue queue: its Workload to apply (None: none), and JSON patch
+    # operations on the Workload's status (empty: nothing to write).
+    workload: dict[str, Any] | None = None
+    workload_status: tuple[dict[str, Any], ...] = ()
 
     @property
     def waits_for_nodes(self) -> bool:
@@ -122,14 +128,18 @@ class Desired:
         (Ready=False, reason PodRejected), no layout, its power targets released."""
         if self.decision is None:
             return self
-        return _written(replace(self.decision, rejected=why))
+        return self._queued(_written(replace(self.decision, rejected=why)))
 
     def power_refused(self, why: str) -> Desired:
         """This decision once the API server refused its power targets (`why`): Ready's
         message says so, and no raise is said to wait (the writes were made as they are)."""
         if self.decision is None:
             return self
-        return _written(replace(self.decision, refused=why), self.sync)
+        return self._queued(_written(replace(self.decision, refused=why), self.sync))
+
+    def _queued(self, other: Desired) -> Desired:
+        """`other` with this decision's Workload writes."""
+        return replace(other, workload=self.workload, workload_status=self.workload_status)
 
 
 def job_spec(job: Mapping[str, Any]) -> Spec | Problem:
@@ -150,14 +160,22 @@ def job_spec(job: Mapping[str, Any]) -> Spec | Problem:
     return Spec(whole, run)
 
 
-def desired(spec: Spec | Problem, observed: Observed, now: datetime) -> Desired:
-    """The desired state of `observed.job` (its spec as `job_spec` reads it) at `now`."""
+def desired(spec: Spec | Problem, observed: Observed, now: datetime,
+            queued: queueing.Verdict | None = None) -> Desired:
+    """The desired state of `observed.job` (its spec as `job_spec` reads it) at `now`;
+    `queued`: its queue's verdict, when the reconcile took it already (placement chose its
+    nodes by the spec to run)."""
     if isinstance(spec, Problem):
         return _unreadable(spec, observed, now)
-    # 0. Where the job is in its life; what earlier attempts left behind goes.
+    # 0. Its queue; where the job is in its life; what earlier attempts left behind goes.
+    queued = queued or queueing.decide(spec, observed, format_time(now))
+    spec = queued.spec
     found, lost = life.life(spec, observed, now)
+    if queued.waiting is not None:
+        found = replace(found, waiting=queued.waiting)
+    writes = {"workload": queued.workload, "workload_status": queued.workload_status}
     if found.stage is not Stage.RUNNING:
-        return _stopped(spec, observed, now, found, lost)
+        return replace(_stopped(spec, observed, now, found, lost), **writes)
     stale = tuple(name for name, attempt in observed.configmap_attempts.items()
                   if attempt != found.attempt)
     previous = observed.job.get("status") or {}
@@ -186,9 +204,9 @@ def desired(spec: Spec | Problem, observed: Observed, now: datetime) -> Desired:
             plan, blocked, targets, layout = None, Problem(exc.reason, str(exc)), {}, None
     children = placement.children(observed.job, spec.whole, planned.placement, found.attempt)
     # 5. Written up: the status, the events, the power writes.
-    return _written(Decision(
+    return replace(_written(Decision(
         spec, observed, previous, now, found, planned, children, stale, outdated, reports,
-        refused_reports, plan, blocked, targets, layout, in_force))
+        refused_reports, plan, blocked, targets, layout, in_force)), **writes)
 
 
 def _plan(spec: Spec, observed: Observed, now: datetime) -> _Planned:

@@ -6,14 +6,17 @@ its slow resync (`jobqueue.JobQueue.after`); one of its pods changing phase or a
 rendezvous gets one: generation 1 can be published; a trainer ends) or why it waits to start;
 a node agent's progress report; a change to one of its nodes' labels, GPUs, cordons or
 schedulability (and any node change for the jobs too few nodes fit); a GPU's state or
-XIDs in its nodes' GPUHealth; a change to one of its children (its trainer identity, its
-progress ConfigMap: they converge back); an agent reporting a cut in effect while a raise waits
-for it, or a target someone else deleted. Watch-triggered reconciles go through the job queue
-(`jobqueue`): one at a time per job, a storm of events covered by one.
+XIDs in its nodes' GPUHealth; a device taint on its nodes' GPUs (their ResourceSlices, any
+DeviceTaintRule) or a device its pod reports not Healthy; Kueue admitting or evicting
+its Workload; a change to one of its children (its
+trainer identity, its progress ConfigMap: they converge back); an agent reporting a cut in
+effect while a raise waits for it, or a target someone else deleted. Watch-triggered reconciles
+go through the job queue (`jobqueue`): one at a time per job, a storm of events covered by one.
 
 Indices (kept by kopf from its watches, complete before any handler runs): jobs by UID, the
 jobs by phase (the metrics' gauge), the jobs placed on each node and the GPUs they hold there
-(from their trainer pods), each node's GPUHealth (parsed), and each job's children as
+(from their trainer pods), each node's GPUHealth (parsed), its GPUs' ResourceSlices and the
+DeviceTaintRules (parsed: `dra_health`), and each job's children as
 `observed.child_view` sees them. The jobs too few nodes fit are the job queue's
 (`JobQueue.wait_for_nodes`), set by their reconcile before it last reads the node cache.
 Every handler is a coroutine: kopf runs a plain function in a thread, a hand-off per watch
@@ -34,9 +37,11 @@ from urllib3.exceptions import HTTPError
 
 from tessera_contracts import api, gpuhealth
 from tessera_contracts.api import JOB_LABEL, ROLE_LABEL
+from tessera_contracts.dradevice import DRIVER
 from tessera_contracts.unreadable import Unreadable
 from tessera_operator import (
     apply,
+    dra_health,
     lifecycle,
     metrics,
     observe,
@@ -45,11 +50,13 @@ from tessera_operator import (
     workload,
 )
 from tessera_operator.jobqueue import JobKey
+from tessera_operator.kueue_workload import KUEUE_GROUP, KUEUE_VERSION, WORKLOADS
 from tessera_operator.observed import child_view, ours
 from tessera_operator.workload import TRAINER
 
 GROUP, VERSION, PLURAL = api.GROUP, api.VERSION, api.JOB_PLURAL
 RBAC = "rbac.authorization.k8s.io"
+DRA = "resource.k8s.io"
 RETRY_DELAY_S = 5.0
 
 JOBS_OWN = {JOB_LABEL: kopf.PRESENT}
@@ -98,6 +105,21 @@ async def gpu_health(name: str, status: kopf.Status, **_: Any
     """Node -> its GPUHealth as its health agent last published it, parsed once as it arrives
     (or why it does not parse)."""
     return {name: gpuhealth.read({"metadata": {"name": name}, "status": dict(status)})}
+
+
+@kopf.index(DRA, "v1", "resourceslices")
+async def resource_slices(spec: kopf.Spec, body: kopf.Body, **_: Any
+                          ) -> dict[str, dra_health.SliceView]:
+    """Node -> the ResourceSlices of its GPUs' DRA driver, reduced to their device taints."""
+    node = spec.get("nodeName")
+    return {node: dra_health.read_slice(body)} if node and spec.get("driver") == DRIVER else {}
+
+
+@kopf.index(DRA, "v1", "devicetaintrules")
+async def device_taint_rules(body: kopf.Body, **_: Any
+                             ) -> dict[str, dra_health.RuleView | None]:
+    """Every DeviceTaintRule, parsed (None: one without a usable taint)."""
+    return {observe.RULES: dra_health.read_rule(body)}
 
 
 @kopf.index("", "v1", "serviceaccounts", labels=JOBS_OWN)
@@ -200,13 +222,23 @@ async def on_pod(type: str, namespace: str, name: str, labels: kopf.Labels,
                  status: kopf.Status, memo: kopf.Memo, logger: logging.Logger,
                  **indices: Any) -> None:
     """Reconcile a job when one of its pods gets an address (the rendezvous: generation 1
-    can be published), ends, disappears, or waits to start for another reason (unschedulable,
-    an image not pulled: the job's PodsStarted says so)."""
+    can be published), ends, disappears, reports a device of its claims not Healthy, or waits
+    to start for another reason (unschedulable, an image not pulled: the job's PodsStarted says
+    so)."""
     waits = lifecycle.waiting({"metadata": {}, "status": dict(status)})
     facts = None if type == "DELETED" else (status.get("phase"), status.get("podIP"),
-                                            waits and waits[0])
+                                            _resource_health(status), waits and waits[0])
     if memo.seen.changed(("Pod", namespace, name), facts):
         await _reconcile_soon(memo, (namespace, labels[JOB_LABEL]), logger, _indices(indices))
+
+
+def _resource_health(status: kopf.Status) -> list[tuple[str, str]]:
+    """The health of the pod's allocated devices (`allocatedResourcesStatus`) other than
+    Healthy."""
+    return sorted((str(r.get("resourceID")), str(r.get("health")))
+                  for c in status.get("containerStatuses") or []
+                  for e in c.get("allocatedResourcesStatus") or []
+                  for r in e.get("resources") or [] if r.get("health") != "Healthy")
 
 
 @kopf.on.event("", "v1", "configmaps", labels=JOBS_OWN,
@@ -234,6 +266,20 @@ async def on_identity(namespace: str, labels: kopf.Labels, memo: kopf.Memo,
     await _reconcile_soon(memo, (namespace, labels[JOB_LABEL]), logger, _indices(indices))
 
 
+@kopf.on.event(KUEUE_GROUP, KUEUE_VERSION, WORKLOADS, labels=JOBS_OWN)
+async def on_workload(type: str, namespace: str, name: str, labels: kopf.Labels,
+                      status: kopf.Status, memo: kopf.Memo, logger: logging.Logger,
+                      **indices: Any) -> None:
+    """Reconcile a queued job when Kueue admits, evicts or requeues its Workload (a condition
+    or the admission changed), or the Workload went. Served only where Kueue's API is when the
+    operator starts (kopf reads the API groups then)."""
+    facts = None if type == "DELETED" else (
+        sorted((c.get("type"), c.get("status")) for c in status.get("conditions") or []),
+        bool(status.get("admission")))
+    if memo.seen.changed(("Workload", namespace, name), facts):
+        await _reconcile_soon(memo, (namespace, labels[JOB_LABEL]), logger, _indices(indices))
+
+
 @kopf.on.event(GROUP, VERSION, "gpuhealths")
 async def on_gpu_health(type: str, name: str, status: kopf.Status, memo: kopf.Memo,
                         logger: logging.Logger, node_jobs: kopf.Index, **indices: Any) -> None:
@@ -244,6 +290,32 @@ async def on_gpu_health(type: str, name: str, status: kopf.Status, memo: kopf.Me
                                             for g in status.get("gpus") or []]
     if memo.seen.changed(("GPUHealth", name), facts):
         for key in set(node_jobs.get(name, ())) | memo.queue.waiting_for_nodes():
+            await _reconcile_soon(memo, key, logger, _indices(indices))
+
+
+@kopf.on.event(DRA, "v1", "resourceslices")
+async def on_resource_slice(type: str, name: str, spec: kopf.Spec, body: kopf.Body,
+                            memo: kopf.Memo, logger: logging.Logger, node_jobs: kopf.Index,
+                            **indices: Any) -> None:
+    """Reconcile the jobs on a node when a device taint of its GPUs' slice changes."""
+    node = spec.get("nodeName")
+    if not node or spec.get("driver") != DRIVER:
+        return
+    facts = None if type == "DELETED" else dra_health.read_slice(body).taints
+    if memo.seen.changed(("ResourceSlice", name), facts):
+        for key in set(node_jobs.get(node, ())):
+            await _reconcile_soon(memo, key, logger, _indices(indices))
+
+
+@kopf.on.event(DRA, "v1", "devicetaintrules")
+async def on_device_taint_rule(type: str, name: str, body: kopf.Body, memo: kopf.Memo,
+                               logger: logging.Logger, node_jobs: kopf.Index,
+                               **indices: Any) -> None:
+    """Reconcile every placed job when a DeviceTaintRule's selector or taint changes (a rule
+    may select any node's devices)."""
+    facts = None if type == "DELETED" else dra_health.read_rule(body)
+    if memo.seen.changed(("DeviceTaintRule", name), facts):
+        for key in {key for keys in node_jobs.values() for key in keys}:
             await _reconcile_soon(memo, key, logger, _indices(indices))
 
 
@@ -269,7 +341,8 @@ async def on_power_target(type: str | None, name: str, labels: kopf.Labels, memo
 
 def _indices(given: Mapping[str, Any]) -> observe.Indices:
     """What a reconcile reads of kopf's indices, from those kopf passes every handler."""
-    return observe.Indices(given["gpu_health"], given["children"], given["held_gpus"])
+    return observe.Indices(given["gpu_health"], given["children"], given["held_gpus"],
+                           given["resource_slices"], given["device_taint_rules"])
 
 
 async def _reconcile_soon(memo: kopf.Memo, key: JobKey, logger: logging.Logger,

@@ -63,6 +63,7 @@ class Lifecycle:
     ended: bool = False  # an attempt ends in this reconcile: its status is written first
     delete_pods: tuple[str, ...] = ()  # names
     delete_job_in: float | None = None  # seconds until the TTL deletes the job (<= 0: now)
+    waiting: str | None = None  # suspended by its queue: why Kueue does not let it run
 
 
 def attempt_pods(pods: Sequence[Mapping[str, Any]], attempt: int

@@ -3,16 +3,17 @@
 From the API: the job, its pods, its layout and progress ConfigMaps (the reports parsed here,
 once), its power targets, and, while a trainer pod is missing, the pods on the nodes placement
 would choose. From the watches: its nodes and the placement candidates (`cache.NodeCache`),
-their GPUHealth (parsed by kopf's index as it arrives), the GPUs the operator's trainer pods hold
-and the job's children (kopf's indices, as `Indices`).
-A placed job's reconcile reads five objects or lists from the API whatever its size.
+their GPUHealth and DRA device taints (parsed by kopf's indices as they arrive), the GPUs the
+operator's trainer pods hold and the job's children (kopf's indices, as `Indices`).
+A placed job's reconcile reads five objects or lists from the API whatever its size; one queued
+in Kueue also its Workload, the ResourceFlavors its admission names and its priority class.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kubernetes import client
@@ -23,10 +24,12 @@ from tessera_contracts.api import GROUP, JOB_LABEL, JOB_PLURAL, VERSION
 from tessera_contracts.generation import LAYOUT_KEY, Generation, GenerationError, layout_configmap
 from tessera_contracts.gpuhealth import PublishedHealth
 from tessera_contracts.unreadable import Unreadable
-from tessera_operator import power_targets, workload
+from tessera_operator import kueue_workload, power_targets, workload
 from tessera_operator.cache import NodeCache
+from tessera_operator.dra_health import DeviceTaints, RuleView, SliceView
 from tessera_operator.jobqueue import JobKey
-from tessera_operator.observed import Candidates, Layout, Observed
+from tessera_operator.kueue_workload import KUEUE_GROUP, KUEUE_VERSION, WORKLOADS
+from tessera_operator.observed import Candidates, Layout, Observed, Queue
 from tessera_operator.settings import API_TIMEOUT_S
 
 
@@ -38,6 +41,19 @@ class Indices:
     children: Mapping[JobKey, Iterable[Mapping[str, Any]]]  # job -> `child_view` of each child
     # node -> the GPUs each unfinished trainer pod of the operator's there asks for
     held: Mapping[str, Iterable[int]]
+    # node -> its ResourceSlices, and RULES -> every DeviceTaintRule (DRA's device taints)
+    slices: Mapping[str, Iterable[SliceView]] = field(default_factory=dict)
+    rules: Mapping[str, Iterable[RuleView | None]] = field(default_factory=dict)
+
+
+RULES = "rules"  # the one key of the DeviceTaintRules' index
+
+
+def device_taints(indices: Indices, nodes: Iterable[str]) -> DeviceTaints:
+    """The device taints on `nodes`' GPUs: their slices, and every DeviceTaintRule."""
+    return DeviceTaints(
+        tuple(s for node in nodes for s in list(indices.slices.get(node, ()))),
+        tuple(r for r in list(indices.rules.get(RULES, ())) if r is not None))
 
 
 def job(api: client.ApiClient, key: JobKey) -> dict[str, Any] | None:
@@ -70,7 +86,52 @@ def world(api: client.ApiClient, cache: NodeCache, indices: Indices,
         layout=layout, reports=reports, configmap_attempts=attempts,
         targets=tuple(power_targets.list_job_targets(api, (JOB_LABEL, meta["name"]),
                                                      meta["uid"], API_TIMEOUT_S)),
-        gpu_health=_gpu_health(indices, placed), children=children)
+        gpu_health=_gpu_health(indices, placed), devices=device_taints(indices, placed),
+        children=children, queue=queue(api, job))
+
+
+def _get(read: Callable[[], dict[str, Any]]) -> dict[str, Any] | None:
+    """What `read` gets; None when it is not there (404)."""
+    try:
+        return read()
+    except ApiException as exc:
+        if exc.status == 404:
+            return None
+        raise
+
+
+def queue(api: client.ApiClient, job: Mapping[str, Any]) -> Queue | None:
+    """What Kueue holds of a job labelled with a queue (None for one that is not): its
+    Workload, the ResourceFlavors its admission names, its priority class's value."""
+    if kueue_workload.queue_name(job) is None:
+        return None
+    custom = client.CustomObjectsApi(api)
+    meta = job["metadata"]
+    found = _get(lambda: custom.get_namespaced_custom_object(
+        KUEUE_GROUP, KUEUE_VERSION, meta["namespace"], WORKLOADS,
+        kueue_workload.workload_name(meta["name"]), _request_timeout=API_TIMEOUT_S))
+    owned = found if found is not None and workload.controlled_by(found, job) else None
+    assignments = (((owned or {}).get("status") or {}).get("admission") or {}).get(
+        "podSetAssignments") or []
+    flavors = {}
+    for name in sorted({f for a in assignments for f in (a.get("flavors") or {}).values()}):
+        flavor = _get(lambda name=name: custom.get_cluster_custom_object(
+            KUEUE_GROUP, KUEUE_VERSION, "resourceflavors", name, _request_timeout=API_TIMEOUT_S))
+        if flavor is not None:
+            flavors[name] = flavor
+    ref = kueue_workload.priority_ref(job)
+    if ref is None:
+        return Queue(owned, flavors)
+    if ref.kind == "PriorityClass":
+        value = _get(lambda: client.SchedulingV1Api(api).read_priority_class(
+            ref.name, _request_timeout=API_TIMEOUT_S).to_dict())
+    else:
+        value = _get(lambda: custom.get_cluster_custom_object(
+            KUEUE_GROUP, KUEUE_VERSION, "workloadpriorityclasses", ref.name,
+            _request_timeout=API_TIMEOUT_S))
+    if value is None:
+        return Queue(owned, flavors, priority_missing=f"{ref.kind} {ref.name}")
+    return Queue(owned, flavors, (ref, int(value["value"])))
 
 
 def with_candidates(api: client.ApiClient, cache: NodeCache, indices: Indices,

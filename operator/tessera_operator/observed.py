@@ -16,6 +16,8 @@ from tessera_contracts.gpuhealth import PublishedHealth
 from tessera_contracts.jobspec import NTPTrainingJobSpec
 from tessera_contracts.progress import NodeReport
 from tessera_contracts.unreadable import Unreadable
+from tessera_operator.dra_health import DeviceTaints
+from tessera_operator.kueue_workload import PriorityRef
 from tessera_operator.planner import JobSpec, Problem
 
 ChildKey = tuple[str, str]  # (kind, name)
@@ -55,6 +57,18 @@ class Candidates:
 
 
 @dataclass(frozen=True)
+class Queue:
+    """What Kueue holds of a job labelled with a queue: its Workload (None: none yet), the
+    ResourceFlavors its admission names, by name, and its priority class with the class's
+    value (None: it names none), or the name of the one it names that does not exist."""
+
+    workload: Mapping[str, Any] | None = None
+    flavors: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    priority: tuple[PriorityRef, int] | None = None
+    priority_missing: str | None = None
+
+
+@dataclass(frozen=True)
 class Observed:
     """A job and what one reconcile observed of its world."""
 
@@ -69,10 +83,13 @@ class Observed:
     targets: tuple[Mapping[str, Any], ...] = ()  # the job's GPUPowerTargets
     # The GPUHealth of its (candidate) nodes, as parsed (kopf's index holds them so).
     gpu_health: tuple[PublishedHealth | Unreadable, ...] = ()
+    # The DRA device taints on its nodes' GPUs (their ResourceSlices, the DeviceTaintRules).
+    devices: DeviceTaints = DeviceTaints()
     children: Mapping[ChildKey, Mapping[str, Any]] = field(default_factory=dict)
     candidates: Candidates | None = None  # observed only while a trainer pod is missing
     # The job's layout and progress ConfigMaps that exist: name -> the attempt they are of.
     configmap_attempts: Mapping[str, int] = field(default_factory=dict)
+    queue: Queue | None = None  # observed only for a job labelled with a Kueue queue
 
     def reports_of(self, nodes: Iterable[str]) -> dict[str, NodeReport | None]:
         """Each of `nodes`' progress report; None where it has none or an unreadable one."""

@@ -26,7 +26,8 @@ from tessera_contracts.powertarget import format_time
 from tessera_operator import apply, conditions, desired, metrics, observe
 from tessera_operator.jobqueue import JobKey
 from tessera_operator.observed import ours
-from tessera_operator.policies import placement
+from tessera_operator.planner import Problem
+from tessera_operator.policies import placement, queueing
 
 # Watches drive every change; the resync only re-observes what a watch may have missed. Its
 # cost is five reads per job per interval, whatever the number of nodes.
@@ -60,8 +61,13 @@ def reconcile(memo: kopf.Memo, key: JobKey, logger: logging.Logger,
         #    at a time: another job's placement, listing the pods before this one's exist,
         #    would choose the same free GPUs (and its pods would stay Pending). An attempt
         #    that ends writes its status (its account) before its pods and reports go; pods
-        #    the API server refuses leave the job without a plan.
+        #    the API server refuses leave the job without a plan. A queued job runs the spec
+        #    its queue lets it (held suspended, or with its admission's flavor).
         spec = desired.job_spec(job)
+        queued = None if isinstance(spec, Problem) else \
+            queueing.decide(spec, observed, format_time(now))
+        if queued is not None:
+            spec = queued.spec
         placing = placement.needs_placement(spec, observed, now)
         nodes_seen = memo.nodes.changes
         with memo.placing if placing else contextlib.nullcontext():
@@ -69,13 +75,14 @@ def reconcile(memo: kopf.Memo, key: JobKey, logger: logging.Logger,
                 observed = observe.with_candidates(
                     api, memo.nodes, indices, observed, placement.selector(spec),
                     lambda seen: placement.chosen_nodes(spec, seen))
-            wanted = desired.desired(spec, observed, now)
+            wanted = desired.desired(spec, observed, now, queued)
             if wanted.ended and not _status(memo, key, job, wanted, now, logger):
                 return RESYNC_INTERVAL_S  # its account is not recorded: nothing is deleted
             apply.leftovers(api, job, wanted)
             rejected = apply.children(api, observed, wanted)
             if rejected is not None:
                 wanted = wanted.pods_rejected(rejected)
+        apply.queue(api, observed, wanted, logger)
         queue.wait_for_nodes(key, wanted.waits_for_nodes)
         if wanted.delete_job:
             apply.delete_job(api, job)

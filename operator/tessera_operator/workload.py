@@ -9,7 +9,8 @@ collector removes them with it) under a name derived from the job's:
 - `<job>-rendezvous`: a pod that hosts the job's TCPStore (`ntp.rendezvous`); its pod IP, read
   from the API (no DNS is assumed), goes into every generation document;
 - `<job>-node-<i>`: one trainer pod per node (`ntp.nodeagent.agent`), asking for all `gpusPerNode`
-  GPUs of the node it is placed on.
+  GPUs of the node it is placed on (the extended resource, or the template's claim that
+  `gpuResourceClaim` names).
 
 Placement is the set of trainer pods: each one names its node (node affinity on the node's
 name, as the DaemonSet controller pins its pods; the scheduler still binds it, checking the
@@ -41,6 +42,9 @@ from tessera_contracts.progress import progress_configmap as progress_name
 from tessera_operator.planner import JobPlan, JobSpec, Problem
 
 GPU_RESOURCE = "nvidia.com/gpu"
+# On a trainer pod that holds its GPUs through a claim: how many, for placement's count of the
+# GPUs taken on its node (the pod asks for no extended resource).
+CLAIMED_GPUS_ANNOTATION = "tessera.dev/claimed-gpus"
 TRAINER, RENDEZVOUS = "trainer", "rendezvous"
 FINISHED = ("Succeeded", "Failed")  # pod phases that hold no GPU
 RENDEZVOUS_PORT = 29400
@@ -50,7 +54,7 @@ _TRAINER_POD = re.compile(r"-node-(\d+)$")
 SHM_VOLUME, SHM_PATH = "tessera-shm", "/dev/shm"
 # The spec fields a pod is made from (`pod_inputs`).
 POD_INPUTS = ("image", "command", "args", "steps", "checkpointPolicy", "data", "initialWeights",
-              "precision", "template")
+              "precision", "template", "gpuResourceClaim")
 # What the rendezvous pod takes of the template's pod spec.
 RENDEZVOUS_FIELDS = ("nodeSelector", "tolerations", "priorityClassName", "schedulerName",
                      "imagePullSecrets", "securityContext")
@@ -131,13 +135,17 @@ def pod_node(pod: Mapping[str, Any]) -> str | None:
 
 
 def pod_gpus(pod: Mapping[str, Any]) -> int:
+    """The GPUs a pod asks for: the extended resource, else those a trainer pod of the
+    operator's holds through its claim."""
     total = 0
     for container in (pod.get("spec") or {}).get("containers") or []:
         resources = container.get("resources") or {}
         asked = (resources.get("limits") or {}).get(GPU_RESOURCE) or (
             resources.get("requests") or {}).get(GPU_RESOURCE)
         total += _gpus(asked or 0)
-    return total
+    claimed = ((pod.get("metadata") or {}).get("annotations") or {}).get(
+        CLAIMED_GPUS_ANNOTATION)
+    return total or _gpus(claimed or 0)
 
 
 def taken_gpus(pods: Iterable[Mapping[str, Any]]) -> dict[str, int]:
@@ -370,12 +378,7 @@ def trainer_pod(job: Mapping[str, Any], spec: NTPTrainingJobSpec, index: int, no
     containers = list(pod_spec.get("containers") or [])
     own = next((c for c in containers if c.get("name") == TRAINER), {})
     sidecars = [c for c in containers if c.get("name") != TRAINER]
-    resources = {k: dict(v) if k in ("requests", "limits") else v
-                 for k, v in (own.get("resources") or {}).items()}
-    gpus = str(spec.gpus_per_node)
-    resources.setdefault("limits", {})[GPU_RESOURCE] = gpus
-    if "requests" in resources:
-        resources["requests"][GPU_RESOURCE] = gpus
+    resources = gpu_resources(own, spec)
     agent = AgentInvocation(until_step=spec.steps, job=name,
                             trainer_args=(*rank_args(spec), *(spec.args or ())))
     mounts = list(own.get("volumeMounts") or [])
@@ -394,6 +397,8 @@ def trainer_pod(job: Mapping[str, Any], spec: NTPTrainingJobSpec, index: int, no
     meta["annotations"] = dict(tmeta.get("annotations") or {}) | {
         "prometheus.io/scrape": "true", "prometheus.io/port": str(METRICS_PORT),
         INPUTS_ANNOTATION: json.dumps(pod_inputs(spec), sort_keys=True)}
+    if spec.gpu_resource_claim is not None:
+        meta["annotations"][CLAIMED_GPUS_ANNOTATION] = str(spec.gpus_per_node)
     affinity = dict(pod_spec.get("affinity") or {}) | _pinned(node)
     return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": pod_spec | {
         "serviceAccountName": service_account(job, spec),
@@ -403,10 +408,29 @@ def trainer_pod(job: Mapping[str, Any], spec: NTPTrainingJobSpec, index: int, no
         "affinity": affinity, "volumes": volumes, "containers": [container, *sidecars]}}
 
 
+def gpu_resources(own: Mapping[str, Any], spec: NTPTrainingJobSpec) -> dict[str, Any]:
+    """The trainer container's resources: the template's, with the node's GPUs asked for as
+    the extended resource, or through the pod's claim `gpuResourceClaim` names (DRA,
+    docs/dra.md), which the container then names too."""
+    resources = {k: dict(v) if k in ("requests", "limits") else v
+                 for k, v in (own.get("resources") or {}).items()}
+    claim = spec.gpu_resource_claim
+    if claim is not None:
+        claims = list(resources.get("claims") or [])
+        if not any(c.get("name") == claim for c in claims):
+            resources["claims"] = [*claims, {"name": claim}]
+        return resources
+    gpus = str(spec.gpus_per_node)
+    resources.setdefault("limits", {})[GPU_RESOURCE] = gpus
+    if "requests" in resources:
+        resources["requests"][GPU_RESOURCE] = gpus
+    return resources
+
+
 def rank_args(spec: NTPTrainingJobSpec) -> list[str]:
     """Trainer options every rank gets from the spec: checkpoints where the job keeps them, the
-    weights it starts from, the dataset it reads, its precision (`spec.args` come after them,
-    and so win over them)."""
+    weights it starts from, the dataset it reads, its precision, its optimizer state sharded
+    across replicas (`spec.args` come after them, and so win over them)."""
     args: list[str] = []
     checkpoint = spec.checkpoint_policy
     if checkpoint.path:
@@ -418,6 +442,8 @@ def rank_args(spec: NTPTrainingJobSpec) -> list[str]:
         args += ["--data", spec.data.path]
         if spec.data.tokenizer:
             args += ["--tokenizer", spec.data.tokenizer]
+    if spec.sharded_state:
+        args.append("--sharded-state")
     return [*args, "--precision", spec.precision]
 
 

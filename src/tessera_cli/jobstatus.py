@@ -4,7 +4,9 @@ A job's status says the layout the operator plans (`status.tpLayout`, `status.re
 layout ConfigMap holds the generation it published to the ranks, and the progress ConfigMap what
 each node's ranks run. Per GPU: the node's cordon annotation, its GPUHealth, and its
 GPUPowerTarget's watts and the limit its power agent reports in effect. Every object is read
-with the parser its own readers use, and what does not parse is shown as such, never raised.
+with the parser its own readers use, and what does not parse is shown as such, never raised. What
+the user's roles may not read (`view` in a namespace reaches neither Nodes nor the cluster-scoped
+GPUHealths and GPUPowerTargets) shows as `?`, and is named once at the end.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from tessera_contracts.progress import read_reports
 
 GPU_RESOURCE = "nvidia.com/gpu"
 NONE = "-"
+UNREADABLE = "?"
 
 
 @dataclass(frozen=True)
@@ -35,6 +38,8 @@ class JobObjects:
     nodes: Mapping[str, Mapping[str, Any] | None]  # Node by name
     targets: Mapping[str, Mapping[str, Any] | None]  # GPUPowerTarget by node
     health: Mapping[str, Mapping[str, Any] | None]  # GPUHealth by node
+    # the kinds (plural, "Nodes") the user may not read: their objects are None, and not absent
+    forbidden: frozenset[str] = frozenset()
 
 
 def job_nodes(job: Mapping[str, Any]) -> list[str]:
@@ -69,6 +74,9 @@ def render(objects: JobObjects, now: float) -> str:
     if nodes:
         parts.append(_nodes(nodes, objects))
         parts.append(_gpus(nodes, objects, spec, now))
+    if objects.forbidden:
+        parts.append(f"Not shown, your roles may not read them: "
+                     f"{', '.join(sorted(objects.forbidden))} ({UNREADABLE})")
     return "\n\n".join(parts) + "\n"
 
 
@@ -106,13 +114,14 @@ def _layout(status: Mapping[str, Any], layout: Mapping[str, Any] | None) -> str:
 
 def _nodes(nodes: list[str], objects: JobObjects) -> str:
     reports = read_reports((objects.progress or {}).get("data"), nodes)
+    absent = _absent(objects, "GPUPowerTargets")
     rows = []
     for name in nodes:
         report = reports[name]
         target = objects.targets.get(name)
         state = (target or {}).get("status") or {}
         try:
-            budget = f"{powertarget.parse_object(target, name).budget_w}" if target else NONE
+            budget = f"{powertarget.parse_object(target, name).budget_w}" if target else absent
         except powertarget.InvalidTarget as exc:
             budget = f"invalid ({exc})"
         rows.append((
@@ -122,19 +131,27 @@ def _nodes(nodes: list[str], objects: JobObjects) -> str:
             NONE if report is None else report.step,
             NONE if report is None or report.step_seconds is None
             else f"{report.step_seconds:.2f}",
-            budget, state.get("limitWatts", NONE), state.get("state", NONE)))
+            budget, state.get("limitWatts", absent), state.get("state", absent)))
     return table(("NODE", "RUNS GENERATION", "STATE", "STEP", "STEP S", "BUDGET W", "LIMIT W",
                   "POWER STATE"), rows)
 
 
+def _absent(objects: JobObjects, kind: str) -> str:
+    """What a cell of an object of `kind` shows when there is none: unknown if the user may not
+    read that kind, else none."""
+    return UNREADABLE if kind in objects.forbidden else NONE
+
+
 def _gpus(nodes: list[str], objects: JobObjects, spec: Mapping[str, Any], now: float) -> str:
+    absent = _absent(objects, "GPUPowerTargets")
     rows = []
     for name in nodes:
         node = objects.nodes.get(name)
         count = _gpu_count(node, spec)
         annotation = ((node or {}).get("metadata") or {}).get("annotations") or {}
         cordoned, _ = parse_indices(annotation.get(CORDON_ANNOTATION, ""), count or 1)
-        health, health_note = _health(objects.health.get(name), now)
+        health, health_note = ({}, UNREADABLE) if "GPUHealths" in objects.forbidden else (
+            _health(objects.health.get(name), now))
         target_obj = objects.targets.get(name)
         try:
             target = None if target_obj is None else powertarget.parse_object(target_obj, name)
@@ -144,10 +161,10 @@ def _gpus(nodes: list[str], objects: JobObjects, spec: Mapping[str, Any], now: f
         indices = sorted(set(range(count or 0)) | health.keys() | limits.keys()
                          | (set(target.gpu_w) if target else set()))
         for i in indices:
-            rows.append((f"{name}/{i}", "cordoned" if i in cordoned else NONE,
-                         health.get(i, health_note),
-                         NONE if target is None else target.watts_for(i),
-                         limits.get(i, NONE)))
+            cordon = "cordoned" if i in cordoned else _absent(objects, "Nodes")
+            rows.append((f"{name}/{i}", cordon, health.get(i, health_note),
+                         absent if target is None else target.watts_for(i),
+                         limits.get(i, absent)))
     return table(("GPU", "CORDON", "HEALTH", "TARGET W", "LIMIT W"), rows)
 
 

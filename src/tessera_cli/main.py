@@ -25,8 +25,8 @@ COMMANDS: Commands = {
     "plan": ("tessera_cli.plan",
              "a job's memory per GPU, healthy and degraded, from its YAML (no cluster)"),
     "uninstall": ("tessera_cli.uninstall",
-                  "delete every NTPTrainingJob, wait until they are gone and their GPUs "
-                  "settled, stop the operator (before removing Tessera)"),
+                  "refuse while NTPTrainingJobs exist (--delete-jobs: delete them, wait for "
+                  "their GPUs to settle), stop the operator (before removing Tessera)"),
     # The trainer's tools (the trainer extra: torch, tokenizers, safetensors).
     "prepare-data": ("ntp.prepare", "tokenize text, JSONL or Parquet files into a dataset"),
     "import-hf": ("ntp.hf:import_main",

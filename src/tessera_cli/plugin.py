@@ -20,9 +20,11 @@ from tessera_cli.main import COMMANDS as TESSERA_COMMANDS
 from tessera_cli.main import Commands, dispatch
 from tessera_contracts.api import (
     API_VERSION,
+    GPU_HEALTH_KIND,
     GPU_HEALTH_PLURAL,
     JOB_KIND,
     JOB_PLURAL,
+    POWER_TARGET_KIND,
     POWER_TARGET_PLURAL,
 )
 from tessera_contracts.generation import layout_configmap
@@ -40,31 +42,45 @@ COMMANDS: Commands = {
 }
 
 
-def _get(api: ApiClient, path: str) -> dict[str, Any] | None:
-    """The object at `path`, None if it does not exist."""
+def _get(api: ApiClient, path: str, kind: str | None = None,
+         forbidden: set[str] | None = None) -> dict[str, Any] | None:
+    """The object at `path`, None if it does not exist. With `kind`, also None when the user may
+    not read it, `kind` then added to `forbidden`: the status shows what it can."""
     try:
         return kube.request(api, "GET", path)
     except kube.ApiError as exc:
         if exc.status == 404:
             return None
+        if exc.status == 403 and kind is not None and forbidden is not None:
+            forbidden.add(kind)
+            return None
         raise
 
 
 def read(api: ApiClient, namespace: str, job: str) -> JobObjects:
-    """The job and every object its status shows; KubeError if the job does not exist."""
+    """The job and every object its status shows; KubeError if the job does not exist or may
+    not be read. The user's roles may grant the job and its ConfigMaps (`view` in its namespace)
+    and not the cluster-scoped Nodes, GPUPowerTargets and GPUHealths: those are then named in
+    `forbidden`."""
     ns = quote(namespace, safe="")
     found = _get(api, f"/apis/{API_VERSION}/namespaces/{ns}/{JOB_PLURAL}/{quote(job, safe='')}")
     if found is None:
         raise kube.KubeError(f"no {JOB_KIND} {job!r} in namespace {namespace!r}")
     configmaps = f"/api/v1/namespaces/{ns}/configmaps"
     nodes = [quote(n, safe="") for n in job_nodes(found)]
+    forbidden: set[str] = set()
     return JobObjects(
         job=found,
-        layout=_get(api, f"{configmaps}/{quote(layout_configmap(job), safe='')}"),
-        progress=_get(api, f"{configmaps}/{quote(progress_configmap(job), safe='')}"),
-        nodes={n: _get(api, f"/api/v1/nodes/{n}") for n in nodes},
-        targets={n: _get(api, f"/apis/{API_VERSION}/{POWER_TARGET_PLURAL}/{n}") for n in nodes},
-        health={n: _get(api, f"/apis/{API_VERSION}/{GPU_HEALTH_PLURAL}/{n}") for n in nodes},
+        layout=_get(api, f"{configmaps}/{quote(layout_configmap(job), safe='')}",
+                    "ConfigMaps", forbidden),
+        progress=_get(api, f"{configmaps}/{quote(progress_configmap(job), safe='')}",
+                      "ConfigMaps", forbidden),
+        nodes={n: _get(api, f"/api/v1/nodes/{n}", "Nodes", forbidden) for n in nodes},
+        targets={n: _get(api, f"/apis/{API_VERSION}/{POWER_TARGET_PLURAL}/{n}",
+                         POWER_TARGET_KIND + "s", forbidden) for n in nodes},
+        health={n: _get(api, f"/apis/{API_VERSION}/{GPU_HEALTH_PLURAL}/{n}",
+                        GPU_HEALTH_KIND + "s", forbidden) for n in nodes},
+        forbidden=frozenset(forbidden),
     )
 
 

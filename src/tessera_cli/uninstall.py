@@ -1,7 +1,12 @@
-"""`tessera uninstall`: delete every NTPTrainingJob and wait until they are gone, the operator has
-released their GPUs' power targets and the power agents have settled every GPU of the nodes the
-jobs used at the base cap inside the node's last budget share, before the operator and the agents
-are removed.
+"""`tessera uninstall`: make sure no NTPTrainingJob is left, then stop the operator, before the
+operator and the agents are removed.
+
+Users' jobs are never deleted unasked: while any NTPTrainingJob that nobody is deleting exists it
+fails, naming them, and changes nothing. With `--delete-jobs` it deletes every one of them in
+every namespace (their training ends). Either way it then waits until every job is gone (those
+their owners are deleting too), the operator has released their GPUs' power targets and the
+power agents have settled every GPU of the nodes the jobs used at the base cap inside the node's
+last budget share.
 
 A job's pods go with it (they are its children), but its GPUPowerTargets are cluster-scoped and
 released by the operator when it sees the deletion: a job deleted after the operator leaves its
@@ -11,9 +16,9 @@ gone its agent settles its GPUs (a GPU cordoned at its minimum or boosted includ
 on its metrics page (`tessera_cli.settled`): those limits are where the GPUs stay once the agents
 are gone (docs/install.md says how to give them back their device defaults). Last it stops the
 operator (no replica), whose leader deletes its leader-election Lease on the way out, while its
-RBAC still lets it. The chart runs this command as its pre-delete hook, while the operator and the
-agents still run; with the kustomize bundle run it before deleting the bundle. It deletes every
-job in every namespace: uninstalling Tessera ends all training.
+RBAC still lets it. The chart runs this command as its pre-delete hook (`--delete-jobs` when the
+value `uninstall.deleteJobs` says so), while the operator and the agents still run; with the
+kustomize bundle run it before deleting the bundle.
 """
 
 from __future__ import annotations
@@ -46,6 +51,10 @@ class UninstallError(Exception):
     """The jobs could not all be removed, or their GPUs settled; the message says what is left."""
 
 
+class JobsLeft(UninstallError):
+    """NTPTrainingJobs exist and deleting them was not asked for."""
+
+
 def _items(api: ApiClient, path: str) -> list[dict]:
     """The objects listed at `path`; none when their CRD itself is gone."""
     try:
@@ -56,9 +65,11 @@ def _items(api: ApiClient, path: str) -> list[dict]:
         raise
 
 
-def _jobs(api: ApiClient) -> list[str]:
+def _jobs(api: ApiClient, *, deleting: bool = True) -> list[str]:
+    """Every job, as NAMESPACE/NAME; without `deleting`, only those nobody is deleting yet."""
     return sorted(f"{j['metadata']['namespace']}/{j['metadata']['name']}"
-                  for j in _items(api, JOBS))
+                  for j in _items(api, JOBS)
+                  if deleting or not j["metadata"].get("deletionTimestamp"))
 
 
 def _job_targets(api: ApiClient) -> list[str]:
@@ -78,16 +89,26 @@ def _wait(what: Callable[[], list[str]], deadline: float) -> list[str]:
 
 
 def delete_all(api: ApiClient, timeout: float, namespace: str = DEFAULT_NAMESPACE,
-               log: Callable[[str], object] = print) -> int:
-    """Delete every job and wait, `timeout` seconds in all, until no job and no job's power target
-    is left, then until the power agents (in `namespace`) report every node those targets named
-    settled; UninstallError naming what is left when the time is up. Returns how many jobs there
-    were."""
+               log: Callable[[str], object] = print, *, delete_jobs: bool = False) -> int:
+    """With `delete_jobs`, delete every job; then wait, `timeout` seconds in all, until no job
+    (those being deleted by others included) and no job's power target is left, then until the
+    power agents (in `namespace`) report every node those targets named settled; UninstallError
+    naming what is left when the time is up. Without `delete_jobs`, JobsLeft naming the jobs
+    nobody is deleting, if there is any, before anything is changed. Then stop the operator.
+    Returns how many jobs there were."""
     deadline = time.monotonic() + timeout
-    # 1. the nodes whose GPUs the jobs' targets set, before the operator releases them
-    nodes = set(_job_targets(api))
-    # 2. the jobs, while the operator runs
+    # 1. the users' jobs: deleted only when asked
+    kept = _jobs(api, deleting=False)
+    if kept and not delete_jobs:
+        raise JobsLeft(
+            f"{len(kept)} NTPTrainingJob(s) exist, left as they are: {', '.join(kept)}; delete "
+            "them first (their training ends) and run the uninstall again, or let it delete "
+            "them (`tessera uninstall --delete-jobs`; the chart's value uninstall.deleteJobs, "
+            "set before `helm uninstall`: docs/install.md, Uninstalling)")
     jobs = _jobs(api)
+    # 2. the nodes whose GPUs the jobs' targets set, before the operator releases them
+    nodes = set(_job_targets(api))
+    # 3. the jobs, while the operator runs
     for job in jobs:
         ns, name = job.split("/")
         try:
@@ -97,7 +118,7 @@ def delete_all(api: ApiClient, timeout: float, namespace: str = DEFAULT_NAMESPAC
                 raise
         log(f"deleting NTPTrainingJob {job}")
 
-    # 3. the operator finishes them and releases their power targets
+    # 4. the operator finishes them and releases their power targets
     def jobs_and_targets() -> list[str]:
         targets = _job_targets(api)
         nodes.update(targets)
@@ -109,7 +130,7 @@ def delete_all(api: ApiClient, timeout: float, namespace: str = DEFAULT_NAMESPAC
             f"still present after {timeout:.0f} s: {', '.join(left)}; the operator finishes "
             "jobs and releases their power targets: is it running? "
             "(`kubectl -n <install namespace> logs deploy/tessera-operator`)")
-    # 4. each of those nodes' agents settles its GPUs at the base cap once released
+    # 5. each of those nodes' agents settles its GPUs at the base cap once released
     if nodes:
         log(f"waiting for the power agents to settle the GPUs of {', '.join(sorted(nodes))}")
     left = _wait(lambda: [f"node {node}: {what}" for node, what in
@@ -121,7 +142,7 @@ def delete_all(api: ApiClient, timeout: float, namespace: str = DEFAULT_NAMESPAC
             "budget share: run it again once they can settle, or remove Tessera all the same "
             "(`helm uninstall --no-hooks`: each agent settles its node as it exits, one that "
             "cannot leaves its GPUs where they are; docs/install.md, Uninstalling)")
-    # 5. the operator stops while it may still delete its Lease (removing the install deletes
+    # 6. the operator stops while it may still delete its Lease (removing the install deletes
     # its RBAC at the same time as its pods, and a leader stopping after that could not)
     left = stop_operator(api, namespace, deadline)
     if left:
@@ -157,9 +178,13 @@ def stop_operator(api: ApiClient, namespace: str, deadline: float) -> list[str]:
 def main(argv: list[str]) -> int:
     prog = "tessera uninstall"
     p = argparse.ArgumentParser(
-        prog=prog, description="Delete every NTPTrainingJob in every namespace and wait until "
-        "the operator has finished them and the power agents have settled their nodes' GPUs at "
-        "the base cap: run before removing Tessera.")
+        prog=prog, description="Run before removing Tessera: refuse while any NTPTrainingJob "
+        "exists (or, with --delete-jobs, delete every one in every namespace and wait until the "
+        "operator has finished them and the power agents have settled their nodes' GPUs at the "
+        "base cap), then stop the operator.")
+    p.add_argument("--delete-jobs", action="store_true",
+                   help="delete every NTPTrainingJob in every namespace (their training ends) "
+                        "instead of refusing while any exists")
     p.add_argument("--timeout", type=float, default=240.0,
                    help="seconds to wait for the jobs to be gone and their GPUs settled, in all "
                         "(default 240)")
@@ -173,7 +198,7 @@ def main(argv: list[str]) -> int:
     kube.check_arguments(p, args)
     try:
         with kube.connect(args.kubeconfig, args.context) as api:
-            count = delete_all(api, args.timeout, args.namespace)
+            count = delete_all(api, args.timeout, args.namespace, delete_jobs=args.delete_jobs)
     except (UninstallError, kube.KubeError) as exc:
         print(f"{prog}: {exc}", file=sys.stderr)
         return 1

@@ -175,6 +175,10 @@ class NTPTrainingJobSpec:
     # The pod template as written: a Kubernetes PodTemplateSpec the operator merges its pods
     # into (shared, never changed).
     template: Mapping[str, Any]
+    sharded_state: bool = False  # optimizer.shardedState: AdamW state sharded across replicas
+    # The template's pod resource claim that holds the node's GPUs (DRA); None: the trainer
+    # container asks for them as the extended resource nvidia.com/gpu.
+    gpu_resource_claim: str | None = None
 
     @property
     def trainers(self) -> int:
@@ -234,7 +238,9 @@ class NTPTrainingJobSpec:
             data=None if data is None else DataSpec(
                 path=data.text("path"), tokenizer=data.optional_text("tokenizer")),
             initial_weights=None if weights is None else weights.text("path"),
-            template=top.child("template").value)
+            template=top.child("template").value,
+            sharded_state=top.child("optimizer").flag("shardedState"),
+            gpu_resource_claim=_gpu_claim(top))
 
     def to_spec(self) -> dict[str, Any]:
         """The spec as the API server stores it (`from_spec`'s inverse on a stored spec)."""
@@ -255,7 +261,21 @@ class NTPTrainingJobSpec:
             powerPolicy=None if self.power_policy is None else self.power_policy.to_spec(),
             data=None if self.data is None else self.data.to_spec(),
             initialWeights=None if self.initial_weights is None else {
-                "path": self.initial_weights})
+                "path": self.initial_weights},
+            gpuResourceClaim=self.gpu_resource_claim)
+
+
+def _gpu_claim(top: _Object) -> str | None:
+    """`gpuResourceClaim`, which must name one of the template pod's resource claims."""
+    claim = top.optional_text("gpuResourceClaim")
+    if claim is None:
+        return None
+    pod = top.child("template").value.get("spec") or {}
+    named = [c.get("name") for c in pod.get("resourceClaims") or [] if isinstance(c, Mapping)]
+    if claim not in named:
+        raise SpecError("gpuResourceClaim", f"names {claim!r}, which is not one of "
+                        f"template.spec.resourceClaims ({', '.join(map(str, named)) or 'none'})")
+    return claim
 
 
 def _present(**fields: Any) -> dict[str, Any]:

@@ -63,10 +63,11 @@ def site_packages(venv: Path) -> Path:
     return venv / f"lib/python{major}.{minor}/site-packages"
 
 
-def install(venv: Path, wheel: Path, extra: str) -> tuple[int, list[tuple[str, int]]]:
-    """A fresh virtual environment at `venv` holding what the image of `extra` installs; returns
-    the bytes that install added to the empty environment, and its biggest entries in
-    site-packages (name, bytes), biggest first."""
+def install(venv: Path, wheel: Path, extra: str | None) -> tuple[int, list[tuple[str, int]]]:
+    """A fresh virtual environment at `venv` holding what the image of `extra` installs (None:
+    a plain install of the package, its base dependencies pinned as the operator image pins
+    them); returns the bytes that install added to the empty environment, and its biggest
+    entries in site-packages (name, bytes), biggest first."""
     check(subprocess.run([sys.executable, "-m", "venv", str(venv)],
                          capture_output=True, text=True, timeout=INSTALL_TIMEOUT_S))
     empty = tree_size(venv)
@@ -75,7 +76,8 @@ def install(venv: Path, wheel: Path, extra: str) -> tuple[int, list[tuple[str, i
     # tenth of the time; the Dockerfile's own pip steps are checked as text by the tests.
     check(subprocess.run(
         [Path(sys.executable).parent / "uv", "pip", "install", "--quiet", "--python",
-         venv / "bin" / "python", "-c", lock.constraints_path(extra), f"{wheel}[{extra}]"],
+         venv / "bin" / "python", "-c", lock.constraints_path(extra or lock.IMAGES["operator"]),
+         f"{wheel}[{extra}]" if extra else wheel],
         cwd=venv, env=isolated_env(venv / "bin"), capture_output=True, text=True,
         timeout=INSTALL_TIMEOUT_S))
     added = [(entry.name, tree_size(entry) if entry.is_dir() else entry.lstat().st_size)

@@ -175,7 +175,7 @@ INVALID_SPECS = {
     "unknown failure mode": (_set("failurePolicy.mode", "RESTART"), "spec.failurePolicy.mode",
                              "Unsupported value"),
     "unknown health source": (_set("failurePolicy.healthSources", ["smart"]),
-                              "spec.failurePolicy.healthSources", "are dcgm and cordon"),
+                              "spec.failurePolicy.healthSources", "are dcgm, cordon and dra"),
     "duplicate health source": (_set("failurePolicy.healthSources", ["dcgm", "dcgm"]),
                                 "spec.failurePolicy.healthSources", "each source once"),
     "duplicate fatal XID": (_set("failurePolicy.fatalXIDs", [79, 79]),

@@ -20,15 +20,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch.distributed as dist
 from jobharness import GPUS, HANG_S, JobFlow, records, shared, small_job
 from test_job_lifecycle import LOSS_TOLERANCE, _apply, _finished, _losses, _trainer_pods
 from test_job_training import _complete
 
-from ntp.launch import launch_local
 from tessera_contracts.api import ATTEMPT_LABEL
-from tessera_contracts.generation import Generation, Gpu, Rendezvous
-from tessera_contracts.model_shape import ModelShape
+from tessera_contracts.generation import Gpu
+from tessera_dev.reference import failure_free_losses
 from tessera_dev.simnode import faults
 
 pytestmark = [pytest.mark.jobapi, pytest.mark.recovery]
@@ -41,16 +39,8 @@ LOST = ("gpu-node-0", "1")  # a GPU of the layout (the plan puts the replica on 
 
 def _reference(job: dict[str, Any], tmp: Path) -> dict[int, float]:
     """Global rank 0's losses by step of the same job without a failure: one TP2 replica."""
-    spec = job["spec"]
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    layout = Generation(1, ModelShape.from_spec(spec["model"]), spec["globalBatch"],
-                        spec["failurePolicy"]["mode"],
-                        (tuple(Gpu("gpu-node-0", i) for i in range(GPUS)),),
-                        Rendezvous("127.0.0.1", store.port))
-    launch_local(layout, ["--until-step", str(spec["steps"]), "--out", str(tmp),
-                          *spec["args"]], timeout_s=HANG_S, store=store)
-    ran = json.loads((tmp / "rank0.json").read_text())
-    return dict(zip(sorted(map(int, ran["step_ends"])), ran["losses"], strict=True))
+    return failure_free_losses(job["spec"], (tuple(Gpu("gpu-node-0", i) for i in range(GPUS)),),
+                               tmp, timeout_s=HANG_S)
 
 
 def _follow(flow: JobFlow, pods: list[dict[str, Any]]) -> list[subprocess.Popen[str]]:

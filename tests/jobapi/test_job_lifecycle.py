@@ -13,7 +13,6 @@ losses of that run within 1e-4 (the bound the user-flow test holds different lay
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import time
@@ -21,15 +20,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch.distributed as dist
 import yaml
 from jobharness import GPUS, NODES, JobFlow, condition, records, shared, small_job
 from kubernetes import client
 
-from ntp.launch import launch_local
 from tessera_contracts.api import ATTEMPT_LABEL, ROLE_LABEL
-from tessera_contracts.generation import Generation, Gpu, Rendezvous
-from tessera_contracts.model_shape import ModelShape
+from tessera_contracts.generation import Gpu
+from tessera_dev.reference import failure_free_losses
 
 pytestmark = pytest.mark.jobapi
 
@@ -76,16 +73,8 @@ def _complete_checkpoints(run: Path) -> list[str]:
 def _reference(job: dict[str, Any], tmp: Path) -> dict[int, float]:
     """Global rank 0's losses by step of the same job without failures (the local launcher,
     its first layout throughout)."""
-    spec = job["spec"]
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     replicas = tuple(tuple(Gpu(f"gpu-node-{r}", i) for i in range(GPUS)) for r in range(NODES))
-    first = Generation(1, ModelShape.from_spec(spec["model"]), spec["globalBatch"],
-                       spec["failurePolicy"]["mode"], replicas, Rendezvous("127.0.0.1",
-                                                                           store.port))
-    launch_local(first, ["--until-step", str(spec["steps"]), "--out", str(tmp),
-                         *spec["args"]], timeout_s=600, store=store)
-    ran = json.loads((tmp / "rank0.json").read_text())
-    return dict(zip(sorted(map(int, ran["step_ends"])), ran["losses"], strict=True))
+    return failure_free_losses(job["spec"], replicas, tmp, timeout_s=600)
 
 
 def _agent_pid(node: str, job: str) -> int:

@@ -112,6 +112,29 @@ def test_promtool_checks_the_rules_and_their_unit_tests_pass(rule_dir: Path) -> 
                                 "TesseraPowerAgentHolding", "TesseraOperatorDown"}
 
 
+def _sections(markdown: str) -> dict[str, str]:
+    """A Markdown file's `## ` sections: the anchor GitHub gives each heading -> its text."""
+    parts = re.split(r"^## (.+)$", markdown, flags=re.M)[1:]
+    return {re.sub(r"[^\w\- ]", "", title).strip().lower().replace(" ", "-"): body
+            for title, body in zip(parts[::2], parts[1::2], strict=True)}
+
+
+def test_every_alert_links_its_runbook_which_says_what_to_check_and_do() -> None:
+    runbooks = _sections((ROOT / "docs" / "runbooks.md").read_text())
+    alerts = [rule for group in rule_groups()["groups"] for rule in group["rules"]
+              if "alert" in rule]
+    assert alerts
+    for rule in alerts:
+        url = rule["annotations"].get("runbook_url")
+        assert url == f"docs/runbooks.md#{rule['alert'].lower()}", (rule["alert"], url)
+        path, _, anchor = url.partition("#")
+        assert (ROOT / path).is_file()
+        body = runbooks[anchor]
+        for part in ("**What it means.**", "**What to check.**", "**What to do.**"):
+            assert part in body, (rule["alert"], part)
+    assert set(runbooks) == {rule["alert"].lower() for rule in alerts}
+
+
 def test_the_dashboard_loads_with_the_panels_asked_for() -> None:
     board = dashboard()
     titles = [panel["title"] for panel in board["panels"]]
@@ -232,6 +255,8 @@ PANEL_SERIES = [
     *({"series": f'tessera_replica_tp_degree{{namespace="ml",ntpjob="llama",node="{n}",'
                  f'replica="{r}"}}', "values": f"{8 - r}x60"}
       for n in ("node-0", "node-1") for r in (0, 1)),
+    *({"series": f'tessera_loss{{namespace="ml",ntpjob="llama",node="{n}"}}',
+       "values": "6.5-0.0625x60"} for n in ("node-0", "node-1")),
     *({"series": f'tessera_step_seconds_bucket{{namespace="ml",ntpjob="llama",node="{n}",'
                  f'le="{le}"}}', "values": f"0+{60 if le >= fast else 0}x60"}
       for n, fast in (("node-0", 0.25), ("node-1", 0.6))
@@ -268,6 +293,7 @@ def test_panels_count_a_job_once_and_read_either_dcgm_host_label(tmp_path: Path)
     changes = panel_exprs("Reconfigurations and lost steps (1 h)", rate)
     steps = panel_exprs("Step time (median and p99)", rate)
     tp = panel_exprs("Tensor-parallel degree per replica", rate)
+    loss = panel_exprs("Loss: training and held-out", rate)["{{ntpjob}} training"]
     draw = panel_exprs("DCGM power draw", rate)["{{hostname}} GPU {{gpu}}"]
     xid, health = panel_exprs("DCGM last XID and failing health watches", rate).values()
     fallen = {"Hostname": "node-1", "hostname": "node-1", "gpu": "1", "UUID": "GPU-2"}
@@ -280,6 +306,7 @@ def test_panels_count_a_job_once_and_read_either_dcgm_host_label(tmp_path: Path)
         _at_one_hour(steps["{{ntpjob}} p99"], [(JOB, 0.596)]),
         _at_one_hour(tp["{{ntpjob}} replica {{replica}}"],
                      [(JOB | {"replica": "0"}, 8), (JOB | {"replica": "1"}, 7)]),
+        _at_one_hour(loss, [(JOB, 2.75)]),  # 6.5 - 0.0625 x 60, the job's once
         _at_one_hour(draw, [
             ({"__name__": "DCGM_FI_DEV_BOARD_POWER_WATTS", "hostname": "node-0", "gpu": "0",
               "UUID": "GPU-0"}, 650),

@@ -2,18 +2,22 @@
 
 from __future__ import annotations
 
+import signal
 import subprocess
+import sys
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
+import yaml
 from kubernetes import client
 
 from tessera_dev import paths, probes, processes, simnodes
-from tessera_dev.controlplane import manifests
+from tessera_dev.controlplane import launcher, manifests
 from tessera_operator.reconcile import RESYNC_INTERVAL_S
 
 ROOT = paths.repo_root()
@@ -29,6 +33,9 @@ MANIFESTS = (
 # resync timer's first run, so whatever a test sees happen was driven by a watch event.
 HANG_GUARD_S = 120.0
 assert HANG_GUARD_S < RESYNC_INTERVAL_S
+
+GRACE_S = yaml.safe_load((ROOT / "manifests/operator/deployment.yaml").read_text())[
+    "spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
 
 T = TypeVar("T")
 
@@ -89,3 +96,34 @@ class RunningOperator:
             f"pod {name}")
         core.patch_namespaced_pod_status(name, self.namespace, {"status": {
             "phase": "Running", "podIP": "127.0.0.1", "podIPs": [{"ip": "127.0.0.1"}]}})
+
+
+@contextmanager
+def operator_on(plane: launcher.ControlPlane, work: Path) -> Iterator[RunningOperator]:
+    """`python -m tessera_operator.run` on `plane`, watching a fresh namespace, as
+    tessera-operator (the shipped RBAC applied); it must stop cleanly on SIGTERM."""
+    with plane.api_client() as admin:
+        apply_manifests(admin, MANIFESTS)
+        namespace = f"op-{uuid.uuid4().hex[:8]}"
+        client.CoreV1Api(admin).create_namespace({"metadata": {"name": namespace}})
+        token = plane.service_account_token(SYSTEM_NS, OPERATOR_SA)
+        kubeconfig = work / "operator.kubeconfig"
+        kubeconfig.write_text(yaml.safe_dump(plane.token_kubeconfig(
+            token, f"system:serviceaccount:{SYSTEM_NS}:{OPERATOR_SA}")))
+        log = work / "operator.log"
+        proc = processes.spawn(
+            [sys.executable, "-m", "tessera_operator.run", "--kubeconfig", str(kubeconfig),
+             "--namespace", namespace], log, die_with_parent=True)
+        running = RunningOperator(proc, log, namespace, admin, plane.kubeconfig, kubeconfig)
+        try:
+            yield running
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                # The bound is the behaviour: Kubernetes kills the pod after this grace period.
+                code = proc.wait(timeout=GRACE_S)
+            except subprocess.TimeoutExpired:
+                processes.stop_group(proc)
+                code = None
+        assert code == 0, f"the operator did not stop cleanly on SIGTERM ({code}):\n" + \
+            processes.log_tail(log, 40)

@@ -99,6 +99,9 @@ UNRUNNABLE = {
     "cpu: lots": (
         lambda s: s["template"]["spec"]["containers"][0]["resources"]["requests"].update(
             cpu="lots"), "PodRejected", "quantities must match"),
+    "a misspelt template field": (
+        lambda s: s["template"]["spec"]["containers"][0].update(imagePullPolicyy="Always"),
+        "PodRejected", 'unknown field "spec.containers[0].imagePullPolicyy"'),
 }
 
 

@@ -139,6 +139,11 @@ def test_without_data_weights_or_checkpoints_the_ranks_train_on_synthetic_sequen
         Path("/data/d"), None, Path("/w"), None)
 
 
+def test_the_ranks_shard_their_optimizer_state_when_the_spec_says_so() -> None:
+    assert _trainer_options(_job(optimizer={"shardedState": True})).sharded_state
+    assert not _trainer_options(_job()).sharded_state
+
+
 def test_the_specs_args_come_last_and_win_over_the_operators() -> None:
     opts = _trainer_options(_job(precision="bf16", args=["--precision", "fp32"]))
     assert opts.precision == "fp32"

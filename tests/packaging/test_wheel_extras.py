@@ -1,6 +1,7 @@
 """Each process installs from the project's wheel with its own extra alone, as its image does
 (constraints/ pinning the rest): the operator and the node agents without torch, their commands,
-modules and CRDs working from site-packages; and the Dockerfile's images install the same wheel
+modules and CRDs working from site-packages; a plain install (no extra) runs the user's command
+line, `kubectl ntp` against a real API server; and the Dockerfile's images install the same wheel
 with the same extras and constraints."""
 
 from __future__ import annotations
@@ -20,8 +21,11 @@ from pathlib import Path
 
 import pytest
 import yaml
+from kubernetes import client
 
+from tessera_contracts.api import GROUP, JOB_PLURAL, VERSION
 from tessera_dev import imagesize, lock, paths
+from tessera_dev.controlplane import launcher
 from tessera_dev.simnode import images
 
 # the installs download from the package index on a loaded 2-core machine
@@ -106,6 +110,37 @@ def venvs(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dic
 @pytest.fixture(params=sorted(COMMANDS))
 def venv(request: pytest.FixtureRequest, venvs: dict[str, Venv]) -> Venv:
     return venvs[request.param]
+
+
+@pytest.fixture(scope="module")
+def plain(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Venv]:
+    """`pip install tessera` with no extra: the base dependencies alone."""
+    env = Venv("", tmp_path_factory.mktemp("venv-plain"))
+    added, _ = imagesize.install(env.root, wheel, None)
+    print(f"\n[plain] installed: {added / 1e6:.1f} MB")
+    yield env
+    shutil.rmtree(env.root)
+
+
+def test_a_plain_install_runs_kubectl_ntp_against_a_real_api_server(
+        plain: Venv, admin_api, namespace: str, tessera_crds: list[str],
+        control_plane: launcher.ControlPlane) -> None:
+    """The user's command line from a plain install: kubectl finds the plugin, which reads a
+    job's status from the API server; no process extra, torch or kopf came with it."""
+    for module in (*lock.HEAVY, "kopf", "prometheus_client"):
+        done = plain.python(f"import {module}")
+        assert f"No module named '{module}'" in done.stderr, (module, done.stderr)
+    name = "plain-install"
+    example = yaml.safe_load((REPO / "manifests/examples/ntpjob-small.yaml").read_text())
+    client.CustomObjectsApi(admin_api).create_namespaced_custom_object(
+        GROUP, VERSION, namespace, JOB_PLURAL, example | {"metadata": {"name": name}})
+    assert imagesize.check(plain.run("kubectl", "ntp", "--help")).startswith(
+        "usage: kubectl ntp COMMAND")
+    shown = imagesize.check(plain.run("kubectl", "ntp", "status", name, "-n", namespace,
+                                      "--kubeconfig", control_plane.kubeconfig))
+    assert shown.startswith(f"NTPTrainingJob {namespace}/{name}: no status yet"), shown
+    for command in (["cordon-gpu"], ["uncordon-gpu"], ["uninstall"]):
+        assert "usage:" in imagesize.check(plain.run(plain.bin / "tessera", *command, "--help"))
 
 
 def test_torch_and_the_simulators_libraries_are_absent(venv: Venv) -> None:

@@ -6,8 +6,10 @@ running leaving nothing stuck."""
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import shutil
+import tempfile
 import time
 import uuid
 from collections.abc import Iterator
@@ -136,6 +138,19 @@ def test_monitoring_renders_manifests_monitoring_with_the_selector_labels_given(
     assert_same(chart, bundle)
 
 
+def test_the_runbook_base_url_goes_in_front_of_every_alerts_runbook():
+    base = "https://git.example.com/ml/tessera/blob/v0.1.0/"
+    chart = objects(helm_template("--set", "monitoring.enabled=true",
+                                  "--set", f"monitoring.runbookBaseURL={base}"))
+    bundle = kustomize(ROOT / "manifests/monitoring")
+    key = ("PrometheusRule", NAMESPACE, "tessera")
+    shipped = [rule for group in bundle[key]["spec"]["groups"] for rule in group["rules"]]
+    rendered = [rule for group in chart[key]["spec"]["groups"] for rule in group["rules"]]
+    alerts = [(s["annotations"]["runbook_url"], r["annotations"]["runbook_url"])
+              for s, r in zip(shipped, rendered, strict=True) if "alert" in s]
+    assert alerts and all(url == base + path for path, url in alerts), alerts
+
+
 def test_the_packaged_chart_carries_the_manifests(tmp_path):
     """`helm package` follows the chart's links into manifests/: the archive renders alone."""
     run([str(helm_binary()), "package", str(CHART), "-d", str(tmp_path)])
@@ -163,6 +178,162 @@ def test_values_reach_the_objects():
     assert labels["tessera.dev/install"] == "true"
     binding = rendered[("ClusterRoleBinding", "", "tessera-operator")]
     assert binding["subjects"][0]["namespace"] == "ml-platform"
+
+
+# The grammar of an image reference, from the distribution project's reference/regexp.go (the
+# parser container runtimes use): domain[:port]/path[:tag][@digest].
+_ALNUM = r"[a-z0-9]+"
+_COMPONENT = rf"{_ALNUM}(?:(?:[._]|__|[-]+){_ALNUM})*"
+_DOMAIN = r"(?:[a-zA-Z0-9]|[a-zA-Z0-9][a-zA-Z0-9-]*[a-zA-Z0-9])"
+_HOST = rf"{_DOMAIN}(?:\.{_DOMAIN})*(?::[0-9]+)?"
+IMAGE_REFERENCE = re.compile(
+    rf"(?:{_HOST}/)?{_COMPONENT}(?:/{_COMPONENT})*"
+    r"(?::[\w][\w.-]{0,127})?(?:@[A-Za-z][A-Za-z0-9]*(?:[-_+.][A-Za-z][A-Za-z0-9]*)*"
+    r":[0-9a-fA-F]{32,})?")
+DIGEST = "sha256:" + "0123456789abcdef" * 4
+
+
+def pod_specs(rendered: str) -> dict[str, dict[str, Any]]:
+    """The pod spec of every workload rendered, the uninstall hook's included, by kind/name."""
+    return {f"{obj['kind']}/{obj['metadata']['name']}": obj["spec"]["template"]["spec"]
+            for obj in yaml.safe_load_all(rendered)
+            if obj and obj["kind"] in ("Deployment", "DaemonSet", "Job")}
+
+
+@pytest.mark.parametrize(("value", "says"), [
+    ("imagePullSecret[0]=regcred", "additional properties 'imagePullSecret' not allowed"),
+    ("operator.imag.repository=mine", "at '/operator': additional properties 'imag' not "
+                                      "allowed"),
+    ("powerAgent.exporter.discover=pods", "additional properties 'discover' not allowed"),
+    ("uninstall.timeoutSeconds=soon", "at '/uninstall/timeoutSeconds': got string, want "
+                                      "integer"),
+    ("crds.keep=maybe", "at '/crds/keep': got string, want boolean"),
+    (f"image.tag={DIGEST}", "at '/image/tag'"),
+    ("operator.image.digest=sha256:abc", "at '/operator/image/digest'"),
+    ("powerAgent.exporter.discovery=dns", "at '/powerAgent/exporter/discovery'"),
+], ids=["misspelt-top", "misspelt-nested", "misspelt-exporter", "string-for-integer",
+        "string-for-boolean", "digest-as-tag", "short-digest", "unknown-discovery"])
+def test_a_misspelt_value_or_a_wrong_type_is_refused_by_the_schema(value, says):
+    done = run([str(helm_binary()), "template", "tessera", str(CHART), "-n", NAMESPACE,
+                "--set", value], check=False)
+    assert done.returncode != 0, f"{value} rendered"
+    assert "values don't meet the specifications of the schema" in done.stderr, done.stderr
+    assert says in done.stderr, done.stderr
+
+
+def test_an_image_given_by_digest_renders_a_valid_reference_for_every_pod():
+    rendered = helm_template("--set", "image.registry=registry.example:5000/ml",
+                             "--set", f"operator.image.digest={DIGEST}",
+                             "--set", f"powerAgent.image.digest={DIGEST}")
+    images = {f"{where}/{c['name']}": c["image"] for where, pod in pod_specs(rendered).items()
+              for c in pod["containers"]}
+    assert set(images) == {"Deployment/tessera-operator/operator",
+                           "DaemonSet/tessera-power-agent/agent",
+                           "DaemonSet/tessera-power-agent/health",
+                           "Job/tessera-uninstall/uninstall"}
+    for where, image in images.items():
+        assert IMAGE_REFERENCE.fullmatch(image), (where, image)
+        repository = "tessera" if "operator" in where or "uninstall" in where else (
+            "tessera-power-agent")
+        assert image == f"registry.example:5000/ml/{repository}@{DIGEST}", (where, image)
+    # by tag, the same grammar
+    for image in (c["image"] for pod in pod_specs(helm_template()).values()
+                  for c in pod["containers"]):
+        assert IMAGE_REFERENCE.fullmatch(image) and image.endswith(":0.1.0"), image
+
+
+@pytest.mark.parametrize("secrets", [
+    ["--set", "imagePullSecrets={regcred,mirror}"],
+    ["--set", "imagePullSecrets[0].name=regcred", "--set", "imagePullSecrets[1].name=mirror"],
+], ids=["names", "objects"])
+def test_pull_secrets_and_scheduling_values_reach_every_pod(secrets):
+    toleration = {"key": "dedicated", "operator": "Equal", "value": "ml", "effect": "NoSchedule"}
+    affinity = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+        "nodeSelectorTerms": [{"matchExpressions": [
+            {"key": "pool", "operator": "In", "values": ["ml"]}]}]}}}
+    values = {"operator": {"nodeSelector": {"pool": "system"}, "tolerations": [toleration],
+                           "affinity": affinity, "priorityClassName": "platform-critical"},
+              "powerAgent": {"nodeSelector": {"pool": "gpu"}, "tolerations": [toleration],
+                             "priorityClassName": "gpu-agents"}}
+    given = Path(tempfile.mkdtemp()) / "values.yaml"
+    given.write_text(yaml.safe_dump(values))
+    pods = pod_specs(helm_template(*secrets, "-f", str(given)))
+    for where, pod in pods.items():
+        assert pod["imagePullSecrets"] == [{"name": "regcred"}, {"name": "mirror"}], where
+    operator, agent = pods["Deployment/tessera-operator"], pods["DaemonSet/tessera-power-agent"]
+    hook = pods["Job/tessera-uninstall"]
+    for pod in (operator, hook):  # the hook runs the operator's image, where the operator may
+        assert pod["nodeSelector"] == {"pool": "system"}
+        assert pod["tolerations"] == [toleration]
+        assert pod["affinity"] == affinity
+        assert pod["priorityClassName"] == "platform-critical"
+    assert agent["nodeSelector"] == {"pool": "gpu"} and agent["tolerations"] == [toleration]
+    assert agent["priorityClassName"] == "gpu-agents"
+    # not given: the manifest's own (the operator's replicas spread over nodes; the agent on
+    # the GPU nodes, tolerating their taint, node-critical), and no pull secret
+    shipped = pod_specs(helm_template())
+    assert shipped["Deployment/tessera-operator"]["affinity"]["podAntiAffinity"]
+    assert shipped["DaemonSet/tessera-power-agent"]["nodeSelector"] == {
+        "nvidia.com/gpu.present": "true"}
+    assert shipped["DaemonSet/tessera-power-agent"]["priorityClassName"] == (
+        "system-node-critical")
+    assert not [where for where, pod in shipped.items() if "imagePullSecrets" in pod]
+
+
+def test_the_uninstall_hook_deletes_jobs_only_when_the_release_says_so():
+    for value, flag, verbs in (("false", [], ["list"]), ("true", ["--delete-jobs"],
+                                                         ["list", "delete"])):
+        hook = [obj for obj in yaml.safe_load_all(helm_template(
+            "--set", f"uninstall.deleteJobs={value}")) if obj and obj["metadata"]["name"] ==
+            "tessera-uninstall"]
+        (job,) = (obj for obj in hook if obj["kind"] == "Job")
+        (container,) = job["spec"]["template"]["spec"]["containers"]
+        assert container["args"] == ["uninstall", "--timeout=240",
+                                     f"--namespace={NAMESPACE}", *flag], value
+        (role,) = (obj for obj in hook if obj["kind"] == "ClusterRole")
+        assert [r["verbs"] for r in role["rules"] if "ntptrainingjobs" in r["resources"]] == [
+            verbs], value
+
+
+def test_exporter_discovery_values_reach_the_health_agent_and_its_rbac():
+    rendered = helm_template(
+        "-n", "ml-platform", "--set", "powerAgent.exporter.namespace=dcgm",
+        "--set", "powerAgent.exporter.service=dcgm-exporter",
+        "--set", "powerAgent.exporter.port=metrics",
+        "--set", "powerAgent.exporter.discovery=pods",
+        "--set", "powerAgent.exporter.selector=app.kubernetes.io/name=dcgm-exporter")
+    objs = objects(rendered)
+    (health,) = (c for c in objs[("DaemonSet", "ml-platform", "tessera-power-agent")]["spec"][
+        "template"]["spec"]["containers"] if c["name"] == "health")
+    flags = dict(arg.removeprefix("--").split("=", 1) for arg in health["args"])
+    assert {k: v for k, v in flags.items() if k.startswith("exporter-")} == {
+        "exporter-namespace": "dcgm", "exporter-service": "dcgm-exporter",
+        "exporter-port": "metrics", "exporter-discovery": "pods",
+        "exporter-selector": "app.kubernetes.io/name=dcgm-exporter"}
+    assert len(health["args"]) == len(flags), "a flag given twice"
+    # finding it among pods, the agent may list pods in the exporter's namespace, only there
+    role = objs[("Role", "dcgm", "tessera-dcgm-exporter-pod-finder")]
+    assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]}]
+    binding = objs[("RoleBinding", "dcgm", "tessera-power-agent-dcgm-exporter-pod-finder")]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "tessera-power-agent",
+                                    "namespace": "ml-platform"}]
+    assert not [key for key in objs if key[0] == "Role" and key[1] == "gpu-operator"]
+    # the local overlay's own Role follows the exporter's namespace too, once
+    local = objects(helm_template("-f", str(LOCAL_VALUES),
+                                  "--set", "powerAgent.exporter.namespace=dcgm",
+                                  "--set", "powerAgent.exporter.discovery=pods"))
+    assert [key for key in local if key[0] in ("Role", "RoleBinding")
+            and "pod-finder" in key[2]] == [
+        ("Role", "dcgm", "tessera-dcgm-exporter-pod-finder"),
+        ("RoleBinding", "dcgm", "tessera-power-agent-dcgm-exporter-pod-finder")]
+    # an exporter on the host's network: its URL, and the node's address to write it with
+    url = objects(helm_template(
+        "--set", "powerAgent.exporter.url=http://$(HOST_IP):9400/metrics"))
+    (health,) = (c for c in url[("DaemonSet", NAMESPACE, "tessera-power-agent")]["spec"][
+        "template"]["spec"]["containers"] if c["name"] == "health")
+    assert "--exporter-url=http://$(HOST_IP):9400/metrics" in health["args"]
+    assert {"name": "HOST_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.hostIP"}}} in (
+        health["env"])
 
 
 def test_another_namespace_moves_only_the_shipped_namespaces_objects():
@@ -389,8 +560,9 @@ def limits_w(plane: launcher.ControlPlane, node: str) -> list[int]:
 @pytest.mark.hardening
 def test_uninstall_with_a_job_training_leaves_nothing_stuck(plane):
     """The job's GPU 1 of gpu-node-1 cordoned, held at its 200 W minimum: `helm uninstall` with
-    the job training leaves every GPU of the job's nodes at the 500 W base cap, nothing of
-    Tessera in its namespace (its Lease included), and the kept CRDs deletable."""
+    the job training fails, naming the job, which trains on; the job deleted by its owner as it
+    trains, `helm uninstall` again leaves every GPU of the job's nodes at the 500 W base cap,
+    nothing of Tessera in its namespace (its Lease included), and the kept CRDs deletable."""
     with plane.api_client() as api:
         install.wait(api, NODES, timeout=HANG_S, namespace=OTHER)
         namespace = f"j-{uuid.uuid4().hex[:8]}"
@@ -408,6 +580,21 @@ def test_uninstall_with_a_job_training_leaves_nothing_stuck(plane):
         probes.poll_until(lambda: limits_w(plane, "gpu-node-1"), lambda w: w[1] == 200,
                           timeout=HANG_S, interval=0.5, error=lambda w: AssertionError(
                               f"the cordoned GPU is not at its minimum: {w}"))
+
+        # users' jobs are not deleted unasked: the hook fails, names the job, and Tessera stays
+        refused = helm(plane, "uninstall", "tessera", "--wait", "--timeout", "5m", check=False)
+        assert refused.returncode != 0, refused.stdout
+        assert "Job/tessera-elsewhere/tessera-uninstall" in refused.stderr, refused.stderr
+        said = run(["kubectl", "logs", "-n", OTHER, "job/tessera-uninstall"], plane.kubeconfig)
+        assert f"{namespace}/tiny" in said.stdout + said.stderr, said
+        step = job_status(api, namespace, "tiny")["step"]
+        probes.poll_until(lambda: job_status(api, namespace, "tiny"),
+                          lambda status: (status.get("step") or 0) > step, timeout=HANG_S,
+                          interval=1.0, error=lambda last: AssertionError(
+                              f"the job stopped training after the refused uninstall: {last}"))
+        # its owner deletes it (while it trains), and the uninstall is run again
+        run(["kubectl", "delete", "ntptrainingjob", "tiny", "-n", namespace, "--wait=false"],
+            plane.kubeconfig)
 
         started = time.monotonic()
         done = helm(plane, "uninstall", "tessera", "--wait", "--timeout", "5m", check=False)

@@ -31,7 +31,7 @@ from tessera_contracts.api import (
 )
 from tessera_contracts.api import POWER_TARGET_PLURAL as TARGETS
 from tessera_contracts.progress import NodeReport, State, progress_configmap, report_key
-from tessera_dev import paths, processes
+from tessera_dev import paths, probes, processes
 from tessera_dev.controlplane import launcher
 from tessera_operator.health import from_cordons
 
@@ -253,3 +253,98 @@ def test_the_uninstall_reads_whether_a_node_is_settled_from_its_power_agents_pag
         "not settled yet (its agent still acts on a target)"  # another node's page
     done = NodeStatus(node="gpu-node-1", holding=False, gpus=gpus[:1], settled=True)
     assert settled.node_left(settled.parse_page(_agent_page(done)), "gpu-node-1") is None
+
+
+def test_the_uninstall_refuses_while_jobs_exist_and_deletes_nothing(
+        admin_api, namespace, tessera_crds, control_plane) -> None:
+    """Users' jobs are never deleted unasked: with a job in the cluster `tessera uninstall`
+    exits 1 naming it, and the job is still there (as is what the operator would have stopped)."""
+    job = _job(admin_api, namespace, [_node(admin_api), _node(admin_api)])
+    done = subprocess.run([str(TESSERA), "uninstall", "--timeout", "30", "--namespace",
+                           namespace, "--kubeconfig", str(control_plane.kubeconfig)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert done.stderr.startswith("tessera uninstall: ") and done.stderr.count("\n") == 1
+    assert f"{namespace}/{job}" in done.stderr and "--delete-jobs" in done.stderr
+    custom = client.CustomObjectsApi(admin_api)
+    kept = custom.get_namespaced_custom_object(GROUP, VERSION, namespace, JOB_PLURAL, job)
+    assert kept["metadata"].get("deletionTimestamp") is None
+
+
+def _user(admin: client.ApiClient, plane: launcher.ControlPlane, role: str, namespace: str,
+          cluster_wide: bool = False) -> Path:
+    """A person's kubeconfig (a client certificate of their own), bound to the ClusterRole
+    `role` in `namespace`, or in every namespace."""
+    name = f"user-{uuid.uuid4().hex[:8]}"
+    binding = {"metadata": {"name": name},
+               "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
+                           "name": role},
+               "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "User",
+                             "name": name}]}
+    rbac = client.RbacAuthorizationV1Api(admin)
+    if cluster_wide:
+        rbac.create_cluster_role_binding(binding)
+    else:
+        rbac.create_namespaced_role_binding(namespace, binding)
+    return plane.identity_kubeconfig(name, name)
+
+
+def _aggregated(admin: client.ApiClient, role: str, verb: str) -> bool:
+    """Whether the controller-manager has aggregated Tessera's rules into ClusterRole `role`."""
+    rules = client.RbacAuthorizationV1Api(admin).read_cluster_role(role).rules or []
+    return any("tessera.dev" in (r.api_groups or []) and "ntptrainingjobs" in r.resources
+               and verb in r.verbs for r in rules)
+
+
+def test_users_bound_to_view_read_jobs_and_their_status_and_to_edit_change_them(
+        admin_api, namespace, tessera_crds, control_plane) -> None:
+    """manifests/roles aggregated into Kubernetes' own `view` and `edit`: bound to `view` in a
+    namespace, a person lists its jobs and runs `kubectl ntp status` (what the role does not
+    reach shown as such), and changes nothing; bound to `edit`, they create and delete jobs;
+    bound to `view` cluster-wide, they see the GPUs' health and power too."""
+    applied = _kubectl("apply", "--server-side", "-k", str(paths.repo_root() / "manifests/roles"),
+                       kubeconfig=control_plane.kubeconfig)
+    assert applied.returncode == 0, applied.stderr
+    for role, verb in (("view", "list"), ("edit", "create"), ("admin", "delete")):
+        probes.poll_until(lambda role=role, verb=verb: _aggregated(admin_api, role, verb),
+                          timeout=120, interval=0.5, error=lambda _, role=role: AssertionError(
+                              f"Tessera's rules never reached ClusterRole {role}"))
+    nodes = [_node(admin_api), _node(admin_api)]
+    job = _job(admin_api, namespace, nodes)
+    _power_and_health(admin_api, nodes[0])
+
+    viewer = _user(admin_api, control_plane, "view", namespace)
+    listed = _kubectl("get", "ntptrainingjobs", "-n", namespace, "-o", "name",
+                      kubeconfig=viewer)
+    assert listed.stdout.split() == [f"ntptrainingjob.tessera.dev/{job}"], listed.stderr
+    shown = _kubectl("ntp", "status", job, "-n", namespace, kubeconfig=viewer)
+    assert shown.returncode == 0, shown.stderr
+    assert f"NTPTrainingJob {namespace}/{job}: Degraded, step 120 of 1000" in shown.stdout
+    rows = {line.split()[0]: line.split() for line in shown.stdout.splitlines() if line.strip()}
+    assert rows["0"][:3] == ["0", "7", nodes[0]]
+    assert rows[f"{nodes[0]}/3"][1:] == ["?", "?", "?", "?"]
+    assert ("Not shown, your roles may not read them: GPUHealths, GPUPowerTargets, Nodes (?)"
+            in shown.stdout)
+    for verb in ("create", "delete", "patch"):
+        can = _kubectl("auth", "can-i", verb, "ntptrainingjobs.tessera.dev", "-n", namespace,
+                       kubeconfig=viewer)
+        assert can.stdout.strip() == "no", (verb, can.stdout, can.stderr)
+    elsewhere = _kubectl("get", "ntptrainingjobs", "-n", "default", kubeconfig=viewer)
+    assert elsewhere.returncode == 1 and "forbidden" in elsewhere.stderr
+
+    editor = _user(admin_api, control_plane, "edit", namespace)
+    created = subprocess.run(
+        ["kubectl", "create", "-n", namespace, "-f", "-"], env=os.environ | {
+            "KUBECONFIG": str(editor)}, capture_output=True, text=True, timeout=120,
+        input=yaml.safe_dump(copy.deepcopy(EXAMPLE) | {"metadata": {"name": "edited"}}))
+    assert created.returncode == 0, created.stderr
+    deleted = _kubectl("delete", "ntptrainingjob", "edited", "-n", namespace, "--wait=false",
+                       kubeconfig=editor)
+    assert deleted.returncode == 0, deleted.stderr
+
+    cluster_viewer = _user(admin_api, control_plane, "view", namespace, cluster_wide=True)
+    wide = _kubectl("ntp", "status", job, "-n", namespace, kubeconfig=cluster_viewer)
+    assert wide.returncode == 0, wide.stderr
+    rows = {line.split()[0]: line.split() for line in wide.stdout.splitlines() if line.strip()}
+    assert rows[f"{nodes[0]}/3"][1:] == ["?", "Healthy", "100", "100"]
+    assert "Not shown, your roles may not read them: Nodes (?)" in wide.stdout

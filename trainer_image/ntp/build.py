@@ -17,6 +17,7 @@ from ntp.initialize import adopt, materialize
 from ntp.model import FLAVORS, ModelArgs, Transformer
 from ntp.parallelize import apply_ntp
 from ntp.recipe import parameter_groups
+from ntp.sharded_optimizer import ShardedAdamW
 from tessera_core.plan import JobLayout, RankShard, ReplicaLayout
 
 # What a checkpoint's model arguments carry beyond the shape the layout gives.
@@ -57,7 +58,7 @@ class GenerationRank:
     groups: JobGroups
     model: torch.nn.Module
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-    optimizer: torch.optim.Optimizer
+    optimizer: torch.optim.Optimizer | ShardedAdamW
     sync: GradSync
     abandoned: bool = False
 
@@ -70,13 +71,19 @@ class GenerationRank:
         return self.replica.shards[self.groups.rank]
 
 
-def build_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
+def build_optimizer(
+    model: torch.nn.Module, config: TrainConfig, layout: JobLayout, groups: JobGroups
+) -> torch.optim.Optimizer | ShardedAdamW:
     """AdamW over the local shards: it is elementwise, so each shard with its own state does
     exactly the dense update (moments travel with their units: `ntp.reshard`). Weight decay as
-    the recipe says (`ntp.recipe.parameter_groups`); the learning rate is set every step."""
-    groups = parameter_groups(model.named_parameters(), config.weight_decay,
+    the recipe says (`ntp.recipe.parameter_groups`); the learning rate is set every step. With
+    `sharded_state`, over the units this rank owns (`ntp.sharded_optimizer`)."""
+    if config.sharded_state:
+        rank = layout.replicas[groups.replica].global_rank(groups.rank)
+        return ShardedAdamW(model, layout, rank, groups.world, config)
+    params = parameter_groups(model.named_parameters(), config.weight_decay,
                               config.weight_decay_all)
-    return torch.optim.AdamW(groups, lr=config.lr, foreach=False)
+    return torch.optim.AdamW(params, lr=config.lr, foreach=False)
 
 
 def build_rank(
@@ -104,7 +111,7 @@ def build_rank(
     else:
         adopt(model, weights, device)
     # 3. The optimizer over the local shards.
-    optimizer = build_optimizer(model, config)
+    optimizer = build_optimizer(model, config, layout, groups)
     # 4. Gradient sync hooks.
     sync = GradSync(model, layout, groups, config.bucket_elements, overlap=config.overlap)
     return GenerationRank(layout, args, groups, model, loss_fn, optimizer, sync)

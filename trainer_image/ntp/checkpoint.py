@@ -178,6 +178,43 @@ def staged(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
+def moment_chunks(
+    moments: Mapping[str, Sequence[torch.Tensor]],
+    owned: Mapping[str, Sequence[int] | None],
+    shape: ModelShape,
+) -> dict[str, torch.Tensor]:
+    """Sharded optimizer state as DCP entries: each parameter's moments (`MOMENTS` order) over
+    the units `owned[name]` lists (None: a replicated tensor, whole); nothing for no units."""
+    state: dict[str, torch.Tensor] = {}
+    for name, tensors in moments.items():
+        units = owned[name]
+        for part, t in zip(MOMENTS, tensors, strict=True):
+            if units is None:
+                state[_key(part, name)] = t.detach()
+            elif units:
+                state[_key(part, name)] = as_chunks(t, name, shape, units, units)
+    return state
+
+
+def load_moments(
+    checkpoint: Path,
+    moments: Mapping[str, Sequence[torch.Tensor]],
+    owned: Mapping[str, Sequence[int] | None],
+    shape: ModelShape,
+) -> bool:
+    """Read the owned units' moments of any checkpoint into `moments` (see `moment_chunks`);
+    False (nothing read) when the checkpoint holds no optimizer state."""
+    reader = dcp.FileSystemReader(checkpoint)
+    stored = reader.read_metadata().state_dict_metadata
+    if not all(_key(m, n) in stored for n in moments for m in MOMENTS):
+        return False
+    state = moment_chunks(moments, owned, shape)
+    if state:
+        with torch.no_grad(), _one_process():
+            dcp.load(state, storage_reader=reader, no_dist=True)
+    return True
+
+
 # -- load into any layout ----------------------------------------------------------------------
 
 

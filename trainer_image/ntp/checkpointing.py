@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from ntp.build import GenerationRank
 from ntp.checkpoint import CheckpointError, CheckpointSaver, latest, load_state, save_state
+from ntp.sharded_optimizer import ShardedAdamW
 
 
 @dataclass(frozen=True)
@@ -51,8 +52,9 @@ class Checkpointer:
         )
 
     def save(self, cur: GenerationRank, step: int, samples: int) -> None:
-        """Every rank stages its part (replica 0's units; the other replicas hold the same) and
-        the saver writes it in the background; global rank 0 commits it."""
+        """Every rank stages its part (replica 0's units; the other replicas hold the same
+        weights; with sharded state each rank its owned moments) and the saver writes it in
+        the background; global rank 0 commits it."""
         assert self.saver is not None
         state = (
             save_state(cur.model, cur.optimizer, cur.layout.shape, cur.replica.shards,
@@ -60,6 +62,8 @@ class Checkpointer:
             if cur.groups.replica == 0
             else {}
         )
+        if isinstance(cur.optimizer, ShardedAdamW):
+            state |= cur.optimizer.checkpoint_state()
         info = {
             "step": step,
             "samples": samples,
@@ -71,7 +75,11 @@ class Checkpointer:
     def load(self, cur: GenerationRank, checkpoint: Path) -> tuple[int, int]:
         """Read this rank's units (weights and moments) of `checkpoint` into `cur`; the step
         and the data position it stands at."""
-        info = load_state(checkpoint, cur.model, cur.optimizer, cur.layout.shape, cur.shard)
+        sharded = isinstance(cur.optimizer, ShardedAdamW)
+        info = load_state(checkpoint, cur.model, None if sharded else cur.optimizer,
+                          cur.layout.shape, cur.shard)
+        if isinstance(cur.optimizer, ShardedAdamW):
+            cur.optimizer.load(checkpoint, int(info["step"]))
         return int(info["step"]), int(info["samples"])
 
     def wait(self) -> None:

@@ -81,6 +81,10 @@ def parse_args(argv: list[str]) -> tuple[RankInvocation, argparse.Namespace]:
                         "every one (full), one in --activation-checkpointing-every (selective)")
     parser.add_argument("--activation-checkpointing-every", type=int, metavar="N",
                         default=schema_default("activationCheckpointing.every"))
+    parser.add_argument("--sharded-state", action="store_true",
+                        help="keep each unit's AdamW moments and master weights on one "
+                        "replica's rank (ZeRO-1 across the replicas), which sends the updated "
+                        "unit to the others")
     parser.add_argument("--measure-memory", action="store_true",
                         help="record each step's and each relayout's peak tensor memory in the "
                         "--out record (on the CPU it slows every operator down)")
@@ -152,6 +156,7 @@ def config_from(opts: argparse.Namespace) -> TrainConfig:
         micro_batch=opts.micro_batch_size,
         activation_checkpointing=opts.activation_checkpointing,
         checkpoint_every=opts.activation_checkpointing_every,
+        sharded_state=opts.sharded_state,
         measure_memory=opts.measure_memory,
         eval_every=opts.eval_every,
         eval_samples=opts.eval_samples,

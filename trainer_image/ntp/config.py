@@ -25,6 +25,7 @@ class TrainConfig:
     micro_batch: int | None = None  # sequences per forward; None: the replica's whole share
     activation_checkpointing: str = "none"  # none, full, selective
     checkpoint_every: int = 2  # selective: layers 0, N, 2N, ... recompute
+    sharded_state: bool = False  # AdamW state and master weights sharded across replicas
     measure_memory: bool = False  # each step's (and relayout's) peak tensor memory
     eval_every: int = 0  # evaluate on the held-out split every N steps and at the end (0: never)
     eval_samples: int = 0  # sequences in the held-out split

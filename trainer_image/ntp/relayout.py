@@ -36,6 +36,14 @@ from ntp.reshard import (
     local_state,
     reshard,
 )
+from ntp.sharded_optimizer import (
+    LostOptimizerState,
+    OwnedState,
+    ShardedAdamW,
+    check_survives,
+    empty_owned,
+    move_owned_state,
+)
 from ntp.sources import Assignment
 from tessera_contracts.model_shape import PlanError
 from tessera_contracts.rank_events import EventKind, RankEvent
@@ -111,7 +119,7 @@ class RankState:
         survivors, who are switching to the same generation."""
         args = model_args(self.config.flavor, layout, self.carried)
         state = empty_state(layout.shape, args, self.device)
-        self._adopt(layout, previous, RankShard(), state, origin)
+        self._adopt(layout, previous, RankShard(), state, origin, owned=None)
 
     # -- change generation ---------------------------------------------------------------------
 
@@ -131,6 +139,7 @@ class RankState:
         #    parameter's old tensors as it moves them).
         old, old_rank = self.current, dist.get_rank()
         state = local_state(old.model, old.optimizer)
+        owned = old.optimizer.owned_state() if isinstance(old.optimizer, ShardedAdamW) else None
         old_layout, old_shard = old.layout, old.shard
         old.sync.close()
         # 2. Leave the old generation and its groups.
@@ -144,7 +153,7 @@ class RankState:
         if joined is None:
             return False
         following, origin = joined
-        self._adopt(following.layout, old_layout, old_shard, state, origin)
+        self._adopt(following.layout, old_layout, old_shard, state, origin, owned)
         self.event(EventKind.RECONFIGURED)
         return True
 
@@ -155,24 +164,36 @@ class RankState:
         old_shard: RankShard,
         state: LocalState,
         origin: Sequence[int | None],
+        owned: OwnedState | None,
     ) -> None:
         """Take this rank's units of `layout` from the survivors and rebuild around them, or
-        restore the last checkpoint onto `layout` where that cannot work."""
+        restore the last checkpoint onto `layout` where that cannot work. `owned`: this rank's
+        sharded optimizer state (`ntp.sharded_optimizer`), None when it keeps none."""
+        sharded = self.config.sharded_state
         with self.meter.phase() if self.meter else contextlib.nullcontext():
             # What is left of the old generation (its modules refer to each other) collected
             # now: `state` holds the last references to what moves.
             gc.collect()
             try:
+                if sharded:
+                    check_survives(old_layout, origin)
                 moved = reshard(state, self.step, self.samples, old_layout, old_shard, layout,
-                                origin, self.device)
-            except CannotReshard as exc:
+                                origin, self.device, with_moments=not sharded)
+            except (CannotReshard, LostOptimizerState) as exc:
                 self.restore(layout, str(exc))
                 return
             del state
             self.step, self.samples = moved.step, moved.samples
             weights = {name: tensors[0] for name, tensors in moved.state.items()}
+            if sharded and self.step > 0:
+                owned = move_owned_state(owned or empty_owned(weights, layout), weights,
+                                         old_layout, layout, origin)
             self.current = build_rank(self.config, layout, self.carried, self.device, weights)
-            install_moments(self.current.model, self.current.optimizer, moved.state, self.step)
+            optimizer = self.current.optimizer
+            if isinstance(optimizer, ShardedAdamW):
+                optimizer.install(owned or {}, self.step)
+            else:
+                install_moments(self.current.model, optimizer, moved.state, self.step)
         if self.meter:
             self.record.relayout_peak_bytes.append(self.meter.peaks[-1])
 

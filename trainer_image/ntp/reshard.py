@@ -75,10 +75,13 @@ def reshard(
     layout: JobLayout,
     origin: Sequence[int | None],
     device: torch.device,
+    with_moments: bool = True,
 ) -> Resharded:
     """This rank's units of `layout`, with their AdamW moments, from whoever holds them
     (collective over the new world). `origin[d]`: new rank d's rank in `old_layout`, None for
-    a process that joins holding nothing (its `state` is `empty_state`)."""
+    a process that joins holding nothing (its `state` is `empty_state`). Without
+    `with_moments` (sharded optimizer state, moved by `ntp.sharded_optimizer`) the weights
+    alone travel."""
     rank = dist.get_rank()
     # 1. Survivors must agree on the step (a failure inside an optimizer step breaks that);
     #    joiners learn it here. Every rank sees the same sums, so all take the same branch.
@@ -94,7 +97,7 @@ def reshard(
     except PlanError as exc:  # a unit no survivor holds
         raise CannotReshard(str(exc)) from None
     step, samples = int(steps[0]), int(steps[2])
-    if not survivor and step > 0:
+    if not survivor and step > 0 and with_moments:
         # Weight plus both AdamW moments travel once the optimizer has state.
         state = {n: [ts[0].clone() for _ in range(1 + len(MOMENTS))] for n, ts in state.items()}
     # 3. Move weights and moments.
@@ -148,14 +151,14 @@ def exchange_state(
             for t in out[name]:
                 dist.broadcast(t, replicated_src, group=group)
         else:
-            out[name] = _move_parameter(
+            out[name] = move_parameter(
                 old, shape, spec, old_shard, new_shard, moves, rank, group, name
             )
         del old
     return out
 
 
-def _move_parameter(
+def move_parameter(
     old: list[torch.Tensor],
     shape: ModelShape,
     spec: ParamSpec,

@@ -1,10 +1,11 @@
 """The signal policy (pure): a job's GPU health from the sources its spec names, merged.
 
-`failurePolicy.healthSources` chooses among the administrative cordons (`cordon`) and DCGM's
-GPUHealth (`dcgm`); the nodes the job lost and the ranks its node agents saw die count whatever
-it chooses, as failures under the processes rather than drains. A node its agents report silent
-is lost only on evidence that does not rest on one pod's report (`health.heard_silent`). GPUs of
-unknown health are held where the generation in force has them (`health.hold_unknown`).
+`failurePolicy.healthSources` chooses among the administrative cordons (`cordon`), DCGM's
+GPUHealth (`dcgm`) and DRA's device taints and resource health (`dra`: `dra_health`); the nodes
+the job lost and the ranks its node agents saw die count whatever it chooses, as failures under
+the processes rather than drains. A node its agents report silent is lost only on evidence that
+does not rest on one pod's report (`health.heard_silent`). GPUs of unknown health are held where
+the generation in force has them (`health.hold_unknown`).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from datetime import datetime
 from typing import Any
 
 from tessera_contracts.jobspec import NTPTrainingJobSpec
-from tessera_operator import health, workload
+from tessera_operator import dra_health, health, workload
 from tessera_operator.observed import Observed
 
 
@@ -24,7 +25,8 @@ def health_of(spec: NTPTrainingJobSpec, observed: Observed, placement: Mapping[i
     """The health of the job's GPUs on `nodes` from its sources, merged, and the part lost
     under their processes rather than drained: the GPUs of nodes that stopped reporting (their
     kubelet, or their node agent to the job's other agents), those whose rank the node agents
-    saw die and those DCGM failed (`now` None: without the last two, which need the time)."""
+    saw die, those DCGM failed (`now` None: without the last two, which need the time), and
+    those under a NoExecute device taint or that their pod reports Unhealthy."""
     policy = spec.failure_policy
     sources = set(policy.health_sources)
     placed = sorted(set(placement.values()))
@@ -36,6 +38,13 @@ def health_of(spec: NTPTrainingJobSpec, observed: Observed, placement: Mapping[i
     lost = lost.merge(health.Health(problems=silence.problems, recheck_at=silence.recheck_at))
     signal = health.from_cordons(nodes, spec.gpus_per_node) if "cordon" in sources \
         else health.Health()
+    if "dra" in sources:
+        tainted, under = dra_health.from_device_taints(
+            observed.devices, [n["metadata"]["name"] for n in nodes], spec.gpus_per_node)
+        unhealthy = dra_health.from_resource_health(
+            workload.trainer_pods(observed.pods, observed.job), spec.gpus_per_node)
+        lost = lost.merge(under).merge(unhealthy)
+        signal = signal.merge(tainted)
     if now is None:
         return signal.merge(lost), lost
     names = sorted({n["metadata"]["name"] for n in nodes})

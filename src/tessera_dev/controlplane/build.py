@@ -1,9 +1,10 @@
-"""Build the control plane (kube-apiserver, kube-scheduler, kube-controller-manager, etcd) and
-helm from the Go module registry into a cache keyed by version.
+"""Build the control plane (kube-apiserver, kube-scheduler, kube-controller-manager, etcd), helm
+and, when asked, Kueue's controller from the Go module registry into a cache keyed by version.
 
 The Kubernetes module's own go.mod points its staging modules (k8s.io/api, ...) at ./staging
 paths that do not exist outside its repository; we rewrite each of those replaces to the
-published v0.X.Y module so `go build k8s.io/kubernetes/cmd/...` works from the proxy.
+published v0.X.Y module so `go build k8s.io/kubernetes/cmd/...` works from the proxy. helm's and
+Kueue's modules replace nothing, so `go install module/cmd@version` builds each as released.
 """
 
 from __future__ import annotations
@@ -35,6 +36,15 @@ BINARIES = (*KUBERNETES_COMMANDS, "etcd")
 HELM_MODULE = "helm.sh/helm/v4"
 HELM_VERSION = "v4.3.2"
 
+# Kueue's controller, for `tessera-dev up --kueue` and the tests marked kueue: built only when
+# asked, about 660 CPU-seconds from a cold Go cache (its own k8s.io v0.36 tree, not the control
+# plane's). Pinned: the module proxy's version list is stale and `@latest` names an older release.
+# Its CRDs, RBAC and webhooks are rendered from the same module's config/default (kubectl's
+# kustomize, offline once the module is in the Go module cache) and cached beside the binary.
+KUEUE_MODULE = "sigs.k8s.io/kueue"
+KUEUE_VERSION = "v0.19.2"
+KUEUE_MANIFESTS = "config/default"
+
 _STAGING_REPLACE = re.compile(r"^\s*(k8s\.io/[\w.-]+)\s*=>\s*\./staging/src/\S+\s*$", re.M)
 
 
@@ -63,6 +73,22 @@ def find_helm() -> Path | None:
     """The cached helm binary, if built."""
     binary = helm_bin_dir() / "helm"
     return binary if binary.is_file() else None
+
+
+def kueue_dir() -> Path:
+    return cache_root() / f"kueue-{KUEUE_VERSION}"
+
+
+def find_kueue() -> Path | None:
+    """The cached Kueue controller, if built."""
+    binary = kueue_dir() / "bin" / "kueue"
+    return binary if binary.is_file() else None
+
+
+def find_kueue_manifests() -> Path | None:
+    """Kueue's release manifests (config/default built), if rendered."""
+    path = kueue_dir() / "manifests" / "default.yaml"
+    return path if path.is_file() else None
 
 
 class GoMissing(RuntimeError):
@@ -170,31 +196,59 @@ def build(k8s_version: str, log=print) -> Path:
              *(f"k8s.io/kubernetes/cmd/{c}" for c in KUBERNETES_COMMANDS)], work, log)
         _go(["build", "-trimpath", "-ldflags=-s -w", "-o", str(stage / "etcd"),
              "go.etcd.io/etcd/server/v3"], work, log)
-        # the cache dir appears whole or not at all, so a killed build never looks cached
-        partial = out.parent.with_name(out.parent.name + ".partial")
-        shutil.rmtree(partial, ignore_errors=True)
-        shutil.copytree(stage, partial / "bin")
-        shutil.rmtree(out.parent, ignore_errors=True)
-        partial.rename(out.parent)
+        _into_cache(stage, out)
     return out
 
 
-def build_helm(log=print) -> Path:
-    out = helm_bin_dir()
-    with tempfile.TemporaryDirectory(prefix="tessera-helm-") as tmp:
+def _into_cache(stage: Path, out: Path) -> None:
+    """Move the folder `stage` to `out` so that `out` appears whole or not at all: a killed build
+    never looks cached."""
+    partial = out.with_name(out.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    shutil.copytree(stage, partial)
+    shutil.rmtree(out, ignore_errors=True)
+    partial.rename(out)
+
+
+def _go_install(target: str, ldflags: str, out: Path, log) -> None:
+    """`go install target` (module/cmd@version, built as released) into the cache folder `out`."""
+    with tempfile.TemporaryDirectory(prefix="tessera-go-install-") as tmp:
         stage = Path(tmp) / "bin"
-        # helm reports the version stamped here; unstamped it says only the minor
-        ldflags = f"-ldflags=-s -w -X {HELM_MODULE}/internal/version.version={HELM_VERSION}"
-        run_go(["install", "-trimpath", ldflags, f"{HELM_MODULE}/cmd/helm@{HELM_VERSION}"],
-               Path(tmp), dict(os.environ, GOBIN=str(stage), CGO_ENABLED="0",
-                               GOTOOLCHAIN="local"), log)
-        # as for the control plane: the cache dir appears whole or not at all
-        partial = out.parent.with_name(out.parent.name + ".partial")
-        shutil.rmtree(partial, ignore_errors=True)
-        shutil.copytree(stage, partial / "bin")
-        shutil.rmtree(out.parent, ignore_errors=True)
-        partial.rename(out.parent)
-    return out / "helm"
+        run_go(["install", "-trimpath", f"-ldflags=-s -w {ldflags}", target], Path(tmp),
+               dict(os.environ, GOBIN=str(stage), CGO_ENABLED="0", GOTOOLCHAIN="local"), log)
+        _into_cache(stage, out)
+
+
+def build_helm(log=print) -> Path:
+    # helm reports the version stamped here; unstamped it says only the minor
+    _go_install(f"{HELM_MODULE}/cmd/helm@{HELM_VERSION}",
+                f"-X {HELM_MODULE}/internal/version.version={HELM_VERSION}", helm_bin_dir(), log)
+    return helm_bin_dir() / "helm"
+
+
+def build_kueue(log=print) -> Path:
+    # stamped, so that its log and metrics name the release
+    _go_install(f"{KUEUE_MODULE}/cmd/kueue@{KUEUE_VERSION}",
+                f"-X {KUEUE_MODULE}/pkg/version.GitVersion={KUEUE_VERSION}",
+                kueue_dir() / "bin", log)
+    return kueue_dir() / "bin" / "kueue"
+
+
+def render_kueue_manifests(log=print) -> Path:
+    """Kueue's release manifests as `kubectl kustomize config/default` builds them from its
+    module (downloaded into the Go module cache once, read from there afterwards)."""
+    out = run_go(["mod", "download", "-json", f"{KUEUE_MODULE}@{KUEUE_VERSION}"],
+                 cache_root(), dict(os.environ, GOTOOLCHAIN="local"), log)
+    source = Path(json.loads(out)["Dir"]) / KUEUE_MANIFESTS
+    built = subprocess.run(["kubectl", "kustomize", str(source)], capture_output=True,
+                           text=True, timeout=600)
+    if built.returncode != 0:
+        raise GoFailed(f"`kubectl kustomize {source}` exited with status {built.returncode}:\n"
+                       + built.stderr[-4000:])
+    with tempfile.TemporaryDirectory(prefix="tessera-kueue-manifests-") as tmp:
+        (Path(tmp) / "default.yaml").write_text(built.stdout)
+        _into_cache(Path(tmp), kueue_dir() / "manifests")
+    return kueue_dir() / "manifests" / "default.yaml"
 
 
 def _cached_or_built(find: Callable[[], Path | None], build: Callable[[], Path]) -> Path:
@@ -213,6 +267,16 @@ def _cached_or_built(find: Callable[[], Path | None], build: Callable[[], Path])
 def ensure_helm(log=print) -> Path:
     """The helm binary, built on first use."""
     return _cached_or_built(find_helm, lambda: build_helm(log))
+
+
+def ensure_kueue(log=print) -> Path:
+    """Kueue's controller, built on first use (many minutes)."""
+    return _cached_or_built(find_kueue, lambda: build_kueue(log))
+
+
+def ensure_kueue_manifests(log=print) -> Path:
+    """Kueue's release manifests, rendered on first use."""
+    return _cached_or_built(find_kueue_manifests, lambda: render_kueue_manifests(log))
 
 
 def ensure(log=print) -> Path:
@@ -234,10 +298,16 @@ def _build_newest_that_works(log) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tessera-dev build-controlplane", description=__doc__)
-    parser.parse_args(argv)
+    parser.add_argument("--kueue", action="store_true",
+                        help=f"also Kueue {KUEUE_VERSION}'s controller and its manifests "
+                             "(`tessera-dev up --kueue`, the tests marked kueue)")
+    args = parser.parse_args(argv)
     try:
         print(ensure())
         print(ensure_helm())
+        if args.kueue:
+            print(ensure_kueue())
+            print(ensure_kueue_manifests())
     except RuntimeError as exc:  # GoMissing, or every release failed: the message says why
         print(f"tessera-dev build-controlplane: {exc}", file=sys.stderr)
         return 1

@@ -9,7 +9,9 @@ runs as its own process under its own identity (system:node:NAME), so the Node a
 NodeRestriction treat it as they treat a kubelet. The GPU nodes' dcgm-exporter runs as the NVIDIA
 GPU Operator runs it (manifests/local-gpu-operator/dcgm-exporter.yaml: DaemonSet
 gpu-operator/nvidia-dcgm-exporter, a pod with its own address per node, behind the Service of
-that name); the cluster is up once every node's exporter pod is ready. Prometheus finds those
+that name); the cluster is up once every node's exporter pod is ready. Each node also publishes
+its GPUs as a ResourceSlice, as NVIDIA's DRA driver does, of the DeviceClass `gpu.nvidia.com`
+the cluster makes (manifests/local-gpu-operator/deviceclass.yaml). Prometheus finds those
 pods and the pods that ask to be scraped through the discovery endpoint, from what the API server
 says, and evaluates Tessera's alert rules (manifests/monitoring/alerts.yaml, read at each start).
 
@@ -38,7 +40,7 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from tessera_dev import paths, probes, processes
-from tessera_dev.controlplane import launcher, manifests, pki
+from tessera_dev.controlplane import kueue, launcher, manifests, pki
 from tessera_dev.controlplane.prometheus import (
     DCGM_EXPORTER,
     DCGM_NAMESPACE,
@@ -63,6 +65,7 @@ DCGM_GENERATIONS = GENERATIONS
 DISCOVERY_RBAC = paths.repo_root() / "manifests" / "local" / "discovery-rbac.yaml"
 DISCOVERY_USER = "tessera-discovery"
 GPU_OPERATOR = paths.repo_root() / "manifests" / "local-gpu-operator" / "dcgm-exporter.yaml"
+DEVICE_CLASS = paths.repo_root() / "manifests" / "local-gpu-operator" / "deviceclass.yaml"
 # Guards against a hang, not bounds on startup: on two cores beside other clusters a node takes
 # minutes to come up.
 EXPORTER_READY_TIMEOUT_S = 300.0
@@ -162,8 +165,10 @@ class Cluster:
     discovery_pid: int | None = None
     prometheus_url: str | None = None
     prometheus_pid: int | None = None
+    kueue_pid: int | None = None
     _procs: list[subprocess.Popen] = field(default_factory=list, repr=False)
     _prometheus: Prometheus | None = field(default=None, repr=False)
+    _kueue: kueue.Kueue | None = field(default=None, repr=False)
 
     @classmethod
     def start(cls, plane: launcher.ControlPlane, specs: list[NodeSpec], *,
@@ -197,8 +202,9 @@ class Cluster:
                                       "no default service account in namespace default after "
                                       f"{NODE_READY_TIMEOUT_S:.0f} s; see "
                                       f"{plane.data_dir}/kube-controller-manager.log"))
-                # 2. every node's dcgm-exporter, as the GPU Operator runs it
-                manifests.apply(api, [GPU_OPERATOR])
+                # 2. every node's dcgm-exporter, as the GPU Operator runs it, and the DeviceClass
+                #    of the GPUs the nodes publish as NVIDIA's DRA driver does
+                manifests.apply(api, [GPU_OPERATOR, DEVICE_CLASS])
                 probes.poll_until(lambda: _exporters_ready(api), lambda ready: wanted <= ready,
                                   timeout=EXPORTER_READY_TIMEOUT_S, interval=0.5,
                                   error=lambda ready: processes.StartupError(
@@ -235,6 +241,12 @@ class Cluster:
         self.prometheus_url = self._prometheus.url
         self.prometheus_pid = self._prometheus.pid
 
+    def start_kueue(self, binary: Path, release: Path, *, detached: bool = False) -> None:
+        """Kueue's controller with its release installed (`kueue` module), stopped with the
+        cluster."""
+        self._kueue = kueue.Kueue.start(self.plane, binary, release, detached=detached)
+        self.kueue_pid = self._kueue.pid
+
     @property
     def prometheus(self) -> Prometheus:
         if self._prometheus is None:
@@ -243,8 +255,17 @@ class Cluster:
         return self._prometheus
 
     def stop(self, *, stop_plane: bool = False) -> None:
-        """Stop Prometheus, discovery and the nodes (each node takes its pods with it); the
-        control plane too with stop_plane."""
+        """Stop Kueue, Prometheus, discovery and the nodes (each node takes its pods with it);
+        the control plane too with stop_plane (else Kueue's webhooks are unregistered first, so
+        that the cluster does not call them)."""
+        if self.kueue_pid is not None:
+            running = self._kueue or kueue.Kueue(self.kueue_pid, self.plane.data_dir)
+            if stop_plane:
+                running.stop()
+            else:
+                with self.plane.api_client() as api:
+                    running.stop(api)
+            self._kueue, self.kueue_pid = None, None
         for pid, program in self._recorded():
             proc = next((p for p in self._procs if p.pid == pid), None)
             if proc is not None:
@@ -321,6 +342,7 @@ class Cluster:
         found = [(self.prometheus_pid, "prometheus"),
                  (self.discovery_pid, "tessera_dev.controlplane.discovery")]
         found += [(pid, f"--name\0{name}\0") for name, pid in self.nodes.items()]
+        found.append((self.kueue_pid, f"--config={kueue.config_path(self.plane.data_dir)}"))
         return [(pid, word) for pid, word in found if pid is not None]
 
     # -- persistence, for `tessera-dev up` / `tessera-dev down` across processes
@@ -329,7 +351,8 @@ class Cluster:
         self.plane.save()
         (self.plane.data_dir / CLUSTER_FILE).write_text(json.dumps({
             "nodes": self.nodes, "discovery_pid": self.discovery_pid,
-            "prometheus_url": self.prometheus_url, "prometheus_pid": self.prometheus_pid}))
+            "prometheus_url": self.prometheus_url, "prometheus_pid": self.prometheus_pid,
+            "kueue_pid": self.kueue_pid}))
 
     @classmethod
     def load(cls, data_dir: Path) -> Cluster | None:
@@ -341,7 +364,7 @@ class Cluster:
         except FileNotFoundError:
             return cls(plane)
         return cls(plane, state["nodes"], state["discovery_pid"], state["prometheus_url"],
-                   state["prometheus_pid"])
+                   state["prometheus_pid"], state.get("kueue_pid"))
 
     def is_running(self) -> bool:
         return self.plane.is_running() and all(

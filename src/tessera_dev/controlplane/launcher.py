@@ -79,6 +79,13 @@ def helm() -> Path | None:
     return build.find_helm()
 
 
+def kueue(log: Callable[[str], object] = print) -> Path:
+    """Kueue's controller: $TESSERA_KUEUE_BIN if set (built elsewhere, of
+    build.KUEUE_VERSION), else the cached build, else one built now (many minutes)."""
+    given = os.environ.get("TESSERA_KUEUE_BIN")
+    return Path(given) if given else build.ensure_kueue(log=log)
+
+
 def binaries(log: Callable[[str], object] = print) -> Path:
     """The prebuilt binaries, or a registry build made now (many minutes the first time)."""
     return prebuilt() or build.ensure(log=log)

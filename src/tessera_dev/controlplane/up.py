@@ -1,5 +1,5 @@
 """`tessera-dev up`: build if needed, start the local cluster detached (control plane, simulated GPU
-nodes, Prometheus) and install the CRDs."""
+nodes, Prometheus) and install the CRDs; with `--kueue`, Kueue too."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 from rich.console import Console
 
 from tessera_dev import paths, probes
-from tessera_dev.controlplane import cluster, crds, launcher
+from tessera_dev.controlplane import build, cluster, crds, kueue, launcher
 
 # how long a control plane whose servers run, but do not answer, gets before `up` gives up
 READY_WAIT_S = 30.0
@@ -20,7 +20,8 @@ def _announce(console: Console, running: cluster.Cluster) -> None:
     plane = running.plane
     console.print(f"server:     {plane.server}\nkubeconfig: [bold]{plane.kubeconfig}[/]\n"
                   f"nodes:      {', '.join(running.nodes) or '-'}\n"
-                  f"prometheus: {running.prometheus_url or '-'}")
+                  f"prometheus: {running.prometheus_url or '-'}\n"
+                  f"kueue:      {'running' if running.kueue_pid else '-'}")
     # plain print on stdout so that `eval "$(tessera-dev up | tail -1)"` works
     print(f"export KUBECONFIG={plane.kubeconfig}")
 
@@ -61,6 +62,11 @@ def main(argv: list[str] | None = None) -> int:
                              "(default: %(default)s, an HGX node per domain)")
     parser.add_argument("--dcgm-generation", choices=cluster.DCGM_GENERATIONS, default="4.9",
                         help="field names of the nodes' DCGM exporters (default: %(default)s)")
+    parser.add_argument("--kueue", action="store_true",
+                        help=f"also run Kueue {build.KUEUE_VERSION}, managing the namespaces "
+                             f"labelled {kueue.MANAGED_LABEL}=true (built from the Go module "
+                             "registry on first use, many minutes; $TESSERA_KUEUE_BIN: a "
+                             "prebuilt controller); added to a running cluster that lacks it")
     args = parser.parse_args(argv)
     console = Console(stderr=True)
 
@@ -139,8 +145,28 @@ def _start_cluster(console: Console, plane: launcher.ControlPlane, args: argpars
         running.save()
     console.print(f"[green]{len(specs)} nodes Ready[/] and Prometheus up in "
                   f"{time.monotonic() - started:.1f} s")
+    if args.kueue:
+        try:
+            _start_kueue(console, running)
+        except RuntimeError as exc:  # no Go, or the build failed: the message says why
+            return _fail(console, str(exc))
     _announce(console, running)
     return 0
+
+
+def _start_kueue(console: Console, running: cluster.Cluster) -> None:
+    """Kueue's controller and release on the running cluster, recorded with it."""
+    with console.status("Kueue: building from the Go module registry if not cached (first "
+                        "time: many minutes)"):
+        binary = launcher.kueue(log=console.log)
+        release = build.ensure_kueue_manifests(log=console.log)
+    started = time.monotonic()
+    with console.status("starting Kueue"):
+        running.start_kueue(binary, release, detached=True)
+        running.save()
+    console.print(f"[green]Kueue ready[/] in {time.monotonic() - started:.1f} s, managing the "
+                  f"namespaces labelled {kueue.MANAGED_LABEL}=true (log in "
+                  f"{running.plane.data_dir / kueue.STATE_DIR})")
 
 
 def _reuse(console: Console, plane: launcher.ControlPlane, args: argparse.Namespace,
@@ -150,6 +176,11 @@ def _reuse(console: Console, plane: launcher.ControlPlane, args: argparse.Namesp
     console.print("[green]control plane already running[/]")
     running = cluster.Cluster.load(args.data_dir) or cluster.Cluster(plane)
     if running.is_running() and running.nodes:
+        if args.kueue and running.kueue_pid is None:
+            try:
+                _start_kueue(console, running)
+            except RuntimeError as exc:
+                return _fail(console, str(exc))
         _announce(console, running)
         return 0
     running.stop()

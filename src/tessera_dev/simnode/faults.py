@@ -7,8 +7,11 @@ held open by every process using that GPU, as /dev/nvidia<i> is on a real node) 
 
 - `fail-gpu NODE GPU [--xid 79]` marks the GPU failed with that XID (the exporter shows it, NVML
   calls on it fail), then SIGKILLs every process holding its device file open, as a GPU falling
-  off the bus takes its CUDA processes down with it.
-- `restore-gpu NODE GPU` brings it back: health ok, the last-XID gauge back to 0, NVML working.
+  off the bus takes its CUDA processes down with it. With `--dra-taint [EFFECT]` only the node's
+  DRA driver reacts instead: it taints the device in its ResourceSlice (`gpu.nvidia.com/xid=XID`,
+  NoSchedule by default, as NVIDIA's driver does; driver.py), the GPU itself untouched.
+- `restore-gpu NODE GPU` brings it back: health ok, the last-XID gauge back to 0, NVML working,
+  no device taint.
 - `fail-node NODE` SIGKILLs the node process (its pods die with it, and its heartbeat stops), but
   only while node.pid still names a `sim-node` process for NODE: a reused pid is never killed.
   With `--freeze` it SIGSTOPs the node process and every process it started (its pods'), as a
@@ -35,6 +38,8 @@ from pathlib import Path
 from tessera_agents.power.devices import PowerError
 from tessera_agents.power.sim_backend import MAX_XID, SimBackend
 from tessera_dev import paths
+from tessera_dev.simnode import dra
+from tessera_dev.simnode.driver import set_taint
 
 GPU_STATE = "gpus.json"
 NODE_PID = "node.pid"
@@ -58,17 +63,29 @@ def device_file(directory: Path, gpu: int) -> Path:
 
 
 def fail_gpu(argv: list[str]) -> int:
-    """`tessera-dev fail-gpu NODE GPU [--xid 79] [--data-dir D]`."""
+    """`tessera-dev fail-gpu NODE GPU [--xid 79] [--dra-taint [EFFECT]] [--data-dir D]`."""
     parser = _parser("fail-gpu", "make a simulated GPU fail as hardware does: the exporter "
                      "shows the XID, NVML calls on it fail, the processes using it die at once")
     parser.add_argument("gpu", metavar="GPU", type=int, help="GPU index on the node")
     parser.add_argument("--xid", default="79",
                         help="the XID the GPU reports (default 79: fallen off the bus)")
+    parser.add_argument("--dra-taint", nargs="?", const="NoSchedule", choices=dra.EFFECTS,
+                        metavar="EFFECT",
+                        help="instead, only the node's DRA driver reacts to the XID: it taints "
+                             f"the device in its ResourceSlice ({dra.XID_TAINT}=XID) with "
+                             "EFFECT (None, NoSchedule (the default, as NVIDIA's driver does for "
+                             "a fatal XID) or NoExecute); the GPU and its processes are left as "
+                             "they are")
     args = parser.parse_args(argv)
     try:
         xid = _xid(args.xid)
         directory, gpus = _gpus(args)
         _check_index(gpus, args.node, args.gpu)
+        if args.dra_taint is not None:
+            set_taint(directory, args.gpu, dra.Taint(str(xid), args.dra_taint))
+            print(f"{args.node} GPU {args.gpu}: device {dra.device_name(args.gpu)} tainted "
+                  f"{dra.XID_TAINT}={xid}:{args.dra_taint} by the node's DRA driver")
+            return 0
         gpus.fail(args.gpu, xid)
         killed = kill_holders(device_file(directory, args.gpu))
     except FaultError as exc:
@@ -82,16 +99,17 @@ def fail_gpu(argv: list[str]) -> int:
 def restore_gpu(argv: list[str]) -> int:
     """`tessera-dev restore-gpu NODE GPU [--data-dir D]`."""
     parser = _parser("restore-gpu", "bring a failed simulated GPU back: health ok, XID cleared, "
-                     "NVML calls work again")
+                     "NVML calls work again, its DRA device taint removed")
     parser.add_argument("gpu", metavar="GPU", type=int, help="GPU index on the node")
     args = parser.parse_args(argv)
     try:
-        _, gpus = _gpus(args)
+        directory, gpus = _gpus(args)
         _check_index(gpus, args.node, args.gpu)
         gpus.restore(args.gpu)
+        set_taint(directory, args.gpu, None)
     except FaultError as exc:
         return _error("restore-gpu", exc)
-    print(f"{args.node} GPU {args.gpu}: restored (health ok, last XID 0)")
+    print(f"{args.node} GPU {args.gpu}: restored (health ok, last XID 0, no device taint)")
     return 0
 
 

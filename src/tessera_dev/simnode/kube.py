@@ -43,6 +43,7 @@ class NodeApi:
         self.client = clients.api_client(kubeconfig)
         self.core = client.CoreV1Api(self.client)
         self.coordination = client.CoordinationV1Api(self.client)
+        self.resource = client.ResourceV1Api(self.client)
         self.timeout = timeout
 
     @property
@@ -139,6 +140,40 @@ class NodeApi:
         answer = _json(client.AuthorizationV1Api(self.client).create_subject_access_review(
             review, _preload_content=False, _request_timeout=self.timeout))
         return bool(answer["status"].get("allowed"))
+
+    # -- dynamic resource allocation (the node's DRA driver)
+
+    def publish_slice(self, body: dict[str, Any]) -> int:
+        """Create the node's ResourceSlice, or replace the one there at its next pool
+        generation; returns the generation published. The Node authorizer lets a node create
+        a slice of its own and then read and write it by name (not apply it: apply reads
+        first), and list slices only by spec.nodeName."""
+        name = body["metadata"]["name"]
+        try:
+            self.resource.create_resource_slice(body, _request_timeout=self.timeout)
+            return body["spec"]["pool"]["generation"]
+        except ApiException as exc:
+            if exc.status != 409:
+                raise
+        current = _json(self.resource.read_resource_slice(
+            name, _preload_content=False, _request_timeout=self.timeout))
+        body = {**body, "metadata": {**body["metadata"],
+                                     "resourceVersion": current["metadata"]["resourceVersion"]}}
+        generation = current["spec"]["pool"]["generation"] + 1
+        body["spec"] = {**body["spec"], "pool": {**body["spec"]["pool"],
+                                                 "generation": generation}}
+        self.resource.replace_resource_slice(name, body, _request_timeout=self.timeout)
+        return generation
+
+    def read_claim(self, namespace: str, name: str) -> dict[str, Any] | None:
+        """A ResourceClaim a pod bound here references, or None when it does not exist."""
+        try:
+            return _json(self.resource.read_namespaced_resource_claim(
+                name, namespace, _preload_content=False, _request_timeout=self.timeout))
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
 
     # -- what pods reference
 

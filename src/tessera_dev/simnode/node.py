@@ -1,11 +1,11 @@
 """`tessera-dev sim-node`: one simulated GPU node, in the role of a kubelet with a process runtime.
 
 It registers its Node (GPU capacity and labels), renews its Lease and Ready condition every 10 s,
-runs the pods the scheduler binds to it as local processes (see pods.py) and serves their logs to
-the API server on IP:10250. Its simulated GPUs are served by the dcgm-exporter pod it runs, as
-a GPU node's are (exporter.py), in the field names of `--dcgm-generation`. Killed, it simply
-stops: its pods' processes die with it and the node lifecycle controller marks it
-NotReady.
+publishes its GPUs as NVIDIA's DRA driver does (driver.py), runs the pods the scheduler binds to
+it as local processes (see pods.py) and serves their logs to the API server on IP:10250. Its
+simulated GPUs are served by the dcgm-exporter pod it runs, as a GPU node's are (exporter.py), in
+the field names of `--dcgm-generation`. Killed, it simply stops: its pods' processes die with it
+and the node lifecycle controller marks it NotReady.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from kubernetes.client.exceptions import ApiException
 from tessera_agents.power.sim_backend import SimBackend
 from tessera_dev.simnode import dcgm, faults
 from tessera_dev.simnode.containers import unshare_binary
+from tessera_dev.simnode.driver import DraDriver
 from tessera_dev.simnode.kube import NodeApi, now_rfc3339
 from tessera_dev.simnode.pods import GpuPool, IpPool, NodeContext, PodWorker
 from tessera_dev.simnode.server import kubelet_endpoint
@@ -155,6 +156,7 @@ class Node:
         self.workers: dict[str, PodWorker] = {}
         self._lock = threading.Lock()
         self._since = now_rfc3339()
+        self.dra = DraDriver(self.name, self.dir, api, self.gpu_state, self._health_changed)
         host, port = self.api.server
         self.context = NodeContext(
             name=self.name, address=args.address, node_dir=self.dir, api=self.api,
@@ -169,7 +171,8 @@ class Node:
                 "KUBERNETES_SERVICE_HOST": host, "KUBERNETES_SERVICE_PORT": str(port),
                 "KUBERNETES_SERVICE_PORT_HTTPS": str(port),
             },
-            forget=self._forget, nfs_dir=args.nfs_dir, dcgm_generation=args.dcgm_generation,
+            forget=self._forget, dra=self.dra, nfs_dir=args.nfs_dir,
+            dcgm_generation=args.dcgm_generation,
             shm_dir=memory_root(self.dir) if writable_tmpfs(SHM) else None)
 
     # -- GPUs
@@ -180,6 +183,13 @@ class Node:
 
     def _healthy(self) -> set[int]:
         return {gpu.index for gpu in self.gpu_state.snapshot() if gpu.healthy}
+
+    def _health_changed(self) -> None:
+        """A GPU's health changed: the pods report their devices' health again."""
+        with self._lock:
+            workers = list(self.workers.values())
+        for worker in workers:
+            worker.poke()
 
     # -- the Node object
 
@@ -381,7 +391,9 @@ def main(argv: list[str]) -> int:
         return 1
     threading.Thread(target=node.heartbeat, args=(node_uid,), name="heartbeat",
                      daemon=True).start()
+    # 4. its GPUs as its DRA driver publishes them (the driver's own loop retries a failure)
+    threading.Thread(target=node.dra.run, name="dra-driver", daemon=True).start()
     log.info("node %s registered at %s with %d GPUs", args.name, args.address, node.gpu_count)
-    # 4. the pods bound to it, until the process is killed
+    # 5. the pods bound to it, until the process is killed
     node.watch_pods()
     return 0

@@ -22,8 +22,9 @@ from typing import Any
 import urllib3
 from kubernetes.client.exceptions import ApiException
 
-from tessera_dev.simnode import faults, podspec
+from tessera_dev.simnode import dra, faults, podspec
 from tessera_dev.simnode.containers import Prober, Process, probe, stop_all
+from tessera_dev.simnode.driver import PREPARE_REASON, DraDriver
 from tessera_dev.simnode.exporter import GENERATION_ENV
 from tessera_dev.simnode.kube import NodeApi, now_rfc3339
 from tessera_dev.simnode.podspec import NotYetAvailable, PodSpecError
@@ -92,6 +93,19 @@ class GpuPool:
                 self._busy(index, True)
             return free[:count]
 
+    def take(self, owner: str, indices: list[int]) -> list[int]:
+        """Hold the GPUs a DRA driver was allocated for `owner` (the scheduler chose them)."""
+        with self._lock:
+            taken = {i: self._used[i] for i in indices if self._used.get(i, owner) != owner}
+            if taken:
+                raise Exhausted(f"GPUs {sorted(taken)} allocated to this pod are held by "
+                                "another pod on this node")
+            for index in indices:
+                if index not in self._used:
+                    self._used[index] = owner
+                    self._busy(index, True)
+            return indices
+
     def release(self, owner: str) -> None:
         with self._lock:
             for index in [i for i, o in self._used.items() if o == owner]:
@@ -111,6 +125,7 @@ class NodeContext:
     gpus: GpuPool
     base_env: dict[str, str]  # PATH, HOME, KUBERNETES_SERVICE_HOST/PORT
     forget: Callable[[str], None] = lambda uid: None  # called when a worker is done
+    dra: DraDriver | None = None  # the node's DRA driver: claims and device health
     nfs_dir: Path | None = None  # the cluster's NFS exports, shared by its nodes
     shm_dir: Path | None = None  # the node's folder on a tmpfs, for Memory emptyDirs
     dcgm_generation: str = "4.9"  # the field names its dcgm-exporter serves (exporter.py)
@@ -148,6 +163,8 @@ class ContainerState:
     restart_at: float | None = None
     done: bool = False  # exited and will not run again
     gpus: list[int] = field(default_factory=list)
+    # the devices of the pod's claims it names, by its allocatedResourcesStatus entry
+    claims: list[tuple[str, list[dra.Device]]] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
     readiness: Prober | None = None
     liveness: Prober | None = None
@@ -216,6 +233,10 @@ class PodWorker:
         self.pod = pod
         self._wake.set()
 
+    def poke(self) -> None:
+        """Have the worker publish its status again (a device's health changed)."""
+        self._wake.set()
+
     def removed(self) -> None:
         self._gone = True
         self._wake.set()
@@ -270,7 +291,7 @@ class PodWorker:
     def _live(self) -> None:
         try:
             self._admit()
-            if not self._fill_volumes():
+            if not self._prepare_claims() or not self._fill_volumes():
                 return
             if self._run_inits():
                 self._run_apps()
@@ -302,6 +323,28 @@ class PodWorker:
             pod_ip=self._pod_ip, host_ip=self.node.address, memory_dir=self.memory_dir,
             nfs_root=self.node.nfs_dir)
         self._publish()
+
+    def _prepare_claims(self) -> bool:
+        """The kubelet's PrepareResources: each container gets the devices the scheduler
+        allocated to the claims it names, and nothing else; False if the pod went away while
+        a claim was not allocated yet."""
+        if not self.pod["spec"].get("resourceClaims"):
+            return True
+        if self.node.dra is None:
+            raise PodSpecError("UnsupportedResourceClaims",
+                               "the pod has resource claims and this node runs no DRA driver")
+        driver = self.node.dra
+        devices: dict[str, list[dra.Device]] = {}
+        if not self._retryable(lambda: devices.update(driver.prepare(self.pod)),
+                               PREPARE_REASON):
+            return False
+        for container in self.containers:
+            container.claims = dra.container_devices(container.spec, devices)
+            indices = sorted({d.index for _, found in container.claims for d in found})
+            held = self._allocate(lambda i=indices: self.node.gpus.take(self.uid, i))
+            container.gpus = sorted({*container.gpus, *held})
+        self._publish()
+        return True
 
     @staticmethod
     def _allocate(take: Callable[[], Any]) -> Any:
@@ -624,9 +667,11 @@ class PodWorker:
                   "Initialized": self._inits_done, "ContainersReady": ready, "Ready": ready}
         previous = (self.pod.get("status") or {}).get("conditions") or []
         waiting = self._waiting
+        healthy = self.node.dra.healthy() if self.node.dra and any(
+            c.claims for c in self.containers) else set()
         containers = []
         for container in self.apps:
-            status = container.status()
+            status = self._container_status(container, healthy)
             if waiting and "waiting" in container.state:
                 status["state"] = {"waiting": {"reason": waiting[0], "message": waiting[1]}}
             containers.append(status)
@@ -636,7 +681,7 @@ class PodWorker:
             "hostIP": self.node.address, "hostIPs": [{"ip": self.node.address}],
             "startTime": self._start_time,
             "containerStatuses": containers,
-            "initContainerStatuses": [c.status() for c in self.inits],
+            "initContainerStatuses": [self._container_status(c, healthy) for c in self.inits],
             "reason": None, "message": None,
         }
         if self._pod_ip:
@@ -644,6 +689,15 @@ class PodWorker:
             status["podIPs"] = [{"ip": self._pod_ip}]
         if self._phase_reason is not None:
             status["reason"], status["message"] = self._phase_reason
+        return status
+
+    @staticmethod
+    def _container_status(container: ContainerState, healthy: set[int]) -> dict[str, Any]:
+        """The container's status, with the health of its claims' devices where it has any
+        (as the kubelet reports them: the whole list, since containerStatuses merge whole)."""
+        status = container.status()
+        if container.claims:
+            status["allocatedResourcesStatus"] = dra.resource_health(container.claims, healthy)
         return status
 
     def _publish(self) -> None:
