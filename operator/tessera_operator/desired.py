@@ -74,6 +74,7 @@ class Decision:
     """What steps 0-4 decided for a running attempt, and what applying it met: the status,
     events and power writes are written up from it (`_written`)."""
 
+    spec: Spec
     observed: Observed  # as the attempt sees it (`life.of_attempt`)
     previous: Mapping[str, Any]  # the status as observed
     now: datetime
@@ -193,8 +194,9 @@ def desired(spec: Spec | Problem, observed: Observed, now: datetime,
     planned = _plan(spec, observed, now)
     # 4. The trainers' progress drives the boosts and the step a planned switch happens at.
     told = workload.steps_told(observed.pods, observed.job)
-    reports, refused_reports = publish.agreed(
-        observed.reports_of(sorted(set(planned.placement.values()))), told)
+    placed = sorted(set(planned.placement.values()))
+    reports, refused_reports = publish.agreed(observed.reports_of(placed), told)
+    refused_reports = (*publish.unreadable(observed.reports, placed), *refused_reports)
     plan, blocked = planned.plan, None
     targets: dict[str, PowerTarget] = {}
     layout: dict[str, Any] | None = None
@@ -212,7 +214,7 @@ def desired(spec: Spec | Problem, observed: Observed, now: datetime,
     children = placement.children(observed.job, spec.whole, planned.placement, found.attempt)
     # 5. Written up: the status, the events, the power writes.
     return replace(_written(Decision(
-        observed, previous, now, found, planned, children, stale, outdated, reports,
+        spec, observed, previous, now, found, planned, children, stale, outdated, reports,
         refused_reports, plan, blocked, targets, layout, in_force)), **writes)
 
 
@@ -235,9 +237,12 @@ def _plan(spec: Spec, observed: Observed, now: datetime) -> _Planned:
     if (unpowered := planner.budget_problem(run, domains)) is not None:
         return _Planned(problems=(unpowered,))
     found, lost = signal.health_of(spec.whole, observed, where, nodes, now)
-    if run.restarts_on_loss and (in_force := observed.layout.generation) is not None:
+    published = observed.layout.generation
+    if run.restarts_on_loss and published is not None:
         # An attempt keeps its first layout: its plan is that layout's nodes, the spares idle.
-        domains = {n: d for n, d in domains.items() if n in {g.node for g in in_force.gpus}}
+        domains = {n: d for n, d in domains.items() if n in {g.node for g in published.gpus}}
+    found = found.merge(publish.held_back(
+        published, observed.reports_of(sorted(set(where.values()))), lost.failed))
     plan = planner.plan(run, domains, found.failed)
     return _Planned(where, plan, plan.problems, found, lost, fits)
 
@@ -260,18 +265,22 @@ def _written(decision: Decision, sync: SyncPlan | None = None) -> Desired:
         notes, held = (*notes, f"power targets refused: {d.refused}"), ()
     trained = None if in_force is None else progress.summarize(
         d.reports, in_force.generation, sorted({g.node for g in in_force.gpus}), d.life.earlier)
+    spec = d.spec.whole
+    starting = life.starting(spec, d.observed, d.life.attempt)
     status = conditions.render(
         plan, problems, d.previous, now=format_time(d.now),
         generation=int(job["metadata"].get("generation", 0)),
         layout_generation=layout_generation, notes=notes, held=held, trained=trained,
         life=d.life, outdated=d.outdated,
         tp_layout=None if in_force is None else planner.format_layout(in_force.tp_degrees),
-        why=signal_.reasons, memory=_fits_memory(d.planned.memory))
+        why=signal_.reasons, memory=_fits_memory(d.planned.memory), starting=starting,
+        policy=spec.failure_policy)
     events = []
     if layout_generation != int(d.previous.get("layoutGeneration", 0)) and plan is not None:
         events.append(Event("Normal", "LayoutChanged",
                             f"layout generation {layout_generation}: TP {plan.tp_layout or '-'}"))
-    recheck = signal_.recheck_at
+    recheck = min((t for t in (signal_.recheck_at, starting.gives_up_at) if t is not None),
+                  default=None)
     return Desired(d.planned.placement, d.children, layout, d.observed.layout.resource_version,
                    targets, held, status, (*events, *_condition_events(d.previous, status)),
                    delete_configmaps=d.stale,

@@ -109,12 +109,16 @@ class FailurePolicySpec:
     max_restarts: int
     rank_death_hold_seconds: int
     fatal_xids: tuple[int, ...]
+    pod_start_timeout_seconds: int
+    on_pod_start_timeout: str  # Restart or Fail
 
     def to_spec(self) -> dict[str, Any]:
         return {"mode": str(self.mode), "healthSources": list(self.health_sources),
                 "maxRestarts": self.max_restarts,
                 "rankDeathHoldSeconds": self.rank_death_hold_seconds,
-                "fatalXIDs": list(self.fatal_xids)} | _present(
+                "fatalXIDs": list(self.fatal_xids),
+                "podStartTimeoutSeconds": self.pod_start_timeout_seconds,
+                "onPodStartTimeout": self.on_pod_start_timeout} | _present(
             minTensorParallelSize=self.min_tensor_parallel_size)
 
 
@@ -306,7 +310,9 @@ class NTPTrainingJobSpec:
                 health_sources=failure.texts("healthSources"),
                 max_restarts=failure.integer("maxRestarts"),
                 rank_death_hold_seconds=failure.integer("rankDeathHoldSeconds"),
-                fatal_xids=failure.integers("fatalXIDs")),
+                fatal_xids=failure.integers("fatalXIDs"),
+                pod_start_timeout_seconds=failure.integer("podStartTimeoutSeconds"),
+                on_pod_start_timeout=failure.choice("onPodStartTimeout", ("Restart", "Fail"))),
             power_policy=None if power is None else PowerPolicySpec(
                 base_cap_watts=power.integer("baseCapWatts"),
                 boost_cap_watts=power.integer("boostCapWatts"),
@@ -424,6 +430,12 @@ class _Object:
 
     def text(self, key: str) -> str:
         return str(self._get(key, str, "a string"))
+
+    def choice(self, key: str, allowed: tuple[str, ...]) -> str:
+        found = self.text(key)
+        if found not in allowed:
+            raise SpecError(self._at(key), f"{found!r} is not one of {', '.join(allowed)}")
+        return found
 
     def optional_text(self, key: str) -> str | None:
         return self._get(key, str, "a string", required=False)
