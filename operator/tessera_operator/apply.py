@@ -13,6 +13,7 @@ deterministic name, and a write is made only where the world differs from what i
   only those that changed, cuts first.
 - The status: one JSON merge patch, with an explicit null for each key the previous status had
   and the new one has not, so a key the status no longer holds is cleared; none when equal.
+  One the API server refuses as invalid is returned, not raised: retrying it cannot help.
 - A queued job's Kueue Workload: server-side applied when the one observed lacks what is
   wanted; its status written by a JSON patch that holds only on the version read (Kueue writes
   the same conditions: a conflict is retried from the next observation).
@@ -41,7 +42,7 @@ from tessera_operator.settings import API_TIMEOUT_S
 APPLY = "application/apply-patch+yaml"
 # The finalizer of operators that released power targets in a delete handler (`drop_finalizer`).
 FINALIZER = "tessera.dev/operator"
-REFUSED = (400, 403, 422)  # the API server's answers to a pod it will not admit as written
+REFUSED = (400, 403, 422)  # the API server's answers to a write it will not admit as written
 # Pod creations in flight at once: within the client's connection pool (5 connections per core
 # by default, so 10 on the smallest machine).
 CREATE_WORKERS = 8
@@ -261,17 +262,26 @@ def queue(api: client.ApiClient, observed: Observed, wanted: Desired,
                         f"{api_message(exc)}")
 
 
-def status(api: client.ApiClient, job: Mapping[str, Any], wanted: Mapping[str, Any]) -> None:
+def status(api: client.ApiClient, job: Mapping[str, Any], wanted: Mapping[str, Any]
+           ) -> str | None:
     """Write the job's status when it differs from the one observed, in one merge patch that
-    also clears the keys it no longer holds."""
+    also clears the keys it no longer holds. Returns why the API server refused it as invalid
+    (its schema, an admission policy): the same write would be refused again, so it is not
+    retried; the caller says so."""
     previous = job.get("status") or {}
     if previous == wanted:
-        return
+        return None
     patch = dict(wanted) | {key: None for key in previous if key not in wanted}
     meta = job["metadata"]
-    client.CustomObjectsApi(api).patch_namespaced_custom_object_status(
-        GROUP, VERSION, meta["namespace"], JOB_PLURAL, meta["name"], {"status": patch},
-        _content_type="application/merge-patch+json", _request_timeout=API_TIMEOUT_S)
+    try:
+        client.CustomObjectsApi(api).patch_namespaced_custom_object_status(
+            GROUP, VERSION, meta["namespace"], JOB_PLURAL, meta["name"], {"status": patch},
+            _content_type="application/merge-patch+json", _request_timeout=API_TIMEOUT_S)
+    except ApiException as exc:
+        if exc.status not in REFUSED:
+            raise
+        return api_message(exc)
+    return None
 
 
 def events(job: Mapping[str, Any], found: tuple[Event, ...], logger: logging.Logger) -> None:

@@ -11,11 +11,13 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any
 
+from tessera_contracts.jobspec import FailurePolicySpec
 from tessera_contracts.progress import JobProgress, Phase, name_nodes
 from tessera_contracts.vocabulary import FailurePolicy
-from tessera_operator.lifecycle import Lifecycle, Stage
+from tessera_operator.lifecycle import Lifecycle, Stage, Starting
 from tessera_operator.planner import (
     Boost,
     GpuId,
@@ -38,7 +40,7 @@ REPLICAS_BYTES_MAX = 512 * 1024
 @dataclass(frozen=True)
 class Condition:
     type: str
-    status: bool
+    status: bool | None  # None: Unknown
     reason: str
     message: str
 
@@ -46,6 +48,21 @@ class Condition:
 def _clip(message: str) -> str:
     tail = " ... (clipped)"
     return message if len(message) <= MESSAGE_MAX else message[: MESSAGE_MAX - len(tail)] + tail
+
+
+def refused(previous: Mapping[str, Any], why: str, now: str, generation: int
+            ) -> dict[str, Any]:
+    """The status `previous` (as the API server last took it) with Ready saying that the
+    server refused the status the operator wrote after it (`why`, the server's message): the
+    one thing a user then sees of the job changed. `now` is an RFC 3339 time."""
+    old = next((c for c in previous.get("conditions") or [] if c.get("type") == "Ready"), {})
+    since = old.get("lastTransitionTime") if old.get("status") == "False" else None
+    ready = {"type": "Ready", "status": "False", "reason": "StatusRefused",
+             "message": _clip("the API server refused the job's status, which stays as it "
+                              f"was: {why}"),
+             "observedGeneration": generation, "lastTransitionTime": since or now}
+    kept = [c for c in previous.get("conditions") or [] if c.get("type") != "Ready"]
+    return dict(previous) | {"conditions": [ready, *kept]}
 
 
 def _ready(plan: JobPlan | None, problems: Sequence[Problem], notes: Sequence[str]) -> Condition:
@@ -98,6 +115,38 @@ def _power(plan: JobPlan | None, held: Sequence[str]) -> Condition:
         parts.append(f"raises on {', '.join(held)} wait for their racks' cuts to be reported "
                      "in effect")
     return Condition("PowerBoosted", True, "SurvivorsBoosted", "; ".join(parts))
+
+
+# How many waiting pods PodsStarted's message names before it says how many more.
+_PODS_NAMED = 3
+
+
+def _started(starting: Starting, spec: FailurePolicySpec | None) -> Condition:
+    """Whether every pod of the running attempt has started; else each waiting pod with why
+    (the scheduler's, the kubelet's), and when the attempt gives up on them."""
+    if not starting.pods:
+        return Condition("PodsStarted", False, "NoPods", "no pod of the attempt is made yet")
+    if not starting.waiting:
+        return Condition("PodsStarted", True, "PodsRunning",
+                         f"the attempt's {starting.pods} pods have started")
+    named = [f"pod {pod}: {reason}: {message}"
+             for pod, reason, message in starting.waiting[:_PODS_NAMED]]
+    more = len(starting.waiting) - _PODS_NAMED
+    then = ""
+    if starting.gives_up_at is not None and spec is not None:
+        at = datetime.fromtimestamp(starting.gives_up_at, UTC).isoformat(timespec="seconds")
+        then = (f"; the attempt gives up on them at {at.replace('+00:00', 'Z')} "
+                f"(failurePolicy.podStartTimeoutSeconds {spec.pod_start_timeout_seconds} s, "
+                f"onPodStartTimeout {spec.on_pod_start_timeout})")
+    return Condition("PodsStarted", False, _reason(starting.waiting[0][1]),
+                     "; ".join(named) + (f"; and {more} more" if more > 0 else "") + then)
+
+
+def _reason(text: str) -> str:
+    """`text` as a condition reason (the schema's pattern): the kubelet's and the scheduler's
+    reasons already are; anything else is kept to its letters and digits."""
+    kept = "".join(c for c in text if c.isascii() and c.isalnum())
+    return kept if kept[:1].isalpha() else f"Waiting{kept}"
 
 
 def _training(trained: JobProgress) -> Condition:
@@ -166,7 +215,8 @@ def _stopped(life: Lifecycle) -> tuple[Condition, ...]:
             Condition("Degraded", False, "NotRunning", "no replica is running"),
             Condition("PowerBoosted", False, "NotRunning", "no GPU of the job is in use"),
             Condition("Training", False, why.reason, why.message),
-            Condition("TrainingOnCPU", False, "NotRunning", "no rank is running"))
+            Condition("TrainingOnCPU", False, "NotRunning", "no rank is running"),
+            Condition("PodsStarted", False, "NotRunning", "no attempt is running"))
 
 
 def _lifecycle(life: Lifecycle, outdated: Sequence[str]) -> tuple[Condition, ...]:
@@ -197,7 +247,8 @@ def conditions(
     plan: JobPlan | None, problems: Sequence[Problem], notes: Sequence[str] = (),
     held: Sequence[str] = (), trained: JobProgress | None = None,
     life: Lifecycle | None = None, outdated: Sequence[str] = (),
-    why: Mapping[GpuId, str] | None = None,
+    why: Mapping[GpuId, str] | None = None, starting: Starting | None = None,
+    policy: FailurePolicySpec | None = None,
 ) -> tuple[Condition, ...]:
     """Ready, Degraded and PowerBoosted; `notes` (ignored health input) go into Ready's message,
     `held` (nodes whose power raise waits for a cut elsewhere in the rack) into PowerBoosted's.
@@ -205,12 +256,16 @@ def conditions(
     TrainingOnCPU (what their ranks train on).
     With the job's lifecycle, Suspended and UpToDate (`outdated`: spec fields the pods lack),
     and Complete or Failed once it finished; a job that runs no attempt has no plan. `why`:
-    what a health source says of a failed GPU, shown beside it in Degraded."""
+    what a health source says of a failed GPU, shown beside it in Degraded. With the running
+    attempt's pods as started or not (`starting`), PodsStarted, and with the job's failure
+    `policy`, when it gives up on them."""
     if life is not None and life.stage is not Stage.RUNNING:
         return (*_stopped(life), *_lifecycle(life, outdated))
     found = (_ready(plan, problems, notes), _degraded(plan, why or {}), _power(plan, held))
     if trained is not None:
         found = (*found, _training(trained), _on_cpu(plan, trained))
+    if starting is not None:
+        found = (*found, _started(starting, policy))
     return found if life is None else (*found, *_lifecycle(life, outdated))
 
 
@@ -284,20 +339,29 @@ def render(
     outdated: Sequence[str] = (),
     tp_layout: str | None = None,
     why: Mapping[GpuId, str] | None = None,
+    memory: Condition | None = None,
+    starting: Starting | None = None,
+    policy: FailurePolicySpec | None = None,
 ) -> dict[str, Any]:
     """The job's whole status. `previous` is the status as observed, `now` an RFC 3339 time;
     `trained` the trainers' progress (None: not observed), `life` where the job is in its life
     (None: running, its first attempt), `outdated` the spec fields its pods lack, `tp_layout`
     the layout of the generation in force (None: the plan's, none being published), `why` what
-    a health source says of a failed GPU."""
+    a health source says of a failed GPU, `memory` the memory plan on its GPUs (FitsMemory,
+    `policies.memory`), `starting` the attempt's pods not started (with the failure
+    `policy` that gives up on them)."""
     before = {c.get("type"): c for c in previous.get("conditions") or []}
     replicas = _replicas(plan) if plan else []
     if plan and len(replicas) < len(plan.replicas):
         notes = (*notes, f"status.replicas lists {len(replicas)} of {len(plan.replicas)} "
                          "replicas, the reduced ones first")
     rendered = []
-    for c in conditions(plan, problems, notes, held, trained, life, outdated, why):
-        status = "True" if c.status else "False"
+    found = conditions(plan, problems, notes, held, trained, life, outdated, why, starting,
+                       policy)
+    if memory is not None and (life is None or life.stage is Stage.RUNNING):
+        found = (*found, memory)
+    for c in found:
+        status = "Unknown" if c.status is None else "True" if c.status else "False"
         old = before.get(c.type) or {}
         since = old.get("lastTransitionTime") if old.get("status") == status else None
         rendered.append({"type": c.type, "status": status, "reason": c.reason,
@@ -314,8 +378,8 @@ def render(
     }
     if trained is not None:
         status["step"] = trained.step
-        if trained.goodput is not None:
-            status["goodput"] = round(trained.goodput, 4)
+        if trained.goodput is not None:  # the schema's bounds: a value past them is refused
+            status["goodput"] = round(min(max(trained.goodput, 0.0), 1.0), 4)
     if life is not None:
         status |= {"attempt": life.attempt, "restarts": life.restarts}
         if life.earlier.wall_seconds:

@@ -9,7 +9,10 @@ in a room of its own (`tessera_operator.policies`):
 1. The spec the operator runs (`job_spec`, read once at the reconcile's edge; else InvalidSpec,
    PipelineParallelNotSupported: nothing made).
 2. Placement (`placement.place`): nodes for the trainer pods the job lacks; too few gives
-   Unschedulable and no child at all. The children are every object the job runs.
+   Unschedulable and no child at all. The memory plan on those nodes' GPUs
+   (`memory.fit`): a healthy layout that does not fit gives MemoryDoesNotFit and no child; a
+   degraded one raises the minimum TP the planner keeps to. The children are every object the
+   job runs.
 3. Health: failed and unknown GPUs of its nodes from its sources (`signal.health_of`).
 4. The plan (`planner.plan`), its boosts and power targets (`power.boosted`), and the next
    generation document (`publish.to_publish`); a layout the job may not publish leaves it
@@ -38,7 +41,11 @@ from tessera_operator.lifecycle import Lifecycle, Stage
 from tessera_operator.observed import Observed, Spec
 from tessera_operator.planner import Problem
 from tessera_operator.policies import life, placement, power, publish, queueing, signal
+from tessera_operator.policies import memory as memory_policy
 from tessera_operator.power_planning import SyncPlan
+
+# Ready's reasons a node change may clear.
+WAITS_FOR_NODES = frozenset({"Unschedulable", memory_policy.DOES_NOT_FIT})
 
 
 @dataclass(frozen=True)
@@ -59,6 +66,7 @@ class _Planned:
     problems: tuple[Problem, ...] = ()
     signal: health.Health = health.Health()  # its GPUs' health, all sources
     lost: health.Health = health.Health()  # the GPUs lost under their processes
+    memory: memory_policy.MemoryFit | None = None  # the memory plan on its GPUs
 
 
 @dataclass(frozen=True)
@@ -66,6 +74,7 @@ class Decision:
     """What steps 0-4 decided for a running attempt, and what applying it met: the status,
     events and power writes are written up from it (`_written`)."""
 
+    spec: Spec
     observed: Observed  # as the attempt sees it (`life.of_attempt`)
     previous: Mapping[str, Any]  # the status as observed
     now: datetime
@@ -117,10 +126,11 @@ class Desired:
 
     @property
     def waits_for_nodes(self) -> bool:
-        """Too few nodes fit the job: any node change may let it be placed."""
+        """Too few nodes fit the job, or their GPUs' memory (`nvidia.com/gpu.memory`) does not
+        hold it: any node change may let it be placed."""
         ready = next((c for c in self.status.get("conditions") or []
                       if c.get("type") == "Ready"), {})
-        return ready.get("reason") == "Unschedulable"
+        return ready.get("reason") in WAITS_FOR_NODES
 
     def pods_rejected(self, why: str) -> Desired:
         """This decision once the API server refused the job's pods (`why`): no plan
@@ -184,8 +194,9 @@ def desired(spec: Spec | Problem, observed: Observed, now: datetime,
     planned = _plan(spec, observed, now)
     # 4. The trainers' progress drives the boosts and the step a planned switch happens at.
     told = workload.steps_told(observed.pods, observed.job)
-    reports, refused_reports = publish.agreed(
-        observed.reports_of(sorted(set(planned.placement.values()))), told)
+    placed = sorted(set(planned.placement.values()))
+    reports, refused_reports = publish.agreed(observed.reports_of(placed), told)
+    refused_reports = (*publish.unreadable(observed.reports, placed), *refused_reports)
     plan, blocked = planned.plan, None
     targets: dict[str, PowerTarget] = {}
     layout: dict[str, Any] | None = None
@@ -203,7 +214,7 @@ def desired(spec: Spec | Problem, observed: Observed, now: datetime,
     children = placement.children(observed.job, spec.whole, planned.placement, found.attempt)
     # 5. Written up: the status, the events, the power writes.
     return replace(_written(Decision(
-        observed, previous, now, found, planned, children, stale, outdated, reports,
+        spec, observed, previous, now, found, planned, children, stale, outdated, reports,
         refused_reports, plan, blocked, targets, layout, in_force)), **writes)
 
 
@@ -215,15 +226,25 @@ def _plan(spec: Spec, observed: Observed, now: datetime) -> _Planned:
     if isinstance(placed, Problem):
         return _Planned(problems=(placed,))
     where, nodes = placed
+    # Before any pod: a job whose healthy layout does not fit its GPUs is not made at all; a
+    # degraded one that does not fit raises the minimum TP the planner keeps to.
+    fits = memory_policy.fit(spec.whole, nodes)
+    if fits.fits is False:
+        return _Planned(problems=(Problem(fits.reason, fits.message),), memory=fits)
+    if fits.min_tp is not None and fits.min_tp > run.min_tp_or_default:
+        run = replace(run, min_tp=fits.min_tp)
     domains = planner.node_domains(nodes, run.domain_label)
     if (unpowered := planner.budget_problem(run, domains)) is not None:
         return _Planned(problems=(unpowered,))
     found, lost = signal.health_of(spec.whole, observed, where, nodes, now)
-    if run.restarts_on_loss and (in_force := observed.layout.generation) is not None:
+    published = observed.layout.generation
+    if run.restarts_on_loss and published is not None:
         # An attempt keeps its first layout: its plan is that layout's nodes, the spares idle.
-        domains = {n: d for n, d in domains.items() if n in {g.node for g in in_force.gpus}}
+        domains = {n: d for n, d in domains.items() if n in {g.node for g in published.gpus}}
+    found = found.merge(publish.held_back(
+        published, observed.reports_of(sorted(set(where.values()))), lost.failed))
     plan = planner.plan(run, domains, found.failed)
-    return _Planned(where, plan, plan.problems, found, lost)
+    return _Planned(where, plan, plan.problems, found, lost, fits)
 
 
 def _written(decision: Decision, sync: SyncPlan | None = None) -> Desired:
@@ -244,23 +265,32 @@ def _written(decision: Decision, sync: SyncPlan | None = None) -> Desired:
         notes, held = (*notes, f"power targets refused: {d.refused}"), ()
     trained = None if in_force is None else progress.summarize(
         d.reports, in_force.generation, sorted({g.node for g in in_force.gpus}), d.life.earlier)
+    spec = d.spec.whole
+    starting = life.starting(spec, d.observed, d.life.attempt)
     status = conditions.render(
         plan, problems, d.previous, now=format_time(d.now),
         generation=int(job["metadata"].get("generation", 0)),
         layout_generation=layout_generation, notes=notes, held=held, trained=trained,
         life=d.life, outdated=d.outdated,
         tp_layout=None if in_force is None else planner.format_layout(in_force.tp_degrees),
-        why=signal_.reasons)
+        why=signal_.reasons, memory=_fits_memory(d.planned.memory), starting=starting,
+        policy=spec.failure_policy)
     events = []
     if layout_generation != int(d.previous.get("layoutGeneration", 0)) and plan is not None:
         events.append(Event("Normal", "LayoutChanged",
                             f"layout generation {layout_generation}: TP {plan.tp_layout or '-'}"))
-    recheck = signal_.recheck_at
+    recheck = min((t for t in (signal_.recheck_at, starting.gives_up_at) if t is not None),
+                  default=None)
     return Desired(d.planned.placement, d.children, layout, d.observed.layout.resource_version,
                    targets, held, status, (*events, *_condition_events(d.previous, status)),
                    delete_configmaps=d.stale,
                    requeue_after=None if recheck is None else recheck - d.now.timestamp(),
                    sync=sync, decision=d)
+
+
+def _fits_memory(fits: memory_policy.MemoryFit | None) -> conditions.Condition | None:
+    return None if fits is None else conditions.Condition(
+        "FitsMemory", fits.fits, fits.reason, fits.message)
 
 
 def _stopped(spec: Spec, observed: Observed, now: datetime, found: Lifecycle,
@@ -320,7 +350,7 @@ def _condition_events(previous: Mapping[str, Any], status: Mapping[str, Any]
     for c in conditions.changed(previous, status):
         bad = (c["type"], c["status"]) in {("Ready", "False"), ("Degraded", "True"),
                                            ("Failed", "True"), ("UpToDate", "False"),
-                                           ("TrainingOnCPU", "True")}
+                                           ("TrainingOnCPU", "True"), ("FitsMemory", "False")}
         events.append(Event("Warning" if bad else "Normal", c["reason"],
                             f"{c['type']}={c['status']}: {c['message']}"))
     return tuple(events)

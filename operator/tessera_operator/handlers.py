@@ -2,9 +2,9 @@
 (`reconcile.reconcile`); and kopf's indices, which the mapping and the reconciles read.
 
 Triggers: the job seen (created, or listed when the operator starts) or its spec changed, and
-its slow resync (`jobqueue.JobQueue.after`); one of its pods
-changing phase or address (the rendezvous gets one: generation 1 can be published; a trainer
-ends); a node agent's progress report; a change to one of its nodes' labels, GPUs, cordons or
+its slow resync (`jobqueue.JobQueue.after`); one of its pods changing phase or address (the
+rendezvous gets one: generation 1 can be published; a trainer ends) or why it waits to start;
+a node agent's progress report; a change to one of its nodes' labels, GPUs, cordons or
 schedulability (and any node change for the jobs too few nodes fit); a GPU's state or
 XIDs in its nodes' GPUHealth; a device taint on its nodes' GPUs (their ResourceSlices, any
 DeviceTaintRule) or a device its pod reports not Healthy; Kueue admitting or evicting
@@ -42,6 +42,7 @@ from tessera_contracts.unreadable import Unreadable
 from tessera_operator import (
     apply,
     dra_health,
+    lifecycle,
     metrics,
     observe,
     power_targets,
@@ -221,9 +222,12 @@ async def on_pod(type: str, namespace: str, name: str, labels: kopf.Labels,
                  status: kopf.Status, memo: kopf.Memo, logger: logging.Logger,
                  **indices: Any) -> None:
     """Reconcile a job when one of its pods gets an address (the rendezvous: generation 1
-    can be published), ends, disappears, or reports a device of its claims not Healthy."""
+    can be published), ends, disappears, reports a device of its claims not Healthy, or waits
+    to start for another reason (unschedulable, an image not pulled: the job's PodsStarted says
+    so)."""
+    waits = lifecycle.waiting({"metadata": {}, "status": dict(status)})
     facts = None if type == "DELETED" else (status.get("phase"), status.get("podIP"),
-                                            _resource_health(status))
+                                            _resource_health(status), waits and waits[0])
     if memo.seen.changed(("Pod", namespace, name), facts):
         await _reconcile_soon(memo, (namespace, labels[JOB_LABEL]), logger, _indices(indices))
 

@@ -24,7 +24,7 @@ from tessera_contracts.gpuhealth import (
     State,
     is_fatal,
 )
-from tessera_contracts.progress import NodeReport
+from tessera_contracts.progress import NodeReport, report_period
 from tessera_contracts.unreadable import Unreadable
 
 GpuId = tuple[str, int]
@@ -97,8 +97,9 @@ def from_lost_nodes(nodes: Iterable[Mapping[str, Any]], gpus_per_node: int, *,
     when it is one of the job's `placed` nodes but gone from the API (`nodes` lacks it), when
     the job's trainer pod on it is `leaving` (being deleted), or when it is one of the job's
     nodes and the job's own node agents report it `silent` (its agent's heartbeat stopped:
-    `ntp.nodeagent.heartbeat`; in seconds, long before its kubelet's silence shows). A silent
-    node is lost for as long as an agent reports it: once it beats again, it is not.
+    `ntp.nodeagent.heartbeat`; in seconds, long before its kubelet's silence shows; the
+    reports judged by `heard_silent`). A silent node is lost for as long as its agents report
+    it: once it beats again, it is not.
 
     When every node of the job stopped reporting at once, that is taken for the control
     plane's view failing (as the node lifecycle controller takes a fully disrupted zone), not
@@ -121,6 +122,58 @@ def from_lost_nodes(nodes: Iterable[Mapping[str, Any]], gpus_per_node: int, *,
     failed = {(name, i) for name in why for i in range(gpus_per_node)}
     problems += [f"node {name}: {reason}: its GPUs are lost" for name, reason in why.items()]
     return Health(frozenset(failed), tuple(problems))
+
+
+# A node the job's agents report silent is lost on the word of this many of them (each node has
+# two watchers in a job of three nodes or more, `ntp.nodeagent.heartbeat.WATCHED`), or of one
+# once its own report is this late past its agent's report period (writes, their latency and
+# the nodes' clocks): one pod's report alone never takes another node's GPUs.
+SILENT_WITNESSES = 2
+REPORT_LATE_S = 3.0
+
+
+@dataclass(frozen=True)
+class Silence:
+    """The nodes the job's agents report silent on evidence that does not rest on one pod's
+    word (`heard_silent`), why the others are not taken yet, and when one of those would be."""
+
+    nodes: frozenset[str] = frozenset()
+    problems: tuple[str, ...] = ()
+    recheck_at: float | None = None
+
+
+def heard_silent(reports: Mapping[str, NodeReport | None], now: float | None) -> Silence:
+    """The job's nodes its node agents report silent (`NodeReport.silent_nodes`) that count as
+    lost: those `SILENT_WITNESSES` other nodes' reports name, and those one names whose own
+    report has gone unwritten for its report period (`progress.report_period`) plus
+    `REPORT_LATE_S` by `now` (Unix seconds; None: by witnesses only). A node that lives on
+    writes its report at least that often, and at once when a generation it runs ends, as a
+    real accuser's does; a frozen one writes nothing. `reports`: the job's nodes' (None where
+    a node has none)."""
+    accusers: dict[str, set[str]] = {}
+    for node, report in reports.items():
+        for accused in () if report is None else report.silent_nodes:
+            if accused != node:
+                accusers.setdefault(accused, set()).add(node)
+    period = report_period(len(reports))
+    silent: set[str] = set()
+    problems: list[str] = []
+    rechecks: list[float] = []
+    for accused, by in sorted(accusers.items()):
+        own = reports.get(accused)
+        last = None if own is None else own.reported_at
+        late_at = None if last is None else last + period + REPORT_LATE_S
+        if len(by) >= SILENT_WITNESSES or (now is not None and late_at is not None
+                                           and now >= late_at):
+            silent.add(accused)
+            continue
+        then = "" if late_at is None else \
+            f", or once its own report is {period + REPORT_LATE_S:.0f} s old"
+        problems.append(f"node {accused}: reported silent by {', '.join(sorted(by))} alone: "
+                        f"lost when another node's agent agrees{then}")
+        if late_at is not None and now is not None:
+            rechecks.append(late_at)
+    return Silence(frozenset(silent), tuple(problems), min(rechecks, default=None))
 
 
 def from_rank_deaths(reports: Mapping[str, NodeReport | None], gpus_per_node: int, *,
@@ -146,7 +199,8 @@ def from_rank_deaths(reports: Mapping[str, NodeReport | None], gpus_per_node: in
     for node, report in sorted(reports.items()):
         if report is None:
             continue
-        for index, at in sorted(report.rank_deaths.items()):
+        for index, death in sorted(report.rank_deaths.items()):
+            at = death.at
             if index >= gpus_per_node:
                 continue  # not a GPU of the job's
             if at - now > hold_s:
@@ -158,7 +212,8 @@ def from_rank_deaths(reports: Mapping[str, NodeReport | None], gpus_per_node: in
             if waiting:
                 ends.append(at + hold_s)
             if waiting != settled:
-                failed[(node, index)] = "its rank died (its node agent saw it exit)"
+                failed[(node, index)] = "its rank died (its node agent saw it exit" + (
+                    f": {death.error})" if death.error else ")")
     if failed and not settled:
         problems.append(f"GPUs {', '.join(f'{n}/{i}' for n, i in sorted(failed))} out of the "
                         f"layout: their rank died; back once DCGM calls them healthy after it, "

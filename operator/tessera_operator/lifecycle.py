@@ -78,9 +78,11 @@ def attempt_pods(pods: Sequence[Mapping[str, Any]], attempt: int
 
 def lifecycle(job: Mapping[str, Any], spec: NTPTrainingJobSpec,
               pods: Sequence[Mapping[str, Any]], reports: Mapping[str, NodeReport | None],
-              now: datetime) -> Lifecycle:
+              now: datetime, ended_by: Failure | None = None) -> Lifecycle:
     """Where `job` (its spec typed: `spec`) is, given the pods it controls and its attempt's
-    progress reports."""
+    progress reports; `ended_by`: a failure of the running attempt that its pods do not show
+    (the life policy's: a GPU of its layout lost, a rank that died again, pods that never
+    started), which ends it as a failed trainer pod does."""
     status = job.get("status") or {}
     attempt, restarts = int(status.get("attempt", 0)), int(status.get("restarts", 0))
     earlier = Account.from_status(status.get("earlierAttempts"))
@@ -89,7 +91,8 @@ def lifecycle(job: Mapping[str, Any], spec: NTPTrainingJobSpec,
     finish = finished(status)
     if finish is None:
         failed, done = outcome(workload.trainer_pods(mine, job))
-        budget = spec.failure_policy.max_restarts
+        failed = failed or ended_by
+        budget = spec.failure_policy.max_restarts if failed is None or failed.retries else 0
         if failed is not None and restarts < budget:
             # The restart's downtime counts from the failure: the attempt's reports end at
             # their last write, and the failed node's agent wrote none after.
@@ -98,7 +101,7 @@ def lifecycle(job: Mapping[str, Any], spec: NTPTrainingJobSpec,
                              failed.at or format_time(now), ended=True,
                              delete_pods=_live(pods))
         if failed is not None:
-            reason = "RestartLimitReached" if budget else "TrainerFailed"
+            reason = failed.reason or ("RestartLimitReached" if budget else "TrainerFailed")
             more = f" after {restarts} restart(s), failurePolicy.maxRestarts {budget}" \
                 if budget else ""
             finish = Finish(False, reason, failed.message + more, format_time(now))
@@ -159,10 +162,14 @@ def finished(status: Mapping[str, Any]) -> Finish | None:
 
 @dataclass(frozen=True)
 class Failure:
-    """The first trainer pod of an attempt that failed."""
+    """What ended an attempt: the first trainer pod that failed, or a failure the life policy
+    found. `retries`: whether the job's restart budget may restart it (else it fails the job,
+    for `reason`)."""
 
     message: str
-    at: str | None  # when its container ended (RFC 3339), when the kubelet says
+    at: str | None  # when it failed (RFC 3339; a container's end, when the kubelet says)
+    retries: bool = True
+    reason: str | None = None  # the Failed condition's; None: by the restart budget
 
 
 def outcome(trainer_pods: Sequence[Mapping[str, Any]]) -> tuple[Failure | None, bool]:
@@ -178,6 +185,50 @@ def outcome(trainer_pods: Sequence[Mapping[str, Any]]) -> tuple[Failure | None, 
     done = bool(trainer_pods) and all((p.get("status") or {}).get("phase") == SUCCEEDED
                                       for p in trainer_pods)
     return None, done
+
+
+@dataclass(frozen=True)
+class Starting:
+    """The running attempt's pods that have not started (`waiting`), each with why (pod,
+    reason, message, by name), of its `pods` in all, and when the attempt gives up on the
+    first of them (Unix seconds; None: none waits)."""
+
+    waiting: tuple[tuple[str, str, str], ...] = ()
+    pods: int = 0
+    gives_up_at: float | None = None
+
+
+# Waiting reasons of a container on its way to start: no more than that it is not started yet.
+_STARTING = ("ContainerCreating", "PodInitializing")
+
+
+def waiting(pod: Mapping[str, Any]) -> tuple[str, str] | None:
+    """Why `pod` has not started, as the scheduler and the kubelet say (a reason and a
+    message): not scheduled, an init container waiting or still running, a container waiting
+    (its image not pulled, its configuration missing); None once it runs or ended, or while it
+    is being deleted."""
+    status = pod.get("status") or {}
+    if status.get("phase") in ("Running", SUCCEEDED, FAILED) \
+            or pod["metadata"].get("deletionTimestamp"):
+        return None
+    scheduled = next((c for c in status.get("conditions") or []
+                      if c.get("type") == "PodScheduled"), {})
+    if scheduled.get("status") == "False":
+        return scheduled.get("reason") or "Unschedulable", scheduled.get("message") or ""
+    if not scheduled:
+        return "Pending", "not scheduled yet"
+    for kind, statuses in (("init container", status.get("initContainerStatuses")),
+                           ("container", status.get("containerStatuses"))):
+        for container in statuses or []:
+            state = container.get("state") or {}
+            where = f"{kind} {container.get('name', '?')}"
+            if (held := state.get("waiting")) and held.get("reason") not in _STARTING:
+                return str(held.get("reason") or "Waiting"), \
+                    f"{where}: {held.get('message') or 'waiting'}"
+            if kind == "init container" and "running" in state:
+                return "InitContainerRunning", \
+                    f"{where} running since {state['running'].get('startedAt', '?')}"
+    return "ContainerCreating", "its containers are being created"
 
 
 def _live(pods: Sequence[Mapping[str, Any]], running_only: bool = False) -> tuple[str, ...]:

@@ -28,6 +28,7 @@ from tessera_contracts.jobspec import (
     NTPTrainingJobSpec,
     PowerPolicySpec,
     SpecError,
+    min_tensor_parallel,
     schema_default,
 )
 from tessera_contracts.model_shape import ModelShape, PlanError
@@ -60,7 +61,7 @@ class JobSpec:
 
     @property
     def min_tp_or_default(self) -> int:
-        return self.min_tp or max(1, self.tp // 2)
+        return min_tensor_parallel(self.tp, self.min_tp)
 
     @property
     def restarts_on_loss(self) -> bool:

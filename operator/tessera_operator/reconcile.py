@@ -6,7 +6,8 @@ inputs parsed once, here) -> decide the desired state once (`desired`, a pure fu
 spec, the observation and the clock) -> act idempotently (`apply`: deterministic child names,
 writes only where the world differs), what the API server refuses written into the decision
 (`Desired.pods_rejected`, `Desired.power_refused`) rather than deciding again -> the status
-rebuilt from the world, with Conditions and one event per decision. A job waiting for something
+rebuilt from the world, with Conditions and one event per decision (a status the API server
+refuses is said in Ready and an event, not retried in a loop). A job waiting for something
 (a rendezvous address, an agent's report) is brought back by that thing's watch event
 (`handlers`), and the resync catches up with anything missed.
 """
@@ -15,11 +16,14 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Mapping
+from datetime import datetime
+from typing import Any
 
 import kopf
 
 from tessera_contracts.powertarget import format_time
-from tessera_operator import apply, desired, metrics, observe
+from tessera_operator import apply, conditions, desired, metrics, observe
 from tessera_operator.jobqueue import JobKey
 from tessera_operator.observed import ours
 from tessera_operator.planner import Problem
@@ -47,6 +51,7 @@ def reconcile(memo: kopf.Memo, key: JobKey, logger: logging.Logger,
         job = observe.job(api, key)
         if job is None:
             queue.forget(key)
+            memo.status_refused.pop(key, None)
             return None
         if job["metadata"].get("deletionTimestamp") or not ours(job):
             return None
@@ -71,8 +76,8 @@ def reconcile(memo: kopf.Memo, key: JobKey, logger: logging.Logger,
                     api, memo.nodes, indices, observed, placement.selector(spec),
                     lambda seen: placement.chosen_nodes(spec, seen))
             wanted = desired.desired(spec, observed, now, queued)
-            if wanted.ended:
-                apply.status(api, job, wanted.status)
+            if wanted.ended and not _status(memo, key, job, wanted, now, logger):
+                return RESYNC_INTERVAL_S  # its account is not recorded: nothing is deleted
             apply.leftovers(api, job, wanted)
             rejected = apply.children(api, observed, wanted)
             if rejected is not None:
@@ -93,8 +98,33 @@ def reconcile(memo: kopf.Memo, key: JobKey, logger: logging.Logger,
         queue.hold(key, bool(wanted.held))
         # 4. The status, written when it differs; an event per decision.
         if not wanted.ended:
-            apply.status(api, job, wanted.status)
+            _status(memo, key, job, wanted, now, logger)
         apply.events(job, wanted.events, logger)
         if placing and memo.nodes.changes != nodes_seen:
             return REPLACE_AFTER_S
         return min(wanted.requeue_after or RESYNC_INTERVAL_S, RESYNC_INTERVAL_S)
+
+
+def _status(memo: kopf.Memo, key: JobKey, job: Mapping[str, Any], wanted: desired.Desired,
+            now: datetime, logger: logging.Logger) -> bool:
+    """Write the job's status; False when the API server refused it as invalid. A refusal is
+    logged, said in Ready over the status the server last took (`conditions.refused`; that
+    write refused too, it is said no more there) and in a Warning event with the server's
+    message, once per message: the same status would be refused again, so the write waits
+    for the next change the watches bring (or the resync) instead of a retry in a loop."""
+    refused = apply.status(memo.api, job, wanted.status)
+    said: dict[JobKey, str] = memo.status_refused
+    if refused is None:
+        said.pop(key, None)
+        return True
+    logger.warning(f"job {key[0]}/{key[1]}: status refused by the API server: {refused}")
+    generation = int(job["metadata"].get("generation", 0))
+    if apply.status(memo.api, job, conditions.refused(
+            job.get("status") or {}, refused, format_time(now), generation)) is not None:
+        logger.warning(f"job {key[0]}/{key[1]}: its Ready condition refused too")
+    if said.get(key) != refused:
+        said[key] = refused
+        apply.events(job, (desired.Event("Warning", "StatusRefused", (
+            f"the API server refused the job's status, which stays as it was: {refused}")),),
+            logger)
+    return False

@@ -3,7 +3,8 @@
 What the handlers share lives in kopf's memo: the API client, the clock (injected, so tests and
 simulations drive the same code in their own time), the node cache (`cache.NodeCache`), the
 last-seen filters of the watch predicates (`cache.LastSeen`), the job queue
-(`jobqueue.JobQueue`) and the placement lock.
+(`jobqueue.JobQueue`), the placement lock and each job's last refused status write (said
+once). kopf gives each object a shallow copy of the memo: what is shared is made here.
 """
 
 from __future__ import annotations
@@ -81,6 +82,7 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     memo.seen = cache.LastSeen()
     memo.queue = jobqueue.JobQueue()
     memo.placing = threading.Lock()  # one job's placement at a time
+    memo.status_refused = {}  # job -> the API server's last refusal of its status, said once
 
 
 @kopf.on.cleanup()

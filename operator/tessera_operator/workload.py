@@ -54,7 +54,8 @@ _TRAINER_POD = re.compile(r"-node-(\d+)$")
 SHM_VOLUME, SHM_PATH = "tessera-shm", "/dev/shm"
 # The spec fields a pod is made from (`pod_inputs`).
 POD_INPUTS = ("image", "command", "args", "steps", "checkpointPolicy", "data", "initialWeights",
-              "precision", "template", "gpuResourceClaim")
+              "precision", "microBatchSize", "activationCheckpointing", "optimizer", "eval",
+              "template", "gpuResourceClaim")
 # What the rendezvous pod takes of the template's pod spec.
 RENDEZVOUS_FIELDS = ("nodeSelector", "tolerations", "priorityClassName", "schedulerName",
                      "imagePullSecrets", "securityContext")
@@ -429,8 +430,9 @@ def gpu_resources(own: Mapping[str, Any], spec: NTPTrainingJobSpec) -> dict[str,
 
 def rank_args(spec: NTPTrainingJobSpec) -> list[str]:
     """Trainer options every rank gets from the spec: checkpoints where the job keeps them, the
-    weights it starts from, the dataset it reads, its precision, its optimizer state sharded
-    across replicas (`spec.args` come after them, and so win over them)."""
+    weights it starts from, the dataset it reads, its precision, micro-batches, activation
+    checkpointing, the optimizer and its schedule (its state sharded across replicas when
+    the spec says so), the evaluation (`spec.args` come after them, and so win over them)."""
     args: list[str] = []
     checkpoint = spec.checkpoint_policy
     if checkpoint.path:
@@ -442,9 +444,25 @@ def rank_args(spec: NTPTrainingJobSpec) -> list[str]:
         args += ["--data", spec.data.path]
         if spec.data.tokenizer:
             args += ["--tokenizer", spec.data.tokenizer]
-    if spec.sharded_state:
+    args += ["--precision", spec.precision]
+    if spec.micro_batch_size is not None:
+        args += ["--micro-batch-size", str(spec.micro_batch_size)]
+    recompute, optimizer = spec.activation_checkpointing, spec.optimizer
+    schedule = optimizer.schedule
+    args += ["--activation-checkpointing", recompute.mode,
+             "--activation-checkpointing-every", str(recompute.every),
+             "--lr", str(optimizer.learning_rate), "--weight-decay", str(optimizer.weight_decay),
+             "--lr-schedule", schedule.type, "--warmup-steps", str(schedule.warmup_steps),
+             "--decay-steps", str(schedule.decay_steps),
+             "--min-lr-ratio", str(schedule.min_ratio)]
+    if optimizer.weight_decay_all:
+        args.append("--weight-decay-all")
+    if optimizer.sharded_state:
         args.append("--sharded-state")
-    return [*args, "--precision", spec.precision]
+    if spec.eval is not None:
+        args += ["--eval-every", str(spec.eval.every_steps),
+                 "--eval-samples", str(spec.eval.samples)]
+    return args
 
 
 def rendezvous_pod(job: Mapping[str, Any], spec: NTPTrainingJobSpec, attempt: int = 0

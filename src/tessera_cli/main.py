@@ -29,10 +29,10 @@ COMMANDS: Commands = {
                   "their GPUs to settle), stop the operator (before removing Tessera)"),
     # The trainer's tools (the trainer extra: torch, tokenizers, safetensors).
     "prepare-data": ("ntp.prepare", "tokenize text, JSONL or Parquet files into a dataset"),
-    "import-hf": ("ntp.hf:import_main",
-                  "write a Hugging Face Llama directory as a job's initial checkpoint"),
-    "export-hf": ("ntp.hf:export_main",
-                  "write a checkpoint's weights as a Hugging Face Llama directory"),
+    "import-hf": ("ntp.hf_cli:import_main",
+                  "write a Hugging Face directory as a job's first checkpoint"),
+    "export-hf": ("ntp.hf_cli:export_main",
+                  "write a checkpoint as a Hugging Face directory (bf16 or fp32)"),
 }
 
 

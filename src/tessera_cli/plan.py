@@ -12,7 +12,7 @@ from typing import Any
 import yaml
 
 from tessera_contracts.api import JOB_KIND
-from tessera_contracts.jobspec import SpecError, defaulted
+from tessera_contracts.jobspec import NTPTrainingJobSpec, SpecError
 from tessera_contracts.model_shape import PlanError
 from tessera_core.memory import (
     CHECKPOINTING,
@@ -144,9 +144,10 @@ def main(argv: list[str] | None = None) -> int:
     status = 0
     for name, spec in jobs:
         try:
-            job, training = plan_inputs(spec)
+            typed = NTPTrainingJobSpec.from_spec(spec)
+            job, training = plan_inputs(typed)
             gpu_bytes = override if override is not None else (
-                parse_bytes(spec["gpuMemory"]) if "gpuMemory" in spec else None)
+                None if typed.gpu_memory is None else parse_bytes(typed.gpu_memory))
             if gpu_bytes is None:
                 assessment, plans = None, plan_memory(job, training)
             else:
@@ -164,10 +165,9 @@ def main(argv: list[str] | None = None) -> int:
         unit, rows = table(plans, gpu_bytes)
         print(f"\nper GPU, {unit} (each layout's rank that needs the most; batch: micro-batch / "
               f"local batch):\n{rows}\n\n{activation_modes(job, training)}")
-        stages = int(defaulted(spec)["pipelineParallelSize"])
-        if stages > 1:
+        if typed.pipeline_parallel_size > 1:
             try:
-                print(pipeline_stages(job, training, stages))
+                print(pipeline_stages(job, training, typed.pipeline_parallel_size))
             except PlanError as exc:
                 print(f"tessera plan: {name}: {exc}", file=sys.stderr)
                 status = 1

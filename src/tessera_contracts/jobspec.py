@@ -63,8 +63,8 @@ def schema_default(path: str) -> Any:
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """`spec.model`: a Llama-style decoder's dimensions as written (`shape` says whether they
-    make one)."""
+    """`spec.model`: a decoder's dimensions and what its family adds, as written (`shape` says
+    whether they make one; a family field left out is absent here too)."""
 
     hidden: int
     heads: int
@@ -73,15 +73,30 @@ class ModelSpec:
     vocab: int
     layers: int
     seq_len: int
+    head_dim: int | None = None
+    qkv_bias: bool | None = None
+    qk_norm: bool | None = None
+    tied_embeddings: bool | None = None
+    sliding_window: int | None = None
+    rope_scaling: Mapping[str, Any] | None = None  # as written: `shape` checks it
 
-    def to_spec(self) -> dict[str, int]:
+    def to_spec(self) -> dict[str, Any]:
         return {"hidden": self.hidden, "heads": self.heads, "kvHeads": self.kv_heads,
                 "ffn": self.ffn, "vocab": self.vocab, "layers": self.layers,
-                "seqLen": self.seq_len}
+                "seqLen": self.seq_len} | _present(
+            headDim=self.head_dim, qkvBias=self.qkv_bias, qkNorm=self.qk_norm,
+            tiedEmbeddings=self.tied_embeddings, slidingWindow=self.sliding_window,
+            ropeScaling=None if self.rope_scaling is None else dict(self.rope_scaling))
 
     def shape(self) -> ModelShape:
-        """The decoder these dimensions make; PlanError when they make none."""
+        """The decoder this spec describes; PlanError when it describes none."""
         return ModelShape.from_spec(self.to_spec())
+
+
+def min_tensor_parallel(tp: int, configured: int | None) -> int:
+    """The lowest TP degree a replica of healthy degree `tp` may shrink to: the configured
+    failurePolicy.minTensorParallelSize, else half the healthy degree."""
+    return configured or max(1, tp // 2)
 
 
 @dataclass(frozen=True)
@@ -94,12 +109,16 @@ class FailurePolicySpec:
     max_restarts: int
     rank_death_hold_seconds: int
     fatal_xids: tuple[int, ...]
+    pod_start_timeout_seconds: int
+    on_pod_start_timeout: str  # Restart or Fail
 
     def to_spec(self) -> dict[str, Any]:
         return {"mode": str(self.mode), "healthSources": list(self.health_sources),
                 "maxRestarts": self.max_restarts,
                 "rankDeathHoldSeconds": self.rank_death_hold_seconds,
-                "fatalXIDs": list(self.fatal_xids)} | _present(
+                "fatalXIDs": list(self.fatal_xids),
+                "podStartTimeoutSeconds": self.pod_start_timeout_seconds,
+                "onPodStartTimeout": self.on_pod_start_timeout} | _present(
             minTensorParallelSize=self.min_tensor_parallel_size)
 
 
@@ -143,6 +162,58 @@ class DataSpec:
 
 
 @dataclass(frozen=True)
+class ActivationCheckpointingSpec:
+    """`spec.activationCheckpointing`."""
+
+    mode: str  # none, full, selective
+    every: int
+
+    def to_spec(self) -> dict[str, Any]:
+        return {"mode": self.mode, "every": self.every}
+
+
+@dataclass(frozen=True)
+class ScheduleSpec:
+    """`spec.optimizer.schedule`."""
+
+    type: str  # constant, cosine, wsd
+    warmup_steps: int
+    decay_steps: int
+    min_ratio: float
+
+    def to_spec(self) -> dict[str, Any]:
+        return {"type": self.type, "warmupSteps": self.warmup_steps,
+                "decaySteps": self.decay_steps, "minRatio": self.min_ratio}
+
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    """`spec.optimizer`."""
+
+    learning_rate: float
+    weight_decay: float
+    weight_decay_all: bool
+    schedule: ScheduleSpec
+    sharded_state: bool
+
+    def to_spec(self) -> dict[str, Any]:
+        return {"learningRate": self.learning_rate, "weightDecay": self.weight_decay,
+                "weightDecayAll": self.weight_decay_all, "schedule": self.schedule.to_spec(),
+                "shardedState": self.sharded_state}
+
+
+@dataclass(frozen=True)
+class EvalSpec:
+    """`spec.eval`: the loss on a held-out split."""
+
+    every_steps: int
+    samples: int
+
+    def to_spec(self) -> dict[str, Any]:
+        return {"everySteps": self.every_steps, "samples": self.samples}
+
+
+@dataclass(frozen=True)
 class NTPTrainingJobSpec:
     """An NTPTrainingJob's whole spec, defaulted as the API server stores it; each field is the
     CRD's of the same name (docs/crd-reference.md), None where an optional one is absent."""
@@ -168,10 +239,14 @@ class NTPTrainingJobSpec:
     checkpoint_policy: CheckpointPolicySpec
     data: DataSpec | None
     initial_weights: str | None  # initialWeights.path
+    micro_batch_size: int | None  # None: each replica's share in one pass
+    activation_checkpointing: ActivationCheckpointingSpec
+    optimizer: OptimizerSpec
+    eval: EvalSpec | None
+    gpu_memory: str | None  # a quantity; None: the nodes' nvidia.com/gpu.memory label
     # The pod template as written: a Kubernetes PodTemplateSpec the operator merges its pods
     # into (shared, never changed).
     template: Mapping[str, Any]
-    sharded_state: bool = False  # optimizer.shardedState: AdamW state sharded across replicas
     # The template's pod resource claim that holds the node's GPUs (DRA); None: the trainer
     # container asks for them as the extended resource nvidia.com/gpu.
     gpu_resource_claim: str | None = None
@@ -180,6 +255,13 @@ class NTPTrainingJobSpec:
     def trainers(self) -> int:
         """The job's trainer pods: one per node."""
         return self.total_gpus // self.gpus_per_node
+
+    @property
+    def min_tensor_parallel_size(self) -> int:
+        """The lowest TP degree a replica may shrink to: failurePolicy.minTensorParallelSize,
+        else half the healthy degree."""
+        return min_tensor_parallel(self.tensor_parallel_size,
+                                   self.failure_policy.min_tensor_parallel_size)
 
     @classmethod
     def from_spec(cls, spec: Mapping[str, Any]) -> NTPTrainingJobSpec:
@@ -193,7 +275,11 @@ class NTPTrainingJobSpec:
             hidden=model.integer("hidden"), heads=model.integer("heads"),
             kv_heads=model.integer("kvHeads"), ffn=model.integer("ffn"),
             vocab=model.integer("vocab"), layers=model.integer("layers"),
-            seq_len=model.integer("seqLen"))
+            seq_len=model.integer("seqLen"), head_dim=model.optional_integer("headDim"),
+            qkv_bias=model.optional_flag("qkvBias"), qk_norm=model.optional_flag("qkNorm"),
+            tied_embeddings=model.optional_flag("tiedEmbeddings"),
+            sliding_window=model.optional_integer("slidingWindow"),
+            rope_scaling=rope.value if (rope := model.optional_child("ropeScaling")) else None)
         failure = top.child("failurePolicy")
         mode = failure.text("mode")
         if mode not in FailurePolicy.__members__.values():
@@ -205,6 +291,10 @@ class NTPTrainingJobSpec:
         checkpoint = top.child("checkpointPolicy")
         data = top.optional_child("data")
         weights = top.optional_child("initialWeights")
+        checkpointing = top.child("activationCheckpointing")
+        optimizer = top.child("optimizer")
+        schedule = optimizer.child("schedule")
+        evaluation = top.optional_child("eval")
         return cls(
             image=top.text("image"), command=top.optional_texts("command"),
             args=top.optional_texts("args"), model=typed_model, tensor_parallel_size=tp,
@@ -220,7 +310,9 @@ class NTPTrainingJobSpec:
                 health_sources=failure.texts("healthSources"),
                 max_restarts=failure.integer("maxRestarts"),
                 rank_death_hold_seconds=failure.integer("rankDeathHoldSeconds"),
-                fatal_xids=failure.integers("fatalXIDs")),
+                fatal_xids=failure.integers("fatalXIDs"),
+                pod_start_timeout_seconds=failure.integer("podStartTimeoutSeconds"),
+                on_pod_start_timeout=failure.choice("onPodStartTimeout", ("Restart", "Fail"))),
             power_policy=None if power is None else PowerPolicySpec(
                 base_cap_watts=power.integer("baseCapWatts"),
                 boost_cap_watts=power.integer("boostCapWatts"),
@@ -232,8 +324,23 @@ class NTPTrainingJobSpec:
             data=None if data is None else DataSpec(
                 path=data.text("path"), tokenizer=data.optional_text("tokenizer")),
             initial_weights=None if weights is None else weights.text("path"),
+            micro_batch_size=top.optional_integer("microBatchSize"),
+            activation_checkpointing=ActivationCheckpointingSpec(
+                mode=checkpointing.text("mode"), every=checkpointing.integer("every")),
+            optimizer=OptimizerSpec(
+                learning_rate=optimizer.number("learningRate"),
+                weight_decay=optimizer.number("weightDecay"),
+                weight_decay_all=optimizer.flag("weightDecayAll"),
+                schedule=ScheduleSpec(
+                    type=schedule.text("type"), warmup_steps=schedule.integer("warmupSteps"),
+                    decay_steps=schedule.integer("decaySteps"),
+                    min_ratio=schedule.number("minRatio")),
+                sharded_state=optimizer.flag("shardedState")),
+            eval=None if evaluation is None else EvalSpec(
+                every_steps=evaluation.integer("everySteps"),
+                samples=evaluation.integer("samples")),
+            gpu_memory=top.optional_text("gpuMemory"),
             template=top.child("template").value,
-            sharded_state=top.child("optimizer").flag("shardedState"),
             gpu_resource_claim=_gpu_claim(top))
 
     def to_spec(self) -> dict[str, Any]:
@@ -248,6 +355,8 @@ class NTPTrainingJobSpec:
             "globalBatch": self.global_batch, "precision": self.precision,
             "suspend": self.suspend, "failurePolicy": self.failure_policy.to_spec(),
             "checkpointPolicy": self.checkpoint_policy.to_spec(), "template": self.template,
+            "activationCheckpointing": self.activation_checkpointing.to_spec(),
+            "optimizer": self.optimizer.to_spec(),
         } | _present(
             command=None if self.command is None else list(self.command),
             args=None if self.args is None else list(self.args),
@@ -256,6 +365,9 @@ class NTPTrainingJobSpec:
             data=None if self.data is None else self.data.to_spec(),
             initialWeights=None if self.initial_weights is None else {
                 "path": self.initial_weights},
+            microBatchSize=self.micro_batch_size,
+            eval=None if self.eval is None else self.eval.to_spec(),
+            gpuMemory=self.gpu_memory,
             gpuResourceClaim=self.gpu_resource_claim)
 
 
@@ -277,9 +389,9 @@ def _present(**fields: Any) -> dict[str, Any]:
     return {key: value for key, value in fields.items() if value is not None}
 
 
-def _is(value: object, kind: type) -> bool:
-    # bool is an int in Python, never a count in a spec
-    return isinstance(value, kind) and not (kind is int and isinstance(value, bool))
+def _is(value: object, kind: Any) -> bool:
+    # bool is an int in Python, never a count or a number in a spec
+    return isinstance(value, kind) and not (kind is not bool and isinstance(value, bool))
 
 
 class _Object:
@@ -292,7 +404,7 @@ class _Object:
     def _at(self, key: str) -> str:
         return f"{self._path}.{key}" if self._path else key
 
-    def _get(self, key: str, kind: type, what: str, required: bool = True,
+    def _get(self, key: str, kind: Any, what: str, required: bool = True,
              item: type | None = None) -> Any:
         """The field `key` if it is a `kind` (a list of `item`s); None when it is absent and
         not `required`."""
@@ -312,14 +424,27 @@ class _Object:
     def optional_integer(self, key: str) -> int | None:
         return self._get(key, int, "an integer", required=False)
 
+    def number(self, key: str) -> float:
+        # as stored: an integral number stays an int, as the API server keeps it
+        return self._get(key, int | float, "a number")
+
     def text(self, key: str) -> str:
         return str(self._get(key, str, "a string"))
+
+    def choice(self, key: str, allowed: tuple[str, ...]) -> str:
+        found = self.text(key)
+        if found not in allowed:
+            raise SpecError(self._at(key), f"{found!r} is not one of {', '.join(allowed)}")
+        return found
 
     def optional_text(self, key: str) -> str | None:
         return self._get(key, str, "a string", required=False)
 
     def flag(self, key: str) -> bool:
         return bool(self._get(key, bool, "true or false"))
+
+    def optional_flag(self, key: str) -> bool | None:
+        return self._get(key, bool, "true or false", required=False)
 
     def texts(self, key: str) -> tuple[str, ...]:
         return tuple(self._get(key, list, "a list of strings", item=str))

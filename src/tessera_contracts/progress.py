@@ -10,8 +10,8 @@ last step they completed, the node's goodput ledger (docs/goodput.md), what its 
 (`Device`; absent in reports of agents that do not say), the job's nodes whose agents it found
 silent (`silentNodes`: their heartbeat on the job's store stopped, `ntp.nodeagent.heartbeat`;
 absent when none, and in reports of agents that do not watch), the GPUs of its node whose rank
-died, with when (`rankDeaths`: GPU index -> Unix seconds, the node's clock; a GPU leaves it once
-a rank starts on it again; absent when none) and a state:
+died (`rankDeaths`: GPU index -> `RankDeath`; a GPU leaves it once a rank starts on it again;
+absent when none) and a state:
 
 | state | the node's agent |
 | --- | --- |
@@ -44,6 +44,9 @@ RESTART = vocabulary.Phase.RESTART.value  # the badput of a job's pods replaced
 # times a second (16 MB/s there): `report_period`.
 REPORT_EVERY_S = 10.0
 JOB_WRITES_PER_S = 20.0
+# A report's seconds are rounded to the millisecond (`ntp.nodeagent.progress`), each figure
+# by up to half of one: what productive plus badput may exceed wall by, per figure.
+FIGURE_ROUNDING_S = 0.001
 
 
 def report_period(nodes: int) -> float:
@@ -98,6 +101,41 @@ def report_key(node: str) -> str:
     return f"{node}.json"
 
 
+# A dead rank's last error line, as a report carries it: enough for the exception's type and
+# message, while the reports of thousands of nodes still share one ConfigMap.
+ERROR_MAX = 300
+
+
+@dataclass(frozen=True)
+class RankDeath:
+    """How the rank on one GPU of the node died: when (`at`, Unix seconds, the node's clock),
+    the job's last step it completed (None: none since it started), its last error line
+    (its stderr's, else how it exited), and whether it died `again`: the GPU's previous rank
+    died too, and this one came back and got no step past the step that one died at, so the
+    fault is the job's (a data path, a tokenizer, an exception at a step), not the GPU's. In
+    JSON, a death with only its time is that number (as agents that say no more write it)."""
+
+    at: float
+    step: int | None = None
+    error: str = ""
+    again: bool = False
+
+    def to_json(self) -> float | dict[str, Any]:
+        if self.step is None and not self.error and not self.again:
+            return self.at
+        return {"at": self.at, **({"step": self.step} if self.step is not None else {}),
+                **({"error": self.error} if self.error else {}),
+                **({"again": True} if self.again else {})}
+
+    @classmethod
+    def from_json(cls, value: Any) -> RankDeath:
+        """From what `_check` validated."""
+        if isinstance(value, Mapping):
+            return cls(float(value["at"]), value.get("step"), value.get("error", ""),
+                       bool(value.get("again", False)))
+        return cls(float(value))
+
+
 @dataclass(frozen=True)
 class NodeReport:
     """One node's progress (module docstring). Seconds are floats; `badput_seconds` has a
@@ -126,16 +164,18 @@ class NodeReport:
     device: Device | None = None  # what its ranks train on; None: not said
     # Nodes of the job whose agents its agent found silent, and still does: lost to the job.
     silent_nodes: tuple[str, ...] = ()
-    # GPU index -> when (Unix seconds) the rank on it died, for the GPUs of this node with no
-    # rank started since: the operator takes each out of the layout at once.
-    rank_deaths: Mapping[int, float] = field(default_factory=dict)
+    # GPU index -> how the rank on it died, for the GPUs of this node with no rank started
+    # since: the operator takes each out of the layout at once. A number given is a death at
+    # that time (Unix seconds) and no more.
+    rank_deaths: Mapping[int, RankDeath] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "rank_deaths", {
+            i: d if isinstance(d, RankDeath) else RankDeath(d)
+            for i, d in sorted(self.rank_deaths.items())})
         _check(self.to_dict())  # one validation, whoever builds the report
         object.__setattr__(self, "state", State(self.state))
         object.__setattr__(self, "silent_nodes", tuple(sorted(set(self.silent_nodes))))
-        object.__setattr__(self, "rank_deaths",
-                           {int(i): float(at) for i, at in sorted(self.rank_deaths.items())})
         # a category with no time is the same report with or without it
         object.__setattr__(self, "badput_seconds",
                            {c: float(s) for c, s in self.badput_seconds.items() if s})
@@ -173,7 +213,7 @@ class NodeReport:
         if self.silent_nodes:
             out["silentNodes"] = list(self.silent_nodes)
         if self.rank_deaths:
-            out["rankDeaths"] = {str(i): at for i, at in self.rank_deaths.items()}
+            out["rankDeaths"] = {str(i): d.to_json() for i, d in self.rank_deaths.items()}
         return out
 
     @classmethod
@@ -199,7 +239,8 @@ class NodeReport:
             device=None if d.get("device") is None
             else Device(d["device"], d.get("cudaDevices")),
             silent_nodes=tuple(d.get("silentNodes", ())),
-            rank_deaths={int(i): at for i, at in d.get("rankDeaths", {}).items()},
+            rank_deaths={int(i): RankDeath.from_json(death)
+                         for i, death in d.get("rankDeaths", {}).items()},
         )
 
     def to_json(self) -> str:
@@ -245,8 +286,21 @@ def _check(document: object) -> Mapping[str, Any]:
     if not isinstance(deaths, Mapping) or not all(
             isinstance(i, str) and i.isascii() and i.isdigit() for i in deaths):
         raise ReportError(f"rankDeaths: an object of GPU indices, got {deaths!r}")
-    for index in deaths:
-        _seconds(deaths, index, f"rankDeaths.{index}")
+    for index, death in deaths.items():
+        name = f"rankDeaths.{index}"
+        if not isinstance(death, Mapping):
+            _seconds(deaths, index, name)
+            continue
+        if "at" not in death:
+            raise ReportError(f"{name}: an object with at, got {death!r}")
+        _seconds(death, "at", f"{name}.at")
+        if death.get("step") is not None:
+            _count(death, "step", f"{name}.step")
+        error = death.get("error", "")
+        if not isinstance(error, str) or len(error) > ERROR_MAX:
+            raise ReportError(f"{name}.error: a string of at most {ERROR_MAX} characters")
+        if not isinstance(death.get("again", False), bool):
+            raise ReportError(f"{name}.again: true or false, got {death['again']!r}")
     silent = d.get("silentNodes", [])
     if not isinstance(silent, list) or not all(isinstance(n, str) and n for n in silent):
         raise ReportError(f"silentNodes: a list of node names, got {silent!r}")
@@ -255,8 +309,8 @@ def _check(document: object) -> Mapping[str, Any]:
             _seconds(d, key)
     if not 0.0 <= _seconds(d, "goodput") <= 1.0:
         raise ReportError(f"goodput: between 0 and 1, got {d['goodput']}")
-    _seconds(d, "productiveSeconds")
-    _seconds(d, "wallSeconds")
+    productive = _seconds(d, "productiveSeconds")
+    wall = _seconds(d, "wallSeconds")
     badput = d.get("badputSeconds", {})
     if not isinstance(badput, Mapping):
         raise ReportError(f"badputSeconds: an object, got {badput!r}")
@@ -264,15 +318,21 @@ def _check(document: object) -> Mapping[str, Any]:
         if category not in BADPUT_CATEGORIES:
             raise ReportError(f"badputSeconds: {category!r} is not one of "
                               f"{', '.join(BADPUT_CATEGORIES)}")
-        _seconds(badput, category, f"badputSeconds.{category}")
+    spent = productive + sum(_seconds(badput, c, f"badputSeconds.{c}") for c in badput)
+    # A node's time is its wall time: productive plus badput is wall to a rounding of each
+    # figure. More would make the job's goodput exceed 1 (and the status refused) for as long
+    # as the report stays, and an ended attempt's account carry it for good.
+    if spent > wall + FIGURE_ROUNDING_S * (1 + len(badput)):
+        raise ReportError(f"productiveSeconds + badputSeconds: {spent:g} s, more than the "
+                          f"node's wallSeconds {wall:g}")
     return d
 
 
-def _count(d: Mapping[str, Any], key: str) -> int:
+def _count(d: Mapping[str, Any], key: str, name: str | None = None) -> int:
     value = d.get(key, 0)
     # bool is an int in Python, never a count in a report
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise ReportError(f"{key}: a non-negative integer, got {value!r}")
+        raise ReportError(f"{name or key}: a non-negative integer, got {value!r}")
     return value
 
 
@@ -367,14 +427,17 @@ class Account:
 
     @classmethod
     def from_status(cls, value: object) -> Account:
-        """The account `to_status` wrote; what does not read as one (a hand edit) is none."""
+        """The account `to_status` wrote, its productive time at most its wall time; what does
+        not read as one (a hand edit) is none."""
         if not isinstance(value, Mapping):
             return cls()
         try:
             badput = {c: _seconds(value.get("badputSeconds") or {}, c)
                       for c in (value.get("badputSeconds") or {}) if c in BADPUT_CATEGORIES}
-            return cls(_seconds(value, "wallSeconds"), _seconds(value, "productiveSeconds"),
-                       badput)
+            wall = _seconds(value, "wallSeconds")
+            # productive time past the wall time would hold the job's goodput above 1, which
+            # the schema refuses, for good
+            return cls(wall, min(_seconds(value, "productiveSeconds"), wall), badput)
         except (ReportError, AttributeError):
             return cls()
 

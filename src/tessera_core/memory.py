@@ -31,11 +31,11 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from functools import lru_cache
 
-from tessera_contracts.jobspec import SpecError, defaulted
+from tessera_contracts.jobspec import NTPTrainingJobSpec, SpecError
 from tessera_contracts.model_shape import ModelShape, PlanError
 from tessera_contracts.vocabulary import FailurePolicy
 from tessera_core.plan import (
@@ -46,7 +46,7 @@ from tessera_core.plan import (
     plan_job,
     reshard_moves,
 )
-from tessera_core.sharded_state import owned_elements
+from tessera_core.sharded_state import owned_elements, owned_elements_by_rank
 
 PRECISIONS: tuple[str, ...] = ("fp32", "bf16")
 CHECKPOINTING: tuple[str, ...] = ("none", "full", "selective")
@@ -390,15 +390,20 @@ def rank_memory(
     replica: int,
     rank: int,
     training: Training,
+    owned: int | None = None,
 ) -> RankMemory:
-    """One rank's memory in a steady training step on `layout` (AdamW state present)."""
+    """One rank's memory in a steady training step on `layout` (AdamW state present); `owned`:
+    the elements whose state it keeps with sharded state, when already counted."""
     shape = layout.shape
     rep = layout.replicas[replica]
     shard = rep.shards[rank]
     local = LocalModel.of(shape, shard)
     # 1. What lives across steps.
     elements = local.elements
-    owned = owned_elements(layout, replica, rank) if training.sharded_state else elements
+    if not training.sharded_state:
+        owned = elements
+    elif owned is None:
+        owned = owned_elements(layout, replica, rank)
     weights = WEIGHT * elements + local.buffers
     master = MASTER * owned if training.sharded_state else 0
     optimizer = MOMENTS * owned
@@ -554,48 +559,59 @@ _LAYER_ORDER = (("kv_heads", 2), ("q_heads", 2), ("q_heads", 2), ("kv_heads", 2)
 _TOP_ORDER = ((None, 1), ("vocab_rows", 2), ("vocab_rows", 2))
 
 
-def _piece(shape: ModelShape, shard: RankShard, kind: str | None, parts: int) -> int:
-    """Elements of one parameter of `kind` that `shard` (a rank's, or a piece moved) holds."""
-    if kind is None:
-        return shape.hidden
-    return len(shard.units(kind)) * shape.unit_elements(kind) // parts
+def _counts(pieces: Sequence[RankShard]) -> dict[str | None, int]:
+    """Units of each kind in all of `pieces` (None, the norms: none)."""
+    return {kind: sum(len(p.units(kind)) for p in pieces) for kind in
+            ("q_heads", "kv_heads", "mlp_cols", "vocab_rows")} | {None: 0}
 
 
-def reshard_bytes(
-    old: JobLayout, new: JobLayout, origin: Sequence[int | None], training: Training
-) -> list[int]:
+def reshard_bytes(old: JobLayout, new: JobLayout, origin: Sequence[int | None]) -> list[int]:
     """Each new rank's most bytes live in a live relayout from `old` (ntp.reshard), which moves
     one parameter at a time, in name order, and frees each one's old tensors once moved: the old
     state not yet moved, the new state moved so far, the parameter in flight (old and new, what
     it sends, receives and copies within); then the new shard built of the moved state."""
-    travel = WEIGHT + MOMENTS  # what moves per element: the weight and both moments
+    # every precision moves fp32 weights and moments: the weight and both moments per element
+    travel = WEIGHT + MOMENTS
     moves = reshard_moves(old, new, origin)
     shape = new.shape
     old_shards = {rep.global_rank(j): shard for rep in old.replicas
                   for j, shard in enumerate(rep.shards)}
-    order = list(_LAYER_ORDER) * shape.n_layers + list(_TOP_ORDER)
+
+    def size(kind: str | None, parts: int) -> int:  # one parameter's elements per unit
+        return shape.hidden if kind is None else shape.unit_elements(kind) // parts
+
     out = []
     for d, row in enumerate(moves):
         replica, rank = new.locate(d)
         shard = new.replicas[replica].shards[rank]
-        before = RankShard() if origin[d] is None else old_shards[origin[d]]
-        sent = [moves[t][d] for t in range(len(moves)) if t != d]
-        taken = [piece for s, piece in enumerate(row) if s != d]
-        kept = row[d]
-        steps = []
-        for kind, parts in order:
-            if kind is None:  # replicated: cloned, then broadcast
-                h = shape.hidden
-                steps.append((h if origin[d] is not None else 0, h, 0, 0, 0))
-                continue
-            steps.append((_piece(shape, before, kind, parts), _piece(shape, shard, kind, parts),
-                          sum(_piece(shape, p, kind, parts) for p in sent),
-                          sum(_piece(shape, p, kind, parts) for p in taken),
-                          _piece(shape, kept, kind, parts)))
-        still_old = sum(step[0] for step in steps)
+        before = _counts([] if origin[d] is None else [old_shards[origin[d]]])
+        after = _counts([shard])
+        sent = _counts([moves[t][d] for t in range(len(moves)) if t != d])
+        taken = _counts([piece for s, piece in enumerate(row) if s != d])
+        kept = _counts([row[d]])
+        # the norms: replicated, held whole, cloned and broadcast
+        before[None], after[None] = (0 if origin[d] is None else 1), 1
+
+        counts = (before, after, sent, taken, kept)
+        # (old, new, sent, received, kept) elements of each parameter, in the exchange's order
+        layer = [tuple(c[kind] * size(kind, parts) for c in counts)
+                 for kind, parts in _LAYER_ORDER]
+        top = [tuple(c[kind] * size(kind, parts) for c in counts) for kind, parts in _TOP_ORDER]
+        still_old = shape.n_layers * sum(s[0] for s in layer) + sum(s[0] for s in top)
         moved, most = 0, 0
-        for o, n, out_, in_, copied in steps:
-            # the kept rows are copied one tensor at a time
+        # Each layer moves alike, so what is live at a given parameter changes by the same
+        # amount from one layer to the next: the most is in the first layer or the last.
+        layer_old, layer_new = sum(s[0] for s in layer), sum(s[1] for s in layer)
+        for i in sorted({0, shape.n_layers - 1}):
+            old_left = still_old - i * layer_old
+            done = i * layer_new
+            for o, n, out_, in_, copied in layer:
+                most = max(most, travel * (old_left + done + n + out_ + in_) + 4 * copied)
+                old_left -= o
+                done += n
+        still_old -= shape.n_layers * layer_old
+        moved += shape.n_layers * layer_new
+        for o, n, out_, in_, copied in top:
             most = max(most, travel * (still_old + moved + n + out_ + in_) + 4 * copied)
             still_old -= o
             moved += n
@@ -697,16 +713,24 @@ def _origin(old: tuple[int, ...], new: tuple[int, ...]) -> list[int | None]:
     return origin
 
 
+@lru_cache(maxsize=16)  # a layout is a row's and the next row's relayout source
+def _layout(shape: ModelShape, degrees: tuple[int, ...], global_batch: int, rule: str
+            ) -> JobLayout:
+    return plan_job(shape, degrees, global_batch, rule)
+
+
+@lru_cache(maxsize=32)  # assess plans a row again for each minimum TP it tries
 def layout_memory(job: Job, reachable: Reachable, training: Training) -> LayoutMemory:
     """Every rank's memory on one layout (without sharded state, replicas of one degree and
     batch are alike: the first stands for them), with a relayout onto it when one comes."""
     batch_rule = job.mode.batch_rule
     degrees = reachable.degrees
-    layout = plan_job(job.shape, degrees, job.global_batch, batch_rule)
+    layout = _layout(job.shape, degrees, job.global_batch, batch_rule)
     reshard: list[int] = []
     if reachable.previous is not None:
-        old = plan_job(job.shape, reachable.previous, job.global_batch, batch_rule)
-        reshard = reshard_bytes(old, layout, _origin(reachable.previous, degrees), training)
+        old = _layout(job.shape, reachable.previous, job.global_batch, batch_rule)
+        reshard = reshard_bytes(old, layout, _origin(reachable.previous, degrees))
+    owned = owned_elements_by_rank(layout) if training.sharded_state else {}
     ranks = []
     seen: set[tuple[int, int]] = set()
     for rep in layout.replicas:
@@ -714,7 +738,7 @@ def layout_memory(job: Job, reachable: Reachable, training: Training) -> LayoutM
             continue
         seen.add((rep.tp, rep.local_batch))
         for j in range(rep.tp):
-            memory = rank_memory(layout, rep.index, j, training)
+            memory = rank_memory(layout, rep.index, j, training, owned.get((rep.index, j)))
             if reshard:
                 memory = replace(memory, reshard=reshard[rep.global_rank(j)])
             ranks.append(memory)
@@ -779,16 +803,24 @@ class Assessment:
                 f"minimum TP is {self.min_tp}")
 
 
+@lru_cache(maxsize=64)  # a job's spec rarely changes: its operator asks again every reconcile
 def assess(job: Job, training: Training, gpu_bytes: int) -> Assessment:
     """The job's memory on every layout it can reach, against GPUs of `gpu_bytes`: the
-    effective minimum TP is the smallest degree down to which every layout fits."""
+    effective minimum TP is the smallest degree d, from the job's own minimum up, such that
+    every layout reachable with no replica below d fits (rows mix degrees, so a misfit at one
+    minimum says nothing of the next: each is planned whole)."""
     plans = tuple(plan_memory(job, training))
-    lowest = None
-    for memory in plans:
-        if not fits(memory, gpu_bytes):
-            break
-        lowest = memory.reachable.tp
-    return Assessment(gpu_bytes, plans, lowest)
+    if not fits(plans[0], gpu_bytes):
+        return Assessment(gpu_bytes, plans, None)
+    if not job.mode.reshapes:  # replicas never shrink: the minimum bounds no layout
+        return Assessment(gpu_bytes, plans, job.min_tp if all(
+            fits(m, gpu_bytes) for m in plans) else job.tp)
+    for d in range(job.min_tp, job.tp + 1):
+        raised = replace(job, min_tp=d)
+        if all(fits(layout_memory(raised, reachable, training), gpu_bytes)
+               for reachable in raised.layouts()):
+            return Assessment(gpu_bytes, plans, d)
+    raise AssertionError("unreachable: at the healthy degree only the healthy layout is left")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -808,33 +840,24 @@ def parse_bytes(quantity: str) -> int:
     return int(float(match.group(1)) * _SUFFIX[match.group(2)])
 
 
-def plan_inputs(spec: Mapping[str, Any]) -> tuple[Job, Training]:
-    """The job and its training options from an NTPTrainingJob spec (the CRD's defaults filled
-    in); SpecError names a field the plan cannot use."""
-    spec = defaulted(spec)
+def plan_inputs(spec: NTPTrainingJobSpec) -> tuple[Job, Training]:
+    """The job and its training options from its typed spec; SpecError names a field the plan
+    cannot use."""
     try:
-        shape = ModelShape.from_spec(spec.get("model") or {})
-    except KeyError as exc:
-        raise SpecError(f"model.{exc.args[0]}", "is required") from exc
+        shape = spec.model.shape()
     except PlanError as exc:
         raise SpecError("model", str(exc)) from exc
-    try:
-        tp, dp = int(spec["tensorParallelSize"]), int(spec["dataParallelReplicas"])
-    except KeyError as exc:
-        raise SpecError(exc.args[0], "is required") from exc
-    policy = spec["failurePolicy"]
-    # The planner's own rule for an unset minimum: half the healthy degree.
-    min_tp = policy.get("minTensorParallelSize") or max(1, tp // 2)
-    checkpointing = spec["activationCheckpointing"]
+    checkpointing = spec.activation_checkpointing
     try:
         training = Training(
-            precision=spec["precision"],
-            micro_batch=spec.get("microBatchSize"),
-            checkpointing=checkpointing["mode"],
-            checkpoint_every=checkpointing["every"],
-            sharded_state=spec["optimizer"]["shardedState"],
+            precision=spec.precision,
+            micro_batch=spec.micro_batch_size,
+            checkpointing=checkpointing.mode,
+            checkpoint_every=checkpointing.every,
+            sharded_state=spec.optimizer.sharded_state,
         )
     except PlanError as exc:
         raise SpecError("activationCheckpointing", str(exc)) from exc
-    job = Job(shape, tp, dp, int(spec["globalBatch"]), FailurePolicy(policy["mode"]), min_tp)
+    job = Job(shape, spec.tensor_parallel_size, spec.data_parallel_replicas, spec.global_batch,
+              spec.failure_policy.mode, spec.min_tensor_parallel_size)
     return job, training

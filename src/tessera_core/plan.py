@@ -592,17 +592,21 @@ def reshard_moves(
         lacking.append({k: [u for u in shard.units(k) if u not in held[k]] for k in UNIT_KINDS})
     # 2. The survivors holding each lacking unit.
     holders: dict[str, dict[int, list[int]]] = {kind: {} for kind in UNIT_KINDS}
+    # and those in each old replica: one there is the source whatever the load
+    near: dict[str, dict[tuple[int, int], list[int]]] = {kind: {} for kind in UNIT_KINDS}
     for kind in UNIT_KINDS:
         wanted = {u for need in lacking for u in need[kind]}
         for o in survivors:
             for u in old_shard[o].units(kind):
                 if u in wanted:
                     holders[kind].setdefault(u, []).append(o)
+                    near[kind].setdefault((u, old_replica[o]), []).append(o)
     # 3. A source for each lacking unit, in rank, kind and unit order, spreading the load.
     load = dict.fromkeys(survivors, 0)
     moves = []
     for (rep, j, _), keep, need in zip(new_ranks, kept, lacking, strict=True):
         me = origin[rep.global_rank(j)]
+        mine = old_replica.get(me)
         got: dict[int, dict[str, list[int]]] = {}
         for kind in UNIT_KINDS:
             if keep[kind]:
@@ -610,10 +614,10 @@ def reshard_moves(
             for u in need[kind]:
                 if u not in holders[kind]:
                     raise PlanError(f"{kind} {u} survives on no rank: restore from a checkpoint")
-                src = min(
-                    holders[kind][u],
-                    key=lambda o: (old_replica[o] != old_replica.get(me), load[o], o),
-                )
+                # the least loaded holder in its own old replica, else the least loaded of all
+                candidates = near[kind].get((u, mine)) or holders[kind][u]
+                src = candidates[0] if len(candidates) == 1 else min(
+                    candidates, key=lambda o: (load[o], o))
                 load[src] += 1
                 got.setdefault(new_rank[src], {}).setdefault(kind, []).append(u)
         moves.append(

@@ -78,3 +78,39 @@ def owned_elements(layout: JobLayout, replica: int, rank: int) -> int:
     replicated = sum(owns_replicated(layout, replica, rank, i)
                      for i in range(2 * shape.n_layers + 1))
     return total + shape.hidden * replicated
+
+
+def _owners(kind: str, count: int, degrees: tuple[int, ...], layer: int) -> list[int]:
+    """The owner replica of every unit of `kind` in `layer`, each computed once."""
+    return [owner_replica(kind, u, degrees, layer) for u in range(count)]
+
+
+def owned_elements_by_rank(layout: JobLayout) -> dict[tuple[int, int], int]:
+    """`owned_elements` of every (replica, rank) of `layout` in one pass: each unit's owner is
+    computed once, and only the owner replica's holder counts it (a KV head: its lowest)."""
+    shape: ModelShape = layout.shape
+    degrees = layout.tp_degrees
+    out = {(rep.index, j): 0 for rep in layout.replicas for j in range(rep.tp)}
+    holder: dict[str, list[dict[int, int]]] = {kind: [] for kind in UNIT_KINDS}
+    for rep in layout.replicas:
+        for kind in UNIT_KINDS:
+            held: dict[int, int] = {}
+            for j, shard in enumerate(rep.shards):
+                for u in shard.units(kind):
+                    held.setdefault(u, j)  # ranks in order: a KV head's lowest holder first
+            holder[kind].append(held)
+
+    def add(kind: str, layer: int, elements: int) -> None:
+        for u, owner in enumerate(_owners(kind, shape.unit_count(kind), degrees, layer)):
+            rank = holder[kind][owner].get(u)
+            if rank is not None:
+                out[owner, rank] += elements
+
+    add("mlp_cols", 0, shape.n_layers * shape.unit_elements("mlp_cols"))
+    add("vocab_rows", 0, shape.unit_elements("vocab_rows"))
+    for kind in HEAD_KINDS:
+        for layer in range(shape.n_layers):
+            add(kind, layer, shape.unit_elements(kind))
+    for i in range(2 * shape.n_layers + 1):
+        out[owner_replica("replicated", i, degrees), 0] += shape.hidden
+    return out

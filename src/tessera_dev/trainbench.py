@@ -1,8 +1,10 @@
 """`tessera-dev bench training`: the demo model on the real corpus, through the real trainer.
 
 One run measures (interleaved rounds, medians): tokens/s per replica of a TP4 + TP3 job (plain
-NTP, so the TP3 replica takes 3/7 of the batch) from each replica's own forward+backward time,
-and the loop's wait for a checkpoint saved every step, blocking against asynchronous (the loop
+NTP, so the TP3 replica takes 3/7 of the batch) from each replica's own forward+backward time;
+the same job's step time with one sequence per micro-batch, and with every layer recomputed
+(full activation checkpointing), each as a ratio against each replica's share in one pass; and
+the loop's wait for a checkpoint saved every step, blocking against asynchronous (the loop
 waits only for the copy to CPU memory), as a ratio. On a CPU box the ranks share the cores, so
 the figures include that contention; they are compared only within the run.
 """
@@ -53,6 +55,16 @@ def tokens_per_s(metrics: list[dict], seq_len: int, warmup: int) -> dict[int, fl
     return out
 
 
+def step_s(metrics: list[dict], warmup: int) -> float:
+    """The job's median step time: each step's slowest rank's."""
+    return median_over_steps([m["step_s"] for m in metrics], warmup)
+
+
+# The recipe's variants timed against each replica's share in one pass.
+RECIPES = {"one sequence per micro-batch": ["--micro-batch-size", "1"],
+           "every layer recomputed": ["--activation-checkpointing", "full"]}
+
+
 def save_waits(metrics: list[dict]) -> list[float]:
     """Rank 0's waits from "saving a checkpoint" to "checkpointed", each save."""
     m = metrics[0]
@@ -81,15 +93,19 @@ def main(argv: list[str]) -> int:
         rounds = []
         for _ in range(opts.rounds):
             mixed = run(shape, data, [4, 3], 14, opts.steps + opts.warmup, [])
+            recipes = {name: step_s(run(shape, data, [4, 3], 14, opts.steps + opts.warmup,
+                                        extra), opts.warmup) / step_s(mixed, opts.warmup)
+                       for name, extra in RECIPES.items()}
             ckpt = Path(tmp) / "ckpt"
             timed = {}
             for mode, extra in (("blocking", ["--blocking-save"]), ("async", [])):
                 got = run(shape, data, [4, 3], 14, opts.steps,
                           ["--save", str(ckpt / mode), "--save-every", "1", *extra])
                 timed[mode] = statistics.median(save_waits(got))
-            rounds.append((tokens_per_s(mixed, shape.seq_len, opts.warmup), timed))
-    tps = {r: statistics.median(t[r] for t, _ in rounds) for r in rounds[0][0]}
-    waits = {k: statistics.median(w[k] for _, w in rounds) for k in ("blocking", "async")}
+            rounds.append((tokens_per_s(mixed, shape.seq_len, opts.warmup), timed, recipes))
+    tps = {r: statistics.median(t[r] for t, _, _ in rounds) for r in rounds[0][0]}
+    waits = {k: statistics.median(w[k] for _, w, _ in rounds) for k in ("blocking", "async")}
+    ratios = {k: statistics.median(r[k] for _, _, r in rounds) for k in RECIPES}
     print(f"the demo model ({EXAMPLE.name}: hidden {shape.hidden}, {shape.n_heads} heads / "
           f"{shape.n_kv_heads} KV, ffn {shape.ffn}, vocab {shape.vocab}, {shape.n_layers} "
           f"layers, seq {shape.seq_len}) on {opts.max_bytes:,} bytes of the standard library; "
@@ -99,6 +115,8 @@ def main(argv: list[str]) -> int:
     print(f"tokens/s per replica, TP4 + TP3 (plain NTP, batch {split}): TP4 {tps[0]:,.0f}, "
           f"TP3 {tps[1]:,.0f} (TP3 / TP4 {tps[1] / tps[0]:.3f}; 3/4 when every rank keeps the "
           "same pace: each has 2 samples)")
+    for name, value in ratios.items():
+        print(f"step time with {name} / the share in one pass: {value:.3f}")
     ratio = waits["async"] / waits["blocking"]
     print(f"checkpoint wait per save: blocking {waits['blocking'] * 1e3:.1f} ms, asynchronous "
           f"{waits['async'] * 1e3:.1f} ms; async / blocking {ratio:.3f}")

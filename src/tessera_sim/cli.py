@@ -248,7 +248,8 @@ def build_parser() -> argparse.ArgumentParser:
 def config_from_args(args: argparse.Namespace) -> SimConfig:
     """A validated config; gpus and dp default to each other through tp x pp."""
     try:
-        shape = ModelShape(**{f.name: getattr(args, f.name) for f in fields(ModelShape)})
+        shape = ModelShape(**{f.name: getattr(args, f.name) for f in fields(ModelShape)
+                              if hasattr(args, f.name)})
     except PlanError as exc:
         raise ConfigError("model", f"model shape: {exc}") from exc
     group = args.tp * args.pp

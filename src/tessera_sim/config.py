@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
+from tessera_contracts.jobspec import min_tensor_parallel
 from tessera_core import plan
 from tessera_core.perf_model import PAPER
 
@@ -145,7 +146,7 @@ class SimConfig:
 
     @property
     def min_tp(self) -> int:
-        return self.policy.min_tp or max(1, self.tp // 2)
+        return min_tensor_parallel(self.tp, self.policy.min_tp)
 
     def validate(self) -> SimConfig:
         """Raise ConfigError naming the first inconsistent field; return self when valid.

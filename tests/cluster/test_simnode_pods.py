@@ -287,12 +287,10 @@ def test_malformed_specs_fail_with_a_reason_and_the_node_serves_on(
     bad = {
         "nfs": pod_manifest("nfs", node, ["true"], volumes=[
             {"name": "share", "nfs": {"server": "10.0.0.1", "path": "/export"}}]),
-        "no-command": pod_manifest("no-command", node, []),
         "no-such-binary": pod_manifest("no-such-binary", node, ["/no/such/binary", "--flag"]),
     }
     # pod reason, what its message names, the reason of the Warning event (`kubectl describe`)
     expected = {"nfs": ("UnsupportedVolume", "nfs", "UnsupportedVolume"),
-                "no-command": ("UnknownImage", "busybox", "UnknownImage"),
                 "no-such-binary": ("ContainerCannotRun", "/no/such/binary", "Failed")}
     for pod in bad.values():
         create(admin_api, namespace, pod)
@@ -306,6 +304,32 @@ def test_malformed_specs_fail_with_a_reason_and_the_node_serves_on(
     create(admin_api, namespace, pod_manifest("fine", node, ["echo", "fine"]))
     fine = wait_pod(admin_api, namespace, "fine", phase_in("Succeeded", "Failed"))
     assert fine["status"]["phase"] == "Succeeded"
+
+
+@pytest.mark.hardening
+def test_an_image_the_node_cannot_run_waits_as_an_image_that_cannot_be_pulled(
+        admin_api: client.ApiClient, namespace: str, node: SimNode) -> None:
+    """No command and an image that is not one of this project's: the node cannot know what to
+    run, as a kubelet cannot pull an image. The pod stays Pending with the kubelet's waiting
+    reasons (ErrImagePull, then ImagePullBackOff) and its Warning event, in an init container
+    as in an app container, until it is deleted; the node serves on."""
+    create(admin_api, namespace, pod_manifest("no-command", node, []))
+    create(admin_api, namespace, pod_manifest(
+        "init-no-command", node, ["true"], initContainers=[
+        {"name": "fetch", "image": "busybox"}]))
+    for name, statuses in (("no-command", "containerStatuses"),
+                           ("init-no-command", "initContainerStatuses")):
+        pod = wait_pod(admin_api, namespace, name, lambda p, k=statuses: any(
+            ((s.get("state") or {}).get("waiting") or {}).get("reason") == "ImagePullBackOff"
+            for s in (p.get("status") or {}).get(k) or []))
+        assert pod["status"]["phase"] == "Pending"
+        [status] = pod["status"][statuses]
+        assert "busybox" in status["state"]["waiting"]["message"]
+        assert ("Warning", "Failed") in events(admin_api, namespace, name)
+    for name in ("no-command", "init-no-command"):
+        client.CoreV1Api(admin_api).delete_namespaced_pod(name, namespace)
+        wait_pod_gone(admin_api, namespace, name)
+    assert node.proc.poll() is None
 
 
 def test_kubectl_logs_through_the_api_server(admin_api: client.ApiClient, namespace: str,

@@ -30,6 +30,10 @@ EXAMPLES = sorted((paths.repo_root() / "manifests" / "examples").glob("*.yaml"))
 def _specs() -> list[tuple[str, dict[str, Any]]]:
     found = [("minimal", MINIMAL)]
     found += [(p.name, yaml.safe_load(p.read_text())["spec"]) for p in EXAMPLES]
+    # what a family adds to spec.model, a Llama's value written out included
+    found.append(("a family's model", {**MINIMAL, "model": {
+        **MINIMAL["model"], "headDim": 24, "qkNorm": True, "qkvBias": False,
+        "tiedEmbeddings": True, "ropeScaling": {"type": "linear", "factor": 2.0}}}))
     # a job naming an object with defaults inside leaves those to the schema too
     found.append(("partial power policy", {
         **MINIMAL, "failurePolicy": {"mode": "NTP-PW"},

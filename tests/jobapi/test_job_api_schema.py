@@ -142,6 +142,53 @@ def test_what_the_trainers_cannot_read_or_run_is_refused_naming_the_field(jobs, 
     refused_naming(jobs, namespace, mutate, field, words)
 
 
+# A model no trainer computes: (mutation, the field named, words of the message).
+MODELS: dict[str, tuple[Callable[[dict], None], str, str]] = {
+    "heads not dividing hidden, no headDim": (lambda s: s["model"].update(heads=24, kvHeads=8),
+                                              "spec.model.heads", "unless model.headDim"),
+    "a window shorter than the sequence": (lambda s: s["model"].update(slidingWindow=4096),
+                                           "spec.model.slidingWindow", "must not exceed"),
+    "llama3 scaling without its band": (
+        lambda s: s["model"].update(ropeScaling={"type": "llama3", "factor": 8}),
+        "spec.model.ropeScaling", "lowFreqFactor < highFreqFactor"),
+    "dynamic scaling past its length": (
+        lambda s: s["model"].update(ropeScaling={"type": "dynamic", "factor": 2,
+                                                 "originalMaxPositionEmbeddings": 4096}),
+        "spec.model.ropeScaling", "longest sequence"),
+    "a scaling the trainer lacks": (
+        lambda s: s["model"].update(ropeScaling={"type": "yarn", "factor": 4}),
+        "spec.model.ropeScaling.type", "Unsupported value"),
+}
+
+
+@pytest.mark.parametrize("mutate,field,words", MODELS.values(), ids=MODELS.keys())
+def test_a_model_no_trainer_computes_is_refused_naming_the_field(jobs, namespace, mutate, field,
+                                                                 words):
+    refused_naming(jobs, namespace, mutate, field, words)
+
+
+def test_the_families_are_spec_models_and_as_immutable(jobs, namespace):
+    """Qwen3-8B (its own head size, QK norms) and Llama 3.2 3B (llama3 RoPE, a tied head) as
+    `tessera import-hf` prints them; what a family adds is part of the model."""
+    qwen3 = {"hidden": 4096, "heads": 32, "kvHeads": 8, "ffn": 12288, "vocab": 151936,
+             "layers": 36, "seqLen": 8192, "headDim": 128, "qkNorm": True}
+    llama32 = {"hidden": 3072, "heads": 24, "kvHeads": 8, "ffn": 8192, "vocab": 128256,
+               "layers": 28, "seqLen": 8192, "tiedEmbeddings": True,
+               "ropeScaling": {"type": "llama3", "factor": 32.0, "lowFreqFactor": 1.0,
+                               "highFreqFactor": 4.0, "originalMaxPositionEmbeddings": 8192}}
+    for name, model in (("qwen3", qwen3), ("llama32", llama32)):
+        body = example()
+        body["metadata"]["name"] = name
+        body["spec"]["model"] = model
+        created = create(jobs, namespace, body)
+        assert created["spec"]["model"] == model
+        edited = copy.deepcopy(created)
+        edited["spec"]["model"]["qkvBias"] = True
+        message = refusal(lambda: jobs.replace_namespaced_custom_object(
+            GROUP, VERSION, namespace, JOB_PLURAL, name, edited))  # noqa: B023
+        assert "spec.model" in message and "immutable" in message, message
+
+
 def test_a_job_on_a_dataset_from_imported_weights_in_bf16_is_accepted(jobs, namespace):
     """The example reads its dataset, tokenizer and weights from a read-only mount (only the
     checkpoints need a writable one); without those fields the trainers train synthetic

@@ -24,15 +24,22 @@ import os
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 import yaml
-from jobharness import HANG_S, NODES, JobFlow, condition, records, shared, small_job
+from hf_families import FAMILIES, save
+from jobharness import GPUS, HANG_S, NODES, JobFlow, condition, records, shared, small_job
 from kubernetes import client
+from rounding import FLOAT32_ROUNDING, FLOAT64_ROUNDING, rounding_bound
 
+from ntp.checkpoint import read_args
+from ntp.data import split_inputs, synthetic_batch
 from ntp.launch import launch_local
 from tessera_contracts.api import ROLE_LABEL
 from tessera_contracts.generation import Generation, Gpu, Rendezvous
@@ -237,3 +244,120 @@ def test_a_job_deleted_after_a_gpu_loss_and_created_again_resumes_its_losses(flo
           f"{resume_at + 1}; layouts "
           f"{[(a, b, ','.join(map(str, d))) for a, b, d in phases]}; cluster part "
           f"{cluster_s:.0f} s, reference {time.monotonic() - started - cluster_s:.0f} s")
+
+
+# Two jobs, one per node (TP2, one replica each), from Hugging Face directories on a claim.
+FAMILY_STEPS = 12
+FAMILY_BATCH = 4
+# Tiny random models no other test uses: Qwen3 (its own head size, QK norms, a tied head) and
+# Llama 3.1 (llama3 RoPE scaling), each with a tokenizer and a generation config.
+FAMILY_JOBS = {
+    "qwen3": ("qwen3", dict(
+        hidden_size=36, num_attention_heads=6, num_key_value_heads=2, head_dim=10,
+        intermediate_size=44, vocab_size=59, num_hidden_layers=2, max_position_embeddings=12,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        tie_word_embeddings=True)),
+    "llama31": ("llama3.1", dict(
+        hidden_size=40, num_attention_heads=4, num_key_value_heads=1, intermediate_size=52,
+        vocab_size=61, num_hidden_layers=2, max_position_embeddings=12,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                         "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 64})),
+}
+
+
+def _family_job(name: str, weights: str, checkpoints: str, model: dict[str, Any]
+                ) -> dict[str, Any]:
+    """The small job as one TP2 replica on one node, starting from /weights/NAME, saving every
+    step (the last two kept: the weights the last reported loss was computed with)."""
+    job = small_job(name, checkpoints, steps=FAMILY_STEPS, interval=1)
+    spec = job["spec"]
+    spec |= {"model": model, "dataParallelReplicas": 1, "totalGPUs": GPUS,
+             "globalBatch": FAMILY_BATCH, "initialWeights": {"path": f"/weights/{name}"}}
+    spec["checkpointPolicy"] |= {"path": f"/checkpoints/{name}", "keep": 2}
+    pod = spec["template"]["spec"]
+    pod["volumes"].append({"name": "weights", "persistentVolumeClaim": {
+        "claimName": weights, "readOnly": True}})
+    pod["containers"][0]["volumeMounts"].append(
+        {"name": "weights", "mountPath": "/weights", "readOnly": True})
+    return job
+
+
+def _running_trainer(flow: JobFlow, name: str) -> dict[str, Any]:
+    """The job's running trainer pod; if none comes, the job's status and its pods say why."""
+    try:
+        return flow.wait(f"{name}'s trainer pod running", lambda: [
+            p for p in flow.pods(name) if p["metadata"]["labels"].get(ROLE_LABEL) == "trainer"
+            and p["status"].get("phase") == "Running"])[0]
+    except AssertionError as exc:
+        pods = [(p["metadata"]["name"], p["status"].get("phase"), p["status"].get("conditions"))
+                for p in flow.pods(name)]
+        raise AssertionError(f"{exc}; status {flow.status(name)}; pods {pods}") from None
+
+
+@pytest.mark.models
+@pytest.mark.timeout(3 * HANG_S)
+def test_jobs_from_qwen3_and_llama31_directories_train_through_a_gpu_loss_and_export(
+    flow, tmp_path
+):
+    weights_claim, weights = shared(flow, "weights")
+    checkpoint_claim, checkpoints = shared(flow, "checkpoints")
+    # 1. Each family's directory as transformers saves it, in bfloat16, with a tokenizer; the
+    #    job's spec.model is what `tessera import-hf` prints for it.
+    models = {}
+    for name, (family, shape) in FAMILY_JOBS.items():
+        source = replace(FAMILIES[family], shape=shape).build(seed=7)
+        directory = save(source, weights / name, torch.bfloat16)
+        (directory / "tokenizer.json").write_text('{"version": "1.0", "model": {"type": "BPE"}}')
+        (directory / "tokenizer_config.json").write_text('{"model_max_length": 12}')
+        models[name] = (FAMILIES[family].model, read_args(directory))
+        manifest = tmp_path / f"{name}.yaml"
+        manifest.write_text(yaml.safe_dump(_family_job(
+            name, weights_claim, checkpoint_claim, models[name][1].shape().to_spec())))
+        flow.kubectl("apply", "-f", str(manifest))
+    # 2. Both train; each loses a GPU of its node under it and goes on at TP1.
+    pods = {name: _running_trainer(flow, name) for name in FAMILY_JOBS}
+    for name, pod in pods.items():
+        pod_name = pod["metadata"]["name"]
+        flow.wait(f"{name} training past step 3", lambda p=pod_name: max(
+            (r["step"] for r in records(flow.logs(p)) if "loss" in r), default=0),
+            lambda step: step >= 3)
+        assert faults.fail_gpu([pod["spec"]["nodeName"], "1", "--xid", "79", "--data-dir",
+                                str(flow.plane.data_dir)]) == 0
+    for name, pod in pods.items():
+        waited = flow.kubectl("wait", "--for=condition=Complete", f"ntpjob/{name}",
+                              f"--timeout={HANG_S:.0f}s", check=False, timeout=HANG_S + 30)
+        assert waited.returncode == 0, (waited.stderr, flow.status(name))
+        assert faults.restore_gpu([pod["spec"]["nodeName"], "1", "--data-dir",
+                                   str(flow.plane.data_dir)]) == 0
+    # 3. Exported at the end (the newest checkpoint) with the tokenizer, and the weights the last
+    #    reported loss was computed with (the checkpoint before): transformers computes that loss
+    #    on the same batch.
+    for name, (model_class, args) in models.items():
+        steps = [r for r in records(flow.logs(pods[name]["metadata"]["name"])) if "loss" in r]
+        last = max(steps, key=lambda r: (r["step"], r["generation"]))
+        assert last["step"] == FAMILY_STEPS and last["tp_degrees"] == [1], last
+        assert any(r["tp_degrees"] == [2] for r in steps)
+        job_dir = checkpoints / name
+        for given, out in ((job_dir, tmp_path / f"{name}-end"),
+                           (job_dir / f"step-{FAMILY_STEPS - 1:08d}", tmp_path / f"{name}-last")):
+            exported = subprocess.run([TESSERA, "export-hf", str(given), str(out)],
+                                      capture_output=True, text=True, timeout=HANG_S)
+            assert exported.returncode == 0, exported.stderr
+            for carried in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+                assert (out / carried).read_bytes() == (weights / name / carried).read_bytes()
+        model = model_class.from_pretrained(tmp_path / f"{name}-last",
+                                            attn_implementation="eager")
+        inputs, targets = split_inputs(synthetic_batch(
+            args.vocab_size, args.max_seq_len, FAMILY_BATCH, FAMILY_STEPS - 1, seed=0))
+        with torch.no_grad():
+            theirs = float(F.cross_entropy(model(inputs).logits.flatten(0, 1),
+                                           targets.flatten()))
+        # Two float32 evaluations of one loss, each within (u32 + u64) x the operations on the
+        # longest dependency path (`rounding_bound`, tests/ntp/test_model.py) of the exact one.
+        operations = rounding_bound(args, FAMILY_BATCH) / (2 * FLOAT64_ROUNDING)
+        bound = 2 * (FLOAT32_ROUNDING + FLOAT64_ROUNDING) * operations
+        assert abs(last["loss"] - theirs) <= bound * abs(theirs), (name, last["loss"], theirs)
+        print(f"\n[{name}] last reported loss (step {FAMILY_STEPS}) {last['loss']:.7f}, "
+              f"transformers on the exported weights {theirs:.7f}, relative difference "
+              f"{abs(last['loss'] - theirs) / theirs:.1e} (bound {bound:.1e})")

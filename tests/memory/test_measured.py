@@ -80,7 +80,7 @@ def test_each_rank_peaks_where_the_plan_says(case, tmp_path, capsys):
     name, shape, before, after, batch, options, training = case
     ranks = run(tmp_path, shape, before, after, batch, options)
     first, second = plan_job(shape, before, batch), plan_job(shape, after, batch)
-    relayout = reshard_bytes(first, second, _origin(before, after), training)
+    relayout = reshard_bytes(first, second, _origin(before, after))
     rows = []
     for g, record in enumerate(ranks):
         replica, rank = second.locate(g)

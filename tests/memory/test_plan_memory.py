@@ -5,15 +5,19 @@ owned exactly once with sharded state, and the layouts each failure policy can r
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
+import yaml
 
 from ntp.model import ModelArgs, Transformer
 from ntp.parallelize import apply_ntp
+from tessera_contracts.jobspec import NTPTrainingJobSpec
 from tessera_contracts.model_shape import ModelShape
 from tessera_contracts.vocabulary import FailurePolicy
 from tessera_core.memory import (
+    GIB,
     RESERVE_FIXED,
     RESERVE_SHARE,
     Job,
@@ -21,12 +25,15 @@ from tessera_core.memory import (
     Training,
     activation_bytes,
     assess,
+    fits,
     human,
+    plan_inputs,
     plan_memory,
     rank_memory,
 )
 from tessera_core.plan import UNIT_KINDS, plan_job
 from tessera_core.sharded_state import HEAD_KINDS, owned_elements, owned_units, owns_replicated
+from tessera_dev import paths
 
 pytestmark = pytest.mark.memory
 
@@ -165,7 +172,11 @@ def test_a_gpu_that_holds_the_healthy_layout_but_not_the_lowest_raises_the_minim
     room = (max(needs[:cut]) + needs[cut]) // 2
     gpu = int(room * (1 + RESERVE_SHARE)) + RESERVE_FIXED + 1
     assessed = assess(job, training, gpu)
-    assert assessed.fits and assessed.min_tp == plans[cut - 1].reachable.tp
+    assert assessed.fits and job.min_tp < assessed.min_tp <= plans[cut - 1].reachable.tp
+    # the least minimum whose every reachable layout fits
+    assert all(fits(m, gpu) for m in plan_memory(replace(job, min_tp=assessed.min_tp), training))
+    lower = replace(job, min_tp=assessed.min_tp - 1)
+    assert not all(fits(m, gpu) for m in plan_memory(lower, training))
     line = assessed.message(job)
     assert f"layout {plans[cut].reachable.name} needs {human(needs[cut])}" in line
     if assessed.min_tp > job.min_tp:
@@ -173,3 +184,19 @@ def test_a_gpu_that_holds_the_healthy_layout_but_not_the_lowest_raises_the_minim
     tight = assess(job, training, RESERVE_FIXED + needs[0] // 2)
     assert not tight.fits and tight.min_tp is None
     assert tight.message(job).startswith("does not fit: layout 8,8 needs")
+
+
+def test_the_effective_minimum_tp_is_the_least_whose_every_layout_fits():
+    """60 GiB GPUs hold the 8B example's TP 7 ranks but not a TP 6 rank: its rows at minimum 6
+    mix degrees ("8,6"), yet at minimum 7 every layout fits, so the minimum is 7, not 8."""
+    example = yaml.safe_load((paths.repo_root() / "manifests/examples/ntpjob-small.yaml")
+                             .read_text())
+    job, training = plan_inputs(NTPTrainingJobSpec.from_spec(example["spec"]))
+    gpu = 60 * GIB
+    assert job.min_tp == 6
+    assessed = assess(job, training, gpu)
+    assert assessed.min_tp == 7
+    seven, six = replace(job, min_tp=7), replace(job, min_tp=6)
+    assert all(fits(m, gpu) for m in plan_memory(seven, training))
+    assert not all(fits(m, gpu) for m in plan_memory(six, training))
+    assert "the effective minimum TP is 7" in assessed.message(job)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_model import FLOAT64_ROUNDING, rounding_bound
+from rounding import FLOAT64_ROUNDING, rounding_bound
 
 from ntp.distributed import pick_device
 from ntp.launch import launch_local

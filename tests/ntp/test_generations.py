@@ -4,12 +4,13 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ntp.model import FLAVORS
+from ntp.model import FLAVORS, ModelArgs
 from ntp.sources import assignment
 from tessera_contracts.generation import (
     Generation,
@@ -19,7 +20,8 @@ from tessera_contracts.generation import (
     derive_origin,
     next_generation,
 )
-from tessera_core.plan import generation_layout, plan_job
+from tessera_contracts.model_shape import RopeScaling
+from tessera_core.plan import JobLayout, generation_layout, plan_job
 
 SHAPE = FLAVORS["debug"].shape()  # 12 query heads, 4 KV heads
 STORE = Rendezvous("10.0.0.5", 29500)
@@ -51,6 +53,23 @@ def test_the_document_round_trips_through_json_in_the_crds_words():
     assert document["origin"] == [0, 1, 2, 3, 4, 5, 6]
 
 
+def test_what_a_family_adds_travels_in_the_document():
+    # Qwen3-shaped (its own head size, QK norms, a tied head) with llama3 RoPE: the trainer's
+    # model is the document's, and a layout document (asdict) carries it too
+    family = replace(SHAPE, head_dim=10, qk_norm=True, tied_embeddings=True,
+                     rope_scaling=RopeScaling("llama3", 8.0, 1.0, 4.0, 64))
+    gen = Generation(1, family, 16, "NTP", (gpus("a", 4),), STORE)
+    document = json.loads(json.dumps(gen.to_dict()))
+    assert document["model"] == SHAPE.to_spec() | {
+        "headDim": 10, "qkNorm": True, "tiedEmbeddings": True,
+        "ropeScaling": {"type": "llama3", "factor": 8.0, "lowFreqFactor": 1.0,
+                        "highFreqFactor": 4.0, "originalMaxPositionEmbeddings": 64}}
+    assert Generation.from_dict(document) == gen
+    layout = assignment(document).layout
+    assert ModelArgs.of_shape(layout.shape).shape() == family
+    assert JobLayout.from_dict(json.loads(json.dumps(layout.to_dict()))).shape == family
+
+
 def test_the_trainer_runs_the_layout_the_planner_gives_for_the_documents_degrees():
     # NTP splits the batch by TP degree, NTP-PW evenly: the trainer plans the same units
     # as tessera_core.plan does for those degrees, so no unit list travels in the document.
@@ -65,6 +84,9 @@ BAD = [
     (lambda d: d.pop("model"), "model"),
     (lambda d: d["model"].update(kvHeads=5), "model"),
     (lambda d: d["model"].update(layers=0), "model.layers"),
+    (lambda d: d["model"].update(qkNorm="yes"), "model"),
+    (lambda d: d["model"].update(slidingWindow=8), "model"),  # shorter than seqLen 16
+    (lambda d: d["model"].update(ropeScaling={"type": "yarn", "factor": 4.0}), "model"),
     (lambda d: d.update(mode="ntp"), "mode"),
     (lambda d: d.update(schemaVersion=2), "schemaVersion"),
     (lambda d: d.update(kind="NTPLayout"), "kind"),

@@ -11,20 +11,20 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
+from hf_families import float64_transformers as reference_in_float64
+from hf_families import reference_run
+from rounding import FLOAT32_ROUNDING, FLOAT64_ROUNDING, rounding_bound
 from safetensors.torch import load_file, save_file
-from test_model import FLOAT64_ROUNDING, rel_err, rounding_bound
+from test_model import rel_err
 from transformers import LlamaConfig, LlamaForCausalLM
-from transformers.models.llama import modeling_llama
 from transformers.utils import logging as hf_logging
 
-from ntp import checkpoint, hf
-from ntp.model import ModelArgs, Transformer, cross_entropy_loss
+from ntp import checkpoint, hf, hf_cli, hf_read, hf_write
+from ntp.model import ModelArgs, Transformer, cross_entropy_loss, parameter_shapes
 
 pytestmark = pytest.mark.hf
 hf_logging.disable_progress_bar()
 
-FLOAT32_ROUNDING = 2.0**-24  # unit roundoff
 BATCH = 3
 
 # Shapes no other test uses: grouped-query and multi-head attention, with different depth,
@@ -61,54 +61,17 @@ def random_llama(shape: dict, seed: int, **extra) -> LlamaForCausalLM:
 
 @pytest.fixture
 def float64_transformers(monkeypatch):
-    """transformers' Llama computed in float64 throughout.
-
-    Whatever the model's dtype, transformers 5.24 rounds three stages to float32
-    (models/llama/modeling_llama.py): LlamaRMSNorm (`hidden_states.to(torch.float32)`), the RoPE
-    table (`inv_freq` and the angles in float32) and the eager softmax (`dtype=torch.float32`).
-    Those would put float32 rounding (~6e-8) into a float64 comparison, so here the same
-    equations run in the input's dtype; everything else (names, q/k layout, rotate_half, GQA
-    repeat, SwiGLU, residuals) stays transformers' own code.
-    """
-
-    def rms_norm(self, x):
-        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True)
-                                              + self.variance_epsilon))
-
-    def rotary(self, x, position_ids):
-        head_dim = 2 * self.inv_freq.numel()
-        theta = self.config.rope_parameters["rope_theta"]
-        inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
-        angles = position_ids[..., None].double() * inv_freq
-        emb = torch.cat((angles, angles), dim=-1)
-        return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
-
-    softmax = F.softmax
-
-    def wide_softmax(x, dim=None, _stacklevel=3, dtype=None):
-        return softmax(x, dim, dtype=None if dtype is None else torch.promote_types(x.dtype, dtype))
-
-    monkeypatch.setattr(modeling_llama.LlamaRMSNorm, "forward", rms_norm)
-    monkeypatch.setattr(modeling_llama.LlamaRotaryEmbedding, "forward", rotary)
-    monkeypatch.setattr(modeling_llama.nn.functional, "softmax", wide_softmax)
+    """transformers' Llama computed in float64 throughout (`hf_families.float64_transformers`:
+    the three stages it rounds to float32 whatever the dtype run in float64, the rest its
+    own code)."""
+    with reference_in_float64(monkeypatch):
+        yield
 
 
 def batch(vocab: int, seq: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, vocab, (BATCH, seq + 1), generator=gen)
     return tokens[:, :-1], tokens[:, 1:]
-
-
-def reference_run(model: LlamaForCausalLM, inputs, targets) -> tuple[dict, dict[str, torch.Tensor]]:
-    """Logits and mean next-token loss of transformers' model, and every weight's gradient by
-    transformers' name. The loss is torch's cross entropy over the model's float64 logits (the
-    model's own `labels=` loss rounds the logits to float32 first)."""
-    model.zero_grad()
-    logits = model(input_ids=inputs).logits
-    loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
-    loss.backward()
-    grads = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
-    return {"logits": logits.detach(), "loss": loss.detach()}, grads
 
 
 def project_run(args: ModelArgs, weights: dict, dtype, inputs, targets):
@@ -144,13 +107,25 @@ def save(model: LlamaForCausalLM, directory: Path) -> Path:
     return directory
 
 
+def read_weights(directory: Path) -> dict[str, torch.Tensor]:
+    """Every weight of a Hugging Face directory under the project's names and order."""
+    args = hf.args_from_config(hf.read_config(directory))
+    files = hf_read.open_directory(directory, args)
+    return {n: hf_read.read_dense(directory, files, args, n) for n in parameter_shapes(args)}
+
+
+def write(directory: Path, args: ModelArgs, weights, **options) -> None:
+    tensors = dict(weights)
+    hf_write.write_directory(directory, args, lambda name, _dtype: tensors[name], **options)
+
+
 @pytest.mark.parametrize("name", list(SHAPES))
 def test_imported_model_computes_what_transformers_computes(
     name, tmp_path, float64_transformers, capsys
 ):
     source = save(random_llama(SHAPES[name], seed=3), tmp_path / "hf")
     args = hf.args_from_config(hf.read_config(source))
-    weights = dict(hf.read_llama(source))
+    weights = read_weights(source)
     assert all(w.dtype == torch.float32 for w in weights.values())
     reference = LlamaForCausalLM.from_pretrained(source, attn_implementation="eager",
                                                  dtype=torch.float64)
@@ -187,7 +162,7 @@ def test_export_loads_in_transformers_and_reads_back_identically(tmp_path):
     source = save(source_model, tmp_path / "hf")
     args = hf.args_from_config(hf.read_config(source))
     model = Transformer(args)
-    model.load_state_dict(dict(hf.read_llama(source)))
+    model.load_state_dict(read_weights(source))
     inputs, _ = batch(args.vocab_size, args.max_seq_len, seed=9)
     with torch.no_grad():
         want = source_model(input_ids=inputs).logits
@@ -196,7 +171,7 @@ def test_export_loads_in_transformers_and_reads_back_identically(tmp_path):
     # the largest tensor (the embedding, 53 x 36 float32) is 7,632 bytes: 8 KiB shards hold
     # one to a few tensors each
     for out, shard_bytes in ((tmp_path / "one", 5 * 2**30), (tmp_path / "sharded", 8 * 2**10)):
-        hf.write_llama(out, args, model.named_parameters(), max_shard_bytes=shard_bytes)
+        write(out, args, model.named_parameters(), max_shard_bytes=shard_bytes)
         shards = sorted(out.glob("*.safetensors"))
         sharded = shard_bytes < 2**20
         assert (len(shards) > 1) == sharded == (out / hf.INDEX).is_file()
@@ -211,7 +186,7 @@ def test_export_loads_in_transformers_and_reads_back_identically(tmp_path):
         loaded = LlamaForCausalLM.from_pretrained(out, attn_implementation="eager")
         with torch.no_grad():
             assert torch.equal(loaded(input_ids=inputs).logits, want)
-        back = dict(hf.read_llama(out))
+        back = read_weights(out)
         assert back.keys() == dict(model.named_parameters()).keys()
         assert all(torch.equal(back[n], p) for n, p in model.named_parameters())
         assert hf.read_config(out) == hf.config_from_args(args)
@@ -221,7 +196,7 @@ def test_bfloat16_weights_widen_exactly(tmp_path):
     source_model = random_llama(SHAPES["MHA 4 heads"], seed=12).to(torch.bfloat16)
     source = save(source_model, tmp_path / "hf")
     args = hf.args_from_config(hf.read_config(source))
-    weights = dict(hf.read_llama(source))
+    weights = read_weights(source)
     assert all(w.dtype == torch.float32 for w in weights.values())
     for name, w in weights.items():
         hf_key, back = hf.to_hf(name, w, args)
@@ -243,23 +218,21 @@ def test_config_round_trips_through_transformers():
     assert hf.args_from_config(old).rope_theta == 777.0
 
 
-def test_tied_embeddings_import_as_an_untied_copy(tmp_path, float64_transformers):
+def test_tied_embeddings_import_as_one_tensor(tmp_path, float64_transformers):
     source_model = random_llama(SHAPES["MHA 4 heads"], seed=4, tie_word_embeddings=True)
     source = save(source_model, tmp_path / "hf")
-    weights = dict(hf.read_llama(source))
-    assert torch.equal(weights["output.weight"], weights["tok_embeddings.weight"])
-    assert weights["output.weight"].data_ptr() != weights["tok_embeddings.weight"].data_ptr()
+    weights = read_weights(source)
+    assert "output.weight" not in weights  # the head is the embedding
     args = hf.args_from_config(hf.read_config(source))
+    assert args.tied_embeddings
     inputs, targets = batch(args.vocab_size, args.max_seq_len, seed=6)
     want, want_grads = reference_run(source_model.double(), inputs, targets)
     got, got_grads = project_run(args, weights, torch.float64, inputs, targets)
     bound = rounding_bound(args, BATCH)
-    for key in ("logits", "loss"):
-        assert rel_err(got[key], want[key]) <= bound, key
-    # the tied weight's gradient is the sum of its two uses, which the copies get apart
-    embedding, head = hf.hf_name("tok_embeddings.weight"), hf.hf_name("output.weight")
-    assert want_grads.keys() == got_grads.keys() - {head}
-    assert rel_err(got_grads[embedding] + got_grads[head], want_grads[embedding]) <= bound
+    # the tied weight's gradient is the sum of its two uses, in the one tensor
+    assert want_grads.keys() == got_grads.keys()
+    for key, want_value in {**want, **want_grads}.items():
+        assert rel_err({**got, **got_grads}[key], want_value) <= bound, key
 
 
 def refused(call) -> str:
@@ -271,14 +244,14 @@ def refused(call) -> str:
 
 
 def test_what_the_project_does_not_compute_is_refused(tmp_path):
+    # the families' refusals: tests/ntp/test_families.py
     config = LlamaConfig(**SHAPES["GQA 6q/2kv"]).to_dict()
-    llama3 = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
-              "high_freq_factor": 4.0, "original_max_position_embeddings": 8}
-    assert "rope_type" in refused(lambda: hf.args_from_config(config | {"rope_parameters": llama3}))
-    old_scaling = {"rope_scaling": {"type": "linear", "factor": 2.0}, "rope_parameters": None}
-    assert "'linear'" in refused(lambda: hf.args_from_config(config | old_scaling))
+    yarn = {"rope_type": "yarn", "rope_theta": 5e5, "factor": 8.0}
+    assert "rope_type" in refused(lambda: hf.args_from_config(config | {"rope_parameters": yarn}))
+    old_scaling = {"rope_scaling": {"type": "longrope", "factor": 2.0}, "rope_parameters": None}
+    assert "'longrope'" in refused(lambda: hf.args_from_config(config | old_scaling))
     for field, value in (("attention_bias", True), ("mlp_bias", True), ("hidden_act", "gelu"),
-                         ("head_dim", 8), ("model_type", "mistral")):
+                         ("model_type", "gemma")):
         assert field in refused(lambda: hf.args_from_config(config | {field: value}))  # noqa: B023
     assert "max_position_embeddings" in refused(lambda: hf.args_from_config(config, seq_len=10))
 
@@ -287,7 +260,7 @@ def test_what_the_project_does_not_compute_is_refused(tmp_path):
     del tensors["model.layers.1.self_attn.k_proj.weight"]
     tensors["model.layers.2.mlp.up_proj.weight"] = torch.zeros(1)
     save_file(tensors, source / hf.SINGLE, metadata={"format": "pt"})
-    message = refused(lambda: hf.read_llama(source))
+    message = refused(lambda: read_weights(source))
     assert "model.layers.1.self_attn.k_proj.weight" in message
     assert "model.layers.2.mlp.up_proj.weight" in message
 
@@ -295,21 +268,26 @@ def test_what_the_project_does_not_compute_is_refused(tmp_path):
 def test_an_unfinished_export_has_no_config(tmp_path):
     args = hf.args_from_config(LlamaConfig(**SHAPES["GQA 6q/2kv"]).to_dict())
     model = Transformer(args)
-    partial = [(n, p) for n, p in model.named_parameters() if n != "norm.weight"]
+    tensors = dict(model.named_parameters())
+
+    def read(name: str, _dtype: torch.dtype) -> torch.Tensor:  # fails on the final norm
+        if name == "norm.weight":
+            raise ValueError("norm.weight: unreadable")
+        return tensors[name]
+
     out = tmp_path / "out"
     assert "norm.weight" in refused(
-        lambda: hf.write_llama(out, args, partial, max_shard_bytes=2**14))
+        lambda: hf_write.write_directory(out, args, read, max_shard_bytes=2**14))
     assert any(out.iterdir()) and not (out / hf.CONFIG).exists()
     with pytest.raises(OSError):
         LlamaForCausalLM.from_pretrained(out)
-    assert "not empty" in refused(
-        lambda: hf.write_llama(out, args, model.named_parameters()))
+    assert "not empty" in refused(lambda: write(out, args, model.named_parameters()))
 
 
 def test_import_then_export_commands_give_the_source_tensors(tmp_path, capsys):
     source = save(random_llama(SHAPES["MHA 4 heads"], seed=2), tmp_path / "hf")
     job = tmp_path / "job-checkpoints"
-    assert hf.import_main([str(source), str(job), "--seq-len", "10"]) == 0
+    assert hf_cli.import_main([str(source), str(job), "--seq-len", "10"]) == 0
     first = checkpoint.latest(job)
     assert first is not None and first.name == "step-00000000"
     assert checkpoint.read_args(first).max_seq_len == 10
@@ -317,17 +295,17 @@ def test_import_then_export_commands_give_the_source_tensors(tmp_path, capsys):
     out = tmp_path / "export"
     # the job's directory (its newest checkpoint), or one checkpoint
     for given, into in ((job, out), (first, tmp_path / "export-1")):
-        assert hf.export_main([str(given), str(into)]) == 0
+        assert hf_cli.export_main([str(given), str(into)]) == 0
         exported = load_file(into / hf.SINGLE)
         assert exported.keys() == stored.keys()
         assert all(torch.equal(exported[k], stored[k]) for k in stored)
         assert json.loads((into / hf.CONFIG).read_text())["max_position_embeddings"] == 10
     capsys.readouterr()
 
-    for argv, main in (([str(source), str(job)], hf.import_main),  # holds a checkpoint already
-                       ([str(source), str(tmp_path / "j2"), "--seq-len", "13"], hf.import_main),
-                       ([str(tmp_path / "nothing"), str(tmp_path / "o2")], hf.export_main),
-                       ([str(first), str(out)], hf.export_main)):  # not empty
+    for argv, main in (([str(source), str(job)], hf_cli.import_main),  # holds a checkpoint already
+                       ([str(source), str(tmp_path / "j2"), "--seq-len", "13"], hf_cli.import_main),
+                       ([str(tmp_path / "nothing"), str(tmp_path / "o2")], hf_cli.export_main),
+                       ([str(first), str(out)], hf_cli.export_main)):  # not empty
         assert main(argv) == 2, argv
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and err.startswith("tessera "), err

@@ -7,11 +7,12 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
 
-from ntp.initialize import dense_model, init_parameters, materialize
+from ntp.initialize import adopt, dense_model, init_parameters, materialize
 from ntp.model import ModelArgs, Transformer
 from ntp.parallelize import apply_ntp
 from tessera_core.plan import plan_job
@@ -54,6 +55,25 @@ def test_every_layout_starts_from_the_dense_weights(degrees):
                 dim = 1 if name.endswith(("wo.weight", "w2.weight")) else 0
                 index = torch.tensor([u * size + i for u in ids for i in range(size)])
                 assert torch.equal(p, dense[name].index_select(dim, index)), name
+
+
+@pytest.mark.parametrize("build", ["materialize", "adopt"])
+def test_a_tied_head_stays_the_embedding(build):
+    """Allocated, or made of a relayout's moved weights: the LM head is the embedding's tensor,
+    so the model computes with the weights it was given and both uses add to one gradient."""
+    args = replace(ARGS, tied_embeddings=True)
+    shard = plan_job(args.shape(), [3], global_batch=8).replicas[0].shards[1]
+    with torch.device("meta"):
+        model = Transformer(args)
+    apply_ntp(model, shard, group=None)
+    weights = {n: torch.randn(p.shape) for n, p in model.named_parameters()}
+    if build == "materialize":
+        materialize(model, "cpu")
+    else:
+        adopt(model, weights, "cpu")
+        assert model.tok_embeddings.weight.data_ptr() == weights["tok_embeddings.weight"].data_ptr()
+    assert model.output.weight is model.tok_embeddings.weight
+    assert not any(p.is_meta for p in model.parameters())
 
 
 # Peak resident memory of building one rank's shard (TP8, rank 3) of a 190 M-parameter model

@@ -7,11 +7,10 @@ import dataclasses
 import llama_reference as ref
 import pytest
 import torch
+from rounding import rounding_bound
 
 from ntp.initialize import dense_model
 from ntp.model import FLAVORS, ModelArgs, Transformer, cross_entropy_loss
-
-FLOAT64_ROUNDING = 2.0**-53  # unit roundoff
 
 SHAPES = {
     "debug flavor": FLAVORS["debug"],
@@ -30,26 +29,6 @@ SHAPES = {
     ),
 }
 BATCH = 3
-
-
-def rounding_bound(args: ModelArgs, batch: int) -> float:
-    """Relative difference two correct float64 evaluations of the loss, logits or a gradient may
-    show: 2 (two implementations) x unit roundoff x the operations on the longest dependency path.
-
-    A reduction of n terms rounds at most n times (each relative to its terms' magnitude), an
-    elementwise step a few times. Forward, per layer: two RMSNorms (dim + 3 each), the Q/K/V, O,
-    gate/up projections (dim each) and the down projection (ffn), RoPE (2), scores (head_dim + 1),
-    softmax (seq + 3), weights x V (seq), SiLU and product (4), two residual adds; then the final
-    norm, the LM head (dim) and the loss (log-sum-exp over vocab + 3, mean over batch x seq).
-    Backward retraces that path and sums each weight gradient over batch x seq positions. With
-    parameters scaled by 1/sqrt(fan_in) every stage is well conditioned, so the bound holds
-    relative to the largest magnitude of the compared tensor.
-    """
-    hd = args.dim // args.n_heads
-    seq = args.max_seq_len
-    per_layer = 2 * (args.dim + 3) + 4 * args.dim + args.ffn_dim + 2 + hd + 1 + 2 * seq + 3 + 4 + 2
-    forward = args.n_layers * per_layer + args.dim + 3 + args.dim + args.vocab_size + 3
-    return 2 * FLOAT64_ROUNDING * (2 * forward + 2 * batch * seq)
 
 
 def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:

@@ -26,10 +26,10 @@ import pytest
 import torch.distributed as dist
 from prometheus_client.parser import text_string_to_metric_families
 
-from ntp.distributed import End, EndReason, arrival_key, end_generation, end_key
+from ntp.distributed import End, EndReason, arrival_key, end_generation, end_key, process_key
 from ntp.launch import launch_local
 from ntp.model import FLAVORS
-from ntp.nodeagent.agent import AgentError, Devices, DirectorySource, NodeAgent
+from ntp.nodeagent.agent import AgentError, Devices, DirectorySource, NodeAgent, RankProcess
 from ntp.nodeagent.main import parse_args
 from tessera_contracts.generation import Generation, Gpu, Rendezvous, next_generation
 from tessera_contracts.progress import NodeReport, Phase, State, summarize
@@ -472,3 +472,72 @@ def test_an_agents_metrics_and_report_agree_with_what_its_ranks_did(tmp_path, re
         print(f"\n{steps} steps: wall {report.wall_seconds:.2f} s, productive "
               f"{report.productive_seconds:.2f} s, badput {report.badput_seconds}, "
               f"goodput {report.goodput:.3f}")
+
+
+@pytest.mark.hardening
+def test_a_rank_that_dies_again_without_getting_past_its_step_is_reported_as_the_jobs_fault(
+        tmp_path, rendezvous):
+    """Both ranks of a node start on a data path that does not exist: each dies before its
+    first step, and the node's report names its GPU with the rank's last error line. Let back
+    on its GPU (a generation that brings the GPUs back, as the operator publishes once its
+    hold ends), each dies again before any step: the report says it died again, the
+    operator's cue that the fault is the job's, not the GPU's."""
+    node = NODES[0]
+    (tmp_path / "generations").mkdir()
+    missing = tmp_path / "no-such-data"
+    agent = spawn(
+        [sys.executable, "-m", "ntp.nodeagent", "--node", node, "--until-step", str(STEPS),
+         "--generations", str(tmp_path / "generations"), "--work-dir", str(tmp_path / "work"),
+         "--metrics-port", "0", "--", "--data", str(missing)],
+        tmp_path / "agent.log", {"OMP_NUM_THREADS": "1"})
+    report_path = tmp_path / "progress" / f"{node}.json"
+
+    def deaths() -> dict:
+        return {} if not report_path.exists() else \
+            NodeReport.from_json(report_path.read_text()).rank_deaths
+
+    try:
+        first = Generation(1, SHAPE, 8, "NTP", (GPUS[node],), Rendezvous("127.0.0.1", rendezvous))
+        publish(tmp_path / "generations", first)
+        died = probes.poll_until(deaths, lambda d: len(d) == 2, timeout=PHASE_S,
+                                 error=lambda d: AssertionError(f"{d}\n" + (
+                                     tmp_path / "agent.log").read_text()[-3000:]))
+        for death in died.values():
+            assert death.step is None and not death.again
+            assert death.error.startswith("exited with 1: ") and str(missing) in death.error
+        publish(tmp_path / "generations",
+                next_generation(first, first.replicas, lost=set(first.gpus)))
+        # each GPU's second death, both named at once (a rank started removes its GPU)
+        again = probes.poll_until(
+            deaths, lambda d: len(d) == 2 and all(x.again for x in d.values()),
+            timeout=PHASE_S, error=lambda d: AssertionError(
+                f"{d}\n" + (tmp_path / "agent.log").read_text()[-3000:]))
+        assert sorted(again) == [0, 1] and all(str(missing) in x.error for x in again.values())
+    finally:
+        agent.kill()
+        agent.wait()
+
+
+@pytest.mark.hardening
+def test_a_generation_after_a_loss_ends_a_pending_planned_switch_too(tmp_path):
+    """The node's rank runs generation 1 and a planned generation 2 is published (its switch
+    still pending) when generation 3 follows a loss: the agent ends generation 2 as well as
+    1. Left open, the survivors' recovery would take them to generation 2 first: at its
+    rendezvous they would wait for the lost ranks until its timeout (600 s), or, the lost GPU's
+    process being alive (DCGM failed it under the process), form it and train on without
+    generation 3 for good."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    agent = NodeAgent(NODES[0], DirectorySource(tmp_path), tmp_path / "work", STEPS)
+    agent.store = store
+    rank = subprocess.Popen(["sleep", str(PHASE_S)], preexec_fn=die_with_parent())
+    try:
+        agent.ranks[rank.pid] = RankProcess(GPUS[NODES[0]][0], 0, 1, rank)
+        store.set(process_key(socket.gethostname(), rank.pid), "1")  # as the rank registers
+        agent.end_running(3)
+        for generation in (1, 2):
+            assert EndReason.decode(store.get(end_key(generation)).decode()) == EndReason(
+                End.FAILED, "generation 3 follows a loss")
+        assert not store.check([end_key(3)])
+    finally:
+        rank.kill()
+        rank.wait()

@@ -22,6 +22,7 @@ from tessera_contracts.progress import (
     JobProgress,
     NodeReport,
     Phase,
+    RankDeath,
     ReportError,
     State,
     progress_configmap,
@@ -94,6 +95,11 @@ def test_the_json_form_leaves_out_what_is_empty():
     (report().to_dict() | {"rankDeaths": {"²": 5.0}}, "rankDeaths: an object of GPU indices"),
     (report().to_dict() | {"rankDeaths": {"3": "now"}}, "rankDeaths.3"),
     (report().to_dict() | {"rankDeaths": {"3": True}}, "rankDeaths.3"),
+    (report().to_dict() | {"rankDeaths": {"3": {"step": 4}}}, "rankDeaths.3: an object with at"),
+    (report().to_dict() | {"rankDeaths": {"3": {"at": 1.0, "step": -1}}}, "rankDeaths.3.step"),
+    (report().to_dict() | {"rankDeaths": {"3": {"at": 1.0, "error": "x" * 301}}},
+     "rankDeaths.3.error"),
+    (report().to_dict() | {"rankDeaths": {"3": {"at": 1.0, "again": 1}}}, "rankDeaths.3.again"),
 ])
 def test_a_malformed_report_is_a_report_error_naming_the_field(document, names):
     with pytest.raises(ReportError, match=names.replace("(", r"\(")):
@@ -125,13 +131,19 @@ def test_a_report_names_the_gpus_whose_rank_died_until_a_rank_starts_there_again
     progress = NodeProgress("gpu-node-0", 100)
     assert progress.report().rank_deaths == {}
     key = progress.key()
-    progress.rank_died(3, "pid 7 on gpu-node-0/3 killed by SIGKILL")
+    progress.rank_died(3, "pid 7 on gpu-node-0/3 killed by SIGKILL",
+                       RankDeath(time.time(), 12, "killed by SIGKILL"))
     died = progress.report()
     assert list(died.rank_deaths) == [3] and died.state is State.RECONFIGURING
-    assert abs(died.rank_deaths[3] - time.time()) < 60  # Unix seconds: DCGM's clock's kind
+    death = died.rank_deaths[3]
+    assert abs(death.at - time.time()) < 60  # Unix seconds: DCGM's clock's kind
     assert progress.key() != key  # a report is due at once
     assert NodeReport.from_json(died.to_json()) == died
-    assert json.loads(died.to_json())["rankDeaths"] == {"3": died.rank_deaths[3]}
+    assert json.loads(died.to_json())["rankDeaths"] == {"3": {
+        "at": death.at, "step": 12, "error": "killed by SIGKILL"}}
+    # an agent that says only when reads as it did
+    older = NodeReport.from_dict(died.to_dict() | {"rankDeaths": {"3": death.at}})
+    assert older.rank_deaths == {3: RankDeath(death.at)}
     progress.rank_started(3)
     assert progress.report().rank_deaths == {}
     assert "rankDeaths" not in progress.report().to_dict()
@@ -232,7 +244,8 @@ def test_the_job_succeeds_when_every_node_has_finished():
 
 def test_job_goodput_weights_each_node_by_its_wall_time_including_nodes_that_left():
     reports: dict[str, NodeReport | None] = {
-        NODES[0]: report(NODES[0], productive_seconds=90.0, wall_seconds=100.0, goodput=0.9),
+        NODES[0]: report(NODES[0], productive_seconds=90.0, wall_seconds=100.0, goodput=0.9,
+                         badput_seconds={"startup": 10.0}),
         NODES[1]: report(NODES[1], productive_seconds=10.0, wall_seconds=300.0, goodput=1 / 30,
                          badput_seconds={"waiting_for_health": 290.0}),
         "gone-node": report("gone-node", productive_seconds=50.0, wall_seconds=100.0,

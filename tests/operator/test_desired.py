@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
+import re
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import Any
@@ -21,6 +23,7 @@ from tessera_contracts.unreadable import Unreadable
 from tessera_dev import paths
 from tessera_operator import desired, health, workload
 from tessera_operator.observed import Candidates, Layout, Observed
+from tessera_operator.policies import memory as memory_policy
 from tessera_operator.policies import placement, publish
 
 pytestmark = pytest.mark.operator
@@ -141,7 +144,7 @@ def test_the_desired_state_of_a_job(case: Case) -> None:
     assert [(c["kind"], c["metadata"]["name"]) for c in wanted.children] == case.children
     ready = next(c for c in wanted.status["conditions"] if c["type"] == "Ready")
     assert (ready["status"], ready["reason"]) == case.ready, ready["message"]
-    assert wanted.waits_for_nodes == (ready["reason"] == "Unschedulable")
+    assert wanted.waits_for_nodes == (ready["reason"] in desired.WAITS_FOR_NODES)
     assert wanted.status["tpLayout"] == case.tp_layout
     if case.layout is None:
         assert wanted.layout is None
@@ -152,6 +155,15 @@ def test_the_desired_state_of_a_job(case: Case) -> None:
     assert wanted.status["layoutGeneration"] == document["generation"]
     assert ("LayoutChanged", f"layout generation {document['generation']}: TP {case.tp_layout}"
             ) in {(e.reason, e.message) for e in wanted.events}
+
+
+def test_what_a_family_adds_to_the_model_is_published_to_the_trainers() -> None:
+    # Qwen3-style: a head size of its own, QK norms, a tied head
+    family = {"headDim": 64, "qkNorm": True, "tiedEmbeddings": True}
+    job = _job(model=EXAMPLE["spec"]["model"] | family)
+    observed = replace(PLACED, job=job, pods=_pods(job, IP))
+    document = _document(_desired(observed, NOW).layout)
+    assert document["model"] == EXAMPLE["spec"]["model"] | family
 
 
 def test_a_fresh_job_is_placed_on_free_nodes_under_deterministic_names() -> None:
@@ -488,3 +500,103 @@ def test_a_dead_ranks_gpu_leaves_at_once_and_comes_back_on_a_later_healthy_verdi
     assert rejoined.tp_degrees == (8, 8)
     assert rejoined.origin is not None
     assert rejoined.origin[rejoined.rank_of(Gpu(A, 3))] is None
+
+
+# ----------------------------------------------------------------------------------------------
+# The memory plan: checked before any pod, on the GPU memory the nodes publish
+# ----------------------------------------------------------------------------------------------
+
+H100_MIB = 81559  # an H100 SXM's nvidia.com/gpu.memory, as GPU feature discovery labels it
+
+
+def _by_label(**spec: Any) -> dict[str, Any]:
+    """The example job without spec.gpuMemory: its GPUs' memory is the nodes' label."""
+    job = _job(**spec)
+    del job["spec"]["gpuMemory"]
+    return job
+
+
+def _gpu_node(name: str, mib: int, cordon: str | None = None) -> dict[str, Any]:
+    node = _node(name, cordon)
+    node["metadata"]["labels"][memory_policy.GPU_MEMORY_LABEL] = str(mib)
+    return node
+
+
+def _condition(wanted: desired.Desired, kind: str) -> dict[str, Any]:
+    return next(c for c in wanted.status["conditions"] if c["type"] == kind)
+
+
+def test_a_job_whose_healthy_layout_does_not_fit_its_gpus_gets_no_child() -> None:
+    """Each replica's 32 sequences of 8,192 tokens in one pass do not fit an H100's 80 GB: the
+    job is not placed, FitsMemory=False names the layout, the rank and the numbers, and a node
+    change is waited for."""
+    job = _by_label()
+    del job["spec"]["microBatchSize"]
+    nodes = (_gpu_node(A, H100_MIB), _gpu_node(B, H100_MIB))
+    wanted = _desired(Observed(job, candidates=Candidates(nodes)), NOW)
+    assert wanted.children == () and wanted.layout is None and wanted.targets == {}
+    fits, ready = _condition(wanted, "FitsMemory"), _condition(wanted, "Ready")
+    assert (fits["status"], fits["reason"]) == ("False", "MemoryDoesNotFit")
+    assert (ready["status"], ready["reason"]) == ("False", "MemoryDoesNotFit")
+    assert wanted.waits_for_nodes
+    found = re.fullmatch(
+        r"does not fit: layout 8,8 needs ([\d.]+) GiB on rank \d of replica \d \(TP 8\) for a "
+        r"training step, ([\d.]+) GiB usable of ([\d.]+) GiB per GPU \(([\d.]+) GiB from node "
+        rf"{A}'s nvidia\.com/gpu\.memory label\)", fits["message"])
+    assert found, fits["message"]
+    need, usable, total, labelled = map(float, found.groups())
+    gib = H100_MIB / 1024
+    assert total == labelled == pytest.approx(gib, abs=0.05)
+    # docs/memory.md's reserve: 2 GiB, and 5% of what the allocator holds
+    assert usable == pytest.approx((gib - 2) / 1.05, abs=0.1)
+    assert need > usable
+    assert ("Warning", "MemoryDoesNotFit") in {(e.type, e.reason) for e in wanted.events}
+    # one sequence a pass fits: the job is placed and FitsMemory says by how much
+    placed = _desired(Observed(_by_label(), candidates=Candidates(nodes)), NOW)
+    assert [c["metadata"]["name"] for c in placed.children] == [n for _, n in EVERY_CHILD]
+    assert (_condition(placed, "FitsMemory")["status"],
+            _condition(placed, "FitsMemory")["reason"]) == ("True", "Fits")
+
+
+def test_without_a_gpu_memory_the_plan_is_not_checked_and_the_job_runs() -> None:
+    wanted = _desired(Observed(_by_label(), candidates=Candidates((_node(A), _node(B)))), NOW)
+    assert len(wanted.children) == len(EVERY_CHILD)
+    fits = _condition(wanted, "FitsMemory")
+    assert (fits["status"], fits["reason"]) == ("Unknown", "GPUMemoryUnknown")
+
+
+def test_a_malformed_gpu_memory_label_is_left_out_logged_and_said(
+        caplog: pytest.LogCaptureFixture) -> None:
+    garbled = _gpu_node(B, H100_MIB)
+    garbled["metadata"]["labels"][memory_policy.GPU_MEMORY_LABEL] = "80GB"
+    with caplog.at_level(logging.WARNING):
+        wanted = _desired(Observed(_by_label(), candidates=Candidates(
+            (_gpu_node(A, H100_MIB), garbled))), NOW)
+    said = f"node {B}'s nvidia.com/gpu.memory label '80GB' is not a whole number of MiB"
+    fits = _condition(wanted, "FitsMemory")
+    assert (fits["status"], fits["reason"]) == ("True", "Fits")
+    assert f"from node {A}'s" in fits["message"] and said in fits["message"]
+    assert said in caplog.text
+    # the only label malformed: the memory is not known, and the message says why
+    unknown = _desired(Observed(_by_label(), candidates=Candidates((_node(A), garbled))), NOW)
+    fits = _condition(unknown, "FitsMemory")
+    assert (fits["status"], fits["reason"]) == ("Unknown", "GPUMemoryUnknown")
+    assert said in fits["message"]
+
+
+def test_a_degraded_layout_that_does_not_fit_raises_the_minimum_tp_the_planner_keeps_to() -> None:
+    """60 GiB GPUs hold the example at TP 7 but not a TP 6 rank (docs/memory.md): FitsMemory
+    says the effective minimum TP is 7, and two GPUs cordoned on A drop A's replica instead of
+    running it at TP 6 as minTensorParallelSize 6 alone would."""
+    sixty = 60 * 1024
+    nodes = (_gpu_node(A, sixty, cordon="2,3"), _gpu_node(B, sixty))
+    wanted = _desired(replace(TRAINING, job=_by_label() | {"status": {"layoutGeneration": 1}},
+                              nodes=nodes), NOW)
+    fits = _condition(wanted, "FitsMemory")
+    assert (fits["status"], fits["reason"]) == ("True", "MinimumTensorParallelRaised")
+    assert fits["message"].startswith("fits down to TP 7, not 6: layout ")
+    assert "the effective minimum TP is 7" in fits["message"]
+    assert wanted.status["tpLayout"] == "8"
+    # the same GPUs with the memory of an H100: TP 6 fits, and A's replica runs at TP 6
+    roomy = (_gpu_node(A, H100_MIB, cordon="2,3"), _gpu_node(B, H100_MIB))
+    assert _desired(replace(TRAINING, nodes=roomy), NOW).status["tpLayout"] == "6,8"

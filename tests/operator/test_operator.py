@@ -401,6 +401,36 @@ def test_spec_problems_become_conditions(running_operator: RunningOperator) -> N
     op.wait(lambda: _phase_layout(op, "too-wide"), lambda s: s == ("Running", "16"), "TP16")
 
 
+def test_a_job_that_does_not_fit_its_gpus_memory_gets_no_pod(running_operator: RunningOperator
+                                                             ) -> None:
+    """Each replica's 32 sequences of 8,192 tokens in one pass, on nodes labelled as H100s the
+    way GPU feature discovery labels them: FitsMemory=False with the layout and the numbers, and
+    nothing made. One sequence a pass fits: the same job is then placed."""
+    op, job = running_operator, "too-big"
+    core = client.CoreV1Api(op.admin)
+    for node in op.create_nodes(job, 2):
+        core.patch_node(node, {"metadata": {"labels": {"nvidia.com/gpu.memory": "81559"}}})
+    body = _example(job)
+    del body["spec"]["gpuMemory"], body["spec"]["microBatchSize"]
+    op.create_job(body)
+    fits = op.wait(lambda: next((c for c in op.status(job).get("conditions", [])
+                                 if c["type"] == "FitsMemory"), {}), bool, "FitsMemory")
+    assert (fits["status"], fits["reason"]) == ("False", "MemoryDoesNotFit"), fits
+    found = re.fullmatch(r"does not fit: layout 8,8 needs ([\d.]+) GiB on rank \d of replica \d "
+                         r"\(TP 8\) for a training step, ([\d.]+) GiB usable of 79\.6 GiB per "
+                         r"GPU \(79\.6 GiB from node gpu-[\w-]+'s nvidia\.com/gpu\.memory label\)",
+                         fits["message"])
+    assert found and float(found[1]) > float(found[2]), fits["message"]
+    assert _condition(op.status(job), "Ready")["reason"] == "MemoryDoesNotFit"
+    assert _children(op, job) == {}
+    client.CustomObjectsApi(op.admin).patch_namespaced_custom_object(
+        "tessera.dev", "v1alpha1", op.namespace, "ntptrainingjobs", job,
+        {"spec": {"microBatchSize": 1}})
+    op.wait(lambda: (_condition(op.status(job), "FitsMemory")["reason"],
+                     len(_children(op, job).get("pods", []))), lambda seen: seen == ("Fits", 3),
+            "FitsMemory=True, the rendezvous and two trainer pods")
+
+
 def test_operator_never_hit_a_permission_error(running_operator: RunningOperator) -> None:
     log = Path(running_operator.log).read_text()
     # 403 as a status code, not as the milliseconds of a log line's time (",403]")

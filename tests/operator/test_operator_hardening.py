@@ -6,6 +6,7 @@ before any pod holds a GPU, and a node another job holds is not shared."""
 from __future__ import annotations
 
 import copy
+import json
 import re
 import uuid
 from typing import Any
@@ -16,6 +17,7 @@ from kubernetes import client
 from opharness import ROOT, RunningOperator
 
 from tessera_contracts.api import JOB_LABEL
+from tessera_contracts.progress import progress_configmap, report_key
 from tessera_dev import simnodes
 from tessera_operator import power_targets, workload
 
@@ -157,3 +159,140 @@ def test_a_node_another_pod_holds_is_not_shared(running_operator) -> None:
                     "the second Unschedulable")
     assert "whole nodes" in ready["message"]
     assert _pods(op, "second") == []
+
+
+def _write_reports(op: RunningOperator, job: str, reports: dict[str, dict[str, Any]]) -> None:
+    """Write node reports into the job's progress ConfigMap as the nodes' agents would."""
+    core = client.CoreV1Api(op.admin)
+    op.wait(lambda: core.list_namespaced_config_map(
+        op.namespace, field_selector=f"metadata.name={progress_configmap(job)}").items, bool,
+        "the progress ConfigMap")
+    core.patch_namespaced_config_map(progress_configmap(job), op.namespace, {"data": {
+        report_key(node): json.dumps(report) for node, report in reports.items()}})
+
+
+def _honest(node: str, job: dict[str, Any], step: int) -> dict[str, Any]:
+    return {"node": node, "generation": 1, "step": step, "steps": job["spec"]["steps"],
+            "state": "Training", "productiveSeconds": 90.0, "wallSeconds": 100.0,
+            "badputSeconds": {"startup": 10.0}, "goodput": 0.9}
+
+
+def test_a_report_claiming_more_time_than_its_node_had_leaves_the_status_moving(
+        running_operator) -> None:
+    """One trainer pod's report claims a million productive seconds in 100 s: were it read,
+    the job's goodput would pass the schema's maximum of 1 and the API server would refuse
+    every status write for as long as the report stays. It is refused on read instead: the
+    status follows the other node's report, says why the first is not counted, and stays in
+    the schema's bounds."""
+    op, job = running_operator, "boasting"
+    lying, honest = op.create_nodes(job, 2)
+    op.create_job(_job(job))
+    op.start_rendezvous(job)
+    op.wait(lambda: op.status(job).get("layoutGeneration"), lambda g: g == 1, "generation 1")
+    stored = op.job(job)
+    _write_reports(op, job, {
+        lying: _honest(lying, stored, 7) | {"productiveSeconds": 1.0e6},
+        honest: _honest(honest, stored, 7)})
+    status = op.wait(lambda: op.status(job), lambda s: s.get("step") == 7,
+                     "the status at the honest node's step")
+    assert status["goodput"] == 0.9
+    assert f"node {lying}'s progress report refused" in _ready(op, job)["message"]
+
+
+REFUSING = "refuse-status"
+PROBE = "refuse-status-probe"  # a ConfigMap the same policy refuses: whether it is in force
+
+
+def test_a_status_the_api_server_refuses_is_said_once_not_retried_in_a_loop(
+        running_operator) -> None:
+    """An admission policy (as a platform team might install) refuses the job's status but
+    for its conditions: the operator says so in Ready and in a Warning event with the API
+    server's message, once, and waits for the next change instead of retrying the same write
+    every few seconds."""
+    op, job = running_operator, REFUSING
+    admission = client.AdmissionregistrationV1Api(op.admin)
+    core = client.CoreV1Api(op.admin)
+    policy = f"tessera-test-{REFUSING}"
+    admission.create_validating_admission_policy({
+        "metadata": {"name": policy},
+        "spec": {"failurePolicy": "Fail",
+                 "matchConstraints": {"resourceRules": [
+                     {"apiGroups": ["tessera.dev"], "apiVersions": ["*"],
+                      "operations": ["UPDATE"], "resources": ["ntptrainingjobs/status"]},
+                     {"apiGroups": [""], "apiVersions": ["v1"], "operations": ["CREATE"],
+                      "resources": ["configmaps"]}]},
+                 "matchConditions": [{"name": "this-job", "expression":
+                                      f"object.metadata.name in ['{REFUSING}', '{PROBE}']"}],
+                 "validations": [{"expression": f"object.metadata.name != '{PROBE}' && "
+                                  "!has(object.status.phase)", "reason": "Invalid",
+                                  "message": "status writes of this job are closed"}]}})
+    admission.create_validating_admission_policy_binding({
+        "metadata": {"name": policy},
+        "spec": {"policyName": policy, "validationActions": ["Deny"],
+                 "matchResources": {"namespaceSelector": {"matchLabels": {
+                     "kubernetes.io/metadata.name": op.namespace}}}}})
+
+    def in_force() -> bool:
+        try:
+            core.create_namespaced_config_map(op.namespace, {"metadata": {"name": PROBE}})
+        except client.ApiException as exc:
+            return exc.status == 422
+        core.delete_namespaced_config_map(PROBE, op.namespace)
+        return False
+
+    def refusals() -> list[str]:
+        return [e.message for e in core.list_namespaced_event(
+            op.namespace, field_selector=f"involvedObject.name={job},reason=StatusRefused").items]
+
+    refused = f"job {op.namespace}/{job}: status refused by the API server"
+    try:
+        op.wait(in_force, bool, "the admission policy in force")
+        op.create_nodes(job, 2)
+        op.create_job(_job(job))
+        op.start_rendezvous(job)
+        [said] = op.wait(refusals, bool, "the StatusRefused event")
+        assert "status writes of this job are closed" in said
+        ready = op.wait(lambda: _ready(op, job), lambda c: c.get("reason") == "StatusRefused",
+                        "Ready saying the status is refused")
+        assert ready["status"] == "False"
+        assert "status writes of this job are closed" in ready["message"]
+        assert "phase" not in op.status(job)
+        # A change brings a reconcile: its write is refused again, said in the log, no event
+        # more, and never put back on a retry timer.
+        before = op.log.read_text().count(refused)
+        _write_reports(op, job, {"a-node": {"node": "a-node"}})
+        text = op.wait(op.log.read_text, lambda t: t.count(refused) > before,
+                       "the next refusal logged")
+        assert refusals() == [said]
+        assert f"reconcile of job {op.namespace}/{job} failed" not in text
+    finally:
+        admission.delete_validating_admission_policy_binding(policy)
+        admission.delete_validating_admission_policy(policy)
+
+
+def _condition(op: RunningOperator, job: str, kind: str) -> dict[str, Any]:
+    return next((c for c in op.status(job).get("conditions") or [] if c["type"] == kind), {})
+
+
+def test_trainer_pods_that_never_start_are_said_then_given_up_by_the_jobs_policy(
+        running_operator) -> None:
+    """These nodes have no kubelet: the trainer pods never start and hold their nodes.
+    PodsStarted says why each waits and when the attempt gives up; at podStartTimeoutSeconds
+    (its minimum, 30 s) the job fails by its onPodStartTimeout (Fail), its pods deleted and
+    its nodes released."""
+    op, job = running_operator, "never-starts"
+    op.create_nodes(job, 2)
+    body = _job(job)
+    body["spec"]["failurePolicy"] |= {"podStartTimeoutSeconds": 30, "onPodStartTimeout": "Fail"}
+    op.create_job(body)
+    op.start_rendezvous(job)
+    waiting = op.wait(lambda: _condition(op, job, "PodsStarted"),
+                      lambda c: c.get("status") == "False" and c.get("reason") != "NoPods",
+                      "PodsStarted saying why the trainer pods wait")
+    assert f"pod {job}-" in waiting["message"]
+    assert "podStartTimeoutSeconds 30 s, onPodStartTimeout Fail" in waiting["message"]
+    failed = op.wait(lambda: _condition(op, job, "Failed"), lambda c: c.get("status") == "True",
+                     "the job Failed")
+    assert failed["reason"] == "PodStartTimeout"
+    assert "did not start within failurePolicy.podStartTimeoutSeconds" in failed["message"]
+    op.wait(lambda: _pods(op, job), lambda pods: pods == [], "its pods deleted")

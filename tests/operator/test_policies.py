@@ -5,6 +5,7 @@ signal, the generation document it publishes, its power."""
 from __future__ import annotations
 
 import copy
+import json
 from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any
@@ -12,14 +13,14 @@ from typing import Any
 import pytest
 import yaml
 
-from tessera_contracts import gpuhealth
-from tessera_contracts.generation import Generation, Rendezvous
+from tessera_contracts import gpuhealth, progress
+from tessera_contracts.generation import LAYOUT_KEY, Generation, Gpu, Rendezvous, next_generation
 from tessera_contracts.jobspec import defaulted
 from tessera_contracts.powertarget import to_object
-from tessera_contracts.progress import NodeReport, State
+from tessera_contracts.progress import NodeReport, RankDeath, State
 from tessera_contracts.unreadable import Unreadable
 from tessera_dev import paths
-from tessera_operator import desired, planner, workload
+from tessera_operator import desired, health, planner, workload
 from tessera_operator.lifecycle import Stage
 from tessera_operator.observed import Candidates, Layout, Observed, Spec
 from tessera_operator.policies import life, placement, power, publish, signal
@@ -290,3 +291,191 @@ def test_power_goes_on_from_the_boost_the_status_remembers() -> None:
     ratio = {r.index: (r.power_ratio, r.ratio_step) for r in resumed.replicas}
     assert ratio[reduced.index] == (1.1, 100)
     assert dict((r.index, r.power_ratio) for r in seeded.replicas)[reduced.index] != 1.1
+
+
+# ----------------------------------------------------------------------------------------------
+# hardening: what one trainer pod's own report may not decide
+# ----------------------------------------------------------------------------------------------
+
+
+def _report(node: str, at: float, **fields: Any) -> NodeReport:
+    """A training node's report written at `at` (Unix seconds)."""
+    return NodeReport(node, 1, 118, 1000, State.TRAINING, productive_seconds=90.0,
+                      wall_seconds=100.0, badput_seconds={"startup": 10.0}, reported_at=at,
+                      **fields)
+
+
+@pytest.mark.hardening
+@pytest.mark.parametrize("mode", ["NTP", "CKPT-RESTART"])
+def test_signal_one_pods_word_that_another_node_went_silent_takes_nothing(mode: str) -> None:
+    """A's report names B silent while B's own report is fresh: B keeps its GPUs (NTP: its
+    replica stays in the layout; CKPT-RESTART: the attempt goes on, no restart counted). Once
+    B's report is late past its period, the same word is believed, and the job asks to be
+    reconciled then (no event would come)."""
+    job = _job(**_mode(mode))
+    now = NOW.timestamp()
+    reports = {A: _report(A, now - 1, silent_nodes=(B,)), B: _report(B, now - 4)}
+    observed = _in_force(job, reports=reports)
+    found, lost = signal.health_of(_spec(job).whole, observed, {0: A, 1: B}, observed.nodes,
+                                   NOW)
+    assert not found.failed and not lost.failed
+    late_at = now - 4 + progress.report_period(2) + health.REPORT_LATE_S
+    assert found.recheck_at == late_at
+    assert any(f"node {B}: reported silent by {A} alone" in p for p in found.problems)
+    state, ended = life.life(_spec(job), observed, NOW)
+    assert (state.stage, state.restarts, ended) == (Stage.RUNNING, 0, {})
+    later = datetime.fromtimestamp(late_at, UTC)
+    found, _ = signal.health_of(_spec(job).whole, observed, {0: A, 1: B}, observed.nodes, later)
+    assert found.failed == {(B, i) for i in range(8)}
+
+
+@pytest.mark.hardening
+def test_signal_two_agents_that_agree_a_node_went_silent_take_it_at_once() -> None:
+    """Three nodes, each watched by two others: B's two watchers name it, and B's report is
+    fresh (a node that froze a moment ago wrote it): lost now, not after its report period.
+    A node naming itself, or one that names itself alone, adds no witness."""
+    now = NOW.timestamp()
+    reports = {A: _report(A, now, silent_nodes=(B, C)), C: _report(C, now, silent_nodes=(B, C)),
+               B: _report(B, now - 1)}
+    assert health.heard_silent(reports, now).nodes == {B}
+    assert health.heard_silent({**reports, C: _report(C, now)}, now).nodes == frozenset()
+
+
+@pytest.mark.hardening
+def test_a_report_spending_more_than_its_wall_time_is_refused_and_goodput_stays_in_bounds(
+) -> None:
+    """A's report claims a million productive seconds in 100 s of wall time: it is refused on
+    read (named in Ready), so the job's goodput is B's alone, within the schema's [0, 1], and
+    nothing of it can be folded into earlierAttempts. Rounding each figure to the millisecond
+    is no lie."""
+    job = _job()
+    honest = _report(B, NOW.timestamp())
+    lying = honest.to_dict() | {"node": A, "productiveSeconds": 1.0e6}
+    rounded = honest.to_dict() | {"node": C, "productiveSeconds": 90.0005,
+                                  "badputSeconds": {"startup": 10.0005}}
+    reports = progress.parse_reports({f"{A}.json": json.dumps(lying),
+                                      f"{B}.json": honest.to_json(),
+                                      f"{C}.json": json.dumps(rounded)})
+    assert isinstance(reports[A], Unreadable) and "wallSeconds" in reports[A].why
+    assert isinstance(reports[C], NodeReport)
+    wanted = desired.desired(_spec(job), _in_force(job, reports=reports), NOW)
+    assert wanted.status["goodput"] == 0.9
+    ready = next(c for c in wanted.status["conditions"] if c["type"] == "Ready")
+    assert f"node {A}'s progress report refused" in ready["message"]
+    # an account folded before (a hand edit) reads back within its wall time
+    assert progress.Account.from_status(
+        {"wallSeconds": 100.0, "productiveSeconds": 1.0e6}).productive_seconds == 100.0
+
+
+# ----------------------------------------------------------------------------------------------
+# hardening: failures that must end
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.hardening
+@pytest.mark.parametrize("restarts", [0, 3])
+def test_life_a_rank_that_died_again_restarts_the_attempt_then_fails_with_its_error(
+        restarts: int) -> None:
+    """A rank died again on its GPU without getting past its previous rank's step there (a
+    data path that does not exist): not a GPU to hold out and let back for ever, but a restart
+    of the attempt from its checkpoint, counted; with maxRestarts (3) spent, the job fails
+    with the rank's last error in its Failed condition."""
+    job = _job(**_mode("NTP"))
+    error = "exited with 1: ntp.dataset.DatasetError: no dataset at /data/x (not a directory)"
+    death = RankDeath(NOW.timestamp() - 2, None, error, again=True)
+    observed = _in_force(job, reports={A: NodeReport(A, 1, 0, 1000, State.RECONFIGURING,
+                                                     rank_deaths={3: death})})
+    observed = replace(observed, job=observed.job | {"status": observed.job["status"] | {
+        "restarts": restarts}})
+    found, _ = life.life(_spec(job), observed, NOW)
+    if restarts < 3:
+        assert (found.stage, found.restarts, found.ended) == (Stage.STOPPING, restarts + 1, True)
+        return
+    assert found.stage is Stage.FINISHED and found.finish is not None
+    assert found.finish.reason == "RestartLimitReached" and error in found.finish.message
+    assert f"GPU {A}/3 died again" in found.finish.message
+    # a death that is not again is the GPU's: held out, not a restart
+    once = replace(observed, reports={A: NodeReport(A, 1, 0, 1000, State.RECONFIGURING,
+                                                    rank_deaths={3: replace(death, again=False)})})
+    assert life.life(_spec(job), once, NOW)[0].stage is Stage.RUNNING
+
+
+def _waiting(pod: dict[str, Any], created: float, **status: Any) -> dict[str, Any]:
+    meta = pod["metadata"] | {"creationTimestamp": datetime.fromtimestamp(
+        created, UTC).isoformat().replace("+00:00", "Z")}
+    return pod | {"metadata": meta, "status": {"phase": "Pending"} | status}
+
+
+SCHEDULED = {"type": "PodScheduled", "status": "True"}
+UNSCHEDULABLE = {"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+                 "message": "0/3 nodes are available: 1 Insufficient nvidia.com/gpu."}
+PULL = {"name": "trainer", "state": {"waiting": {
+    "reason": "ImagePullBackOff", "message": 'Back-off pulling image "ghcr.io/x/trainer:nope"'}}}
+INIT = {"name": "fetch", "state": {"running": {"startedAt": "2026-12-01T07:00:00Z"}}}
+
+
+@pytest.mark.hardening
+@pytest.mark.parametrize(("status", "reason", "words"), [
+    ({"conditions": [UNSCHEDULABLE]}, "Unschedulable", "Insufficient nvidia.com/gpu"),
+    ({"conditions": [SCHEDULED], "containerStatuses": [PULL]}, "ImagePullBackOff",
+     "container trainer: Back-off pulling image"),
+    ({"conditions": [SCHEDULED], "initContainerStatuses": [INIT]}, "InitContainerRunning",
+     "init container fetch running since"),
+])
+@pytest.mark.parametrize("action", ["Restart", "Fail"])
+def test_pods_that_never_start_say_why_then_the_attempt_gives_up_by_the_jobs_policy(
+        status: dict[str, Any], reason: str, words: str, action: str) -> None:
+    """A trainer pod that cannot start holds its node: PodsStarted says why (the scheduler's
+    or the kubelet's reason) and when the attempt gives up; the job asks to be reconciled
+    then. At podStartTimeoutSeconds its pods are deleted: a restart counted (Restart), or the
+    job fails (Fail)."""
+    job = _job(failurePolicy=EXAMPLE["spec"]["failurePolicy"] | {"onPodStartTimeout": action})
+    timeout = _spec(job).whole.failure_policy.pod_start_timeout_seconds
+    created = NOW.timestamp() - 60
+    rendezvous, first, second = _pods(job)
+    pods = (_waiting(rendezvous, created, phase="Running", podIP=IP),
+            _waiting(first, created, phase="Running"), _waiting(second, created, **status))
+    observed = _in_force(job, pods=pods)
+    wanted = desired.desired(_spec(job), observed, NOW)
+    started = next(c for c in wanted.status["conditions"] if c["type"] == "PodsStarted")
+    assert (started["status"], started["reason"]) == ("False", reason)
+    assert words in started["message"] and f"onPodStartTimeout {action}" in started["message"]
+    assert wanted.requeue_after == pytest.approx(timeout - 60)
+    late = datetime.fromtimestamp(created + timeout, UTC)
+    found, _ = life.life(_spec(job), observed, late)
+    if action == "Restart":
+        assert (found.stage, found.restarts) == (Stage.STOPPING, 1)
+    else:
+        assert found.stage is Stage.FINISHED and found.finish is not None
+        assert found.finish.reason == "PodStartTimeout" and reason in found.finish.message
+    assert set(found.delete_pods) == {p["metadata"]["name"] for p in pods}  # nodes released
+
+
+@pytest.mark.hardening
+def test_a_loss_while_a_planned_switch_is_pending_leaves_its_joining_gpus_out() -> None:
+    """Generation 3 is planned (A/3 back after its rank died: a process still to start) and no
+    node trains in it yet when B/5's rank dies. The generation that follows the loss leaves
+    A/3 out as well as B/5: with it the survivors would wait at its rendezvous for a process
+    still starting (a planned generation's 600 s timeout when it never comes). A loss outside
+    the pending generation, or once a node trains in it, holds nothing back."""
+    job = _job(**_mode("NTP"))
+    first = _first_generation(job)
+    a3, b5 = Gpu(A, 3), Gpu(B, 5)
+    without_a3 = next_generation(first, [[g for g in r if g != a3] for r in first.replicas],
+                                 lost={a3})
+    planned = next_generation(without_a3, first.replicas, at_step=130)
+    died = NodeReport(B, 2, 125, 1000, State.RECONFIGURING,
+                      rank_deaths={5: RankDeath(NOW.timestamp() - 1)})
+    reports = {A: NodeReport(A, 2, 125, 1000, State.TRAINING), B: died}
+    observed = replace(_in_force(job, reports=reports),
+                       layout=Layout("9", generation=planned))
+    observed = replace(observed, job=observed.job | {"status": {"layoutGeneration": 3}})
+    wanted = desired.desired(_spec(job), observed, NOW)
+    assert wanted.layout is not None
+    after = Generation.from_dict(json.loads(wanted.layout["data"][LAYOUT_KEY]))
+    assert after.generation == 4 and after.at_step is None
+    assert {a3, b5}.isdisjoint(g for r in after.replicas for g in r)
+    assert publish.held_back(planned, reports, frozenset({(A, 0)})).failed == {(A, 3)}
+    assert not publish.held_back(planned, reports, frozenset({(C, 0)})).failed
+    trained = {**reports, A: NodeReport(A, 3, 131, 1000, State.TRAINING)}
+    assert not publish.held_back(planned, trained, frozenset({(B, 5)})).failed

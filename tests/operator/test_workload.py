@@ -78,7 +78,10 @@ def test_the_trainer_pod_carries_the_specs_fields_and_its_template() -> None:
     # The agent's own options, then every rank's: the checkpoint directory the spec names (the
     # CRD's default of 3 kept), the precision (the CRD's default), its args.
     rank = ["--save", "/ckpt/run/", "--resume", "--save-every", "50", "--keep", "3",
-            "--precision", "fp32", "--lr=0.01"]
+            "--precision", "fp32", "--activation-checkpointing", "none",
+            "--activation-checkpointing-every", "2", "--lr", "0.001", "--weight-decay", "0.1",
+            "--lr-schedule", "constant", "--warmup-steps", "0", "--decay-steps", "0",
+            "--min-lr-ratio", "0.1", "--lr=0.01"]
     assert container["args"] == ["--job", "tiny-llama", "--until-step", "100000", "--", *rank]
     # what the node agent reads from them: the job, its steps in all, every rank's options
     assert AgentInvocation.from_args(container["args"]) == AgentInvocation(
@@ -142,6 +145,27 @@ def test_without_data_weights_or_checkpoints_the_ranks_train_on_synthetic_sequen
 def test_the_ranks_shard_their_optimizer_state_when_the_spec_says_so() -> None:
     assert _trainer_options(_job(optimizer={"shardedState": True})).sharded_state
     assert not _trainer_options(_job()).sharded_state
+
+
+def test_the_ranks_take_the_micro_batches_recomputation_recipe_and_evaluation_of_the_spec(
+        ) -> None:
+    opts = _trainer_options(_job(
+        microBatchSize=2, activationCheckpointing={"mode": "selective", "every": 3},
+        optimizer={"learningRate": 3e-4, "weightDecay": 0.05, "weightDecayAll": True,
+                   "schedule": {"type": "wsd", "warmupSteps": 100, "decaySteps": 400,
+                                "minRatio": 0.0}},
+        eval={"everySteps": 50, "samples": 16}))
+    assert (opts.micro_batch_size, opts.activation_checkpointing,
+            opts.activation_checkpointing_every) == (2, "selective", 3)
+    assert (opts.lr, opts.weight_decay, opts.weight_decay_all) == (3e-4, 0.05, True)
+    assert (opts.lr_schedule, opts.warmup_steps, opts.decay_steps, opts.min_lr_ratio) == (
+        "wsd", 100, 400, 0.0)
+    assert (opts.eval_every, opts.eval_samples) == (50, 16)
+    # The CRD's defaults: the whole share at once, nothing recomputed, a constant rate, no
+    # evaluation.
+    opts = _trainer_options(_job())
+    assert (opts.micro_batch_size, opts.activation_checkpointing, opts.lr_schedule,
+            opts.eval_every) == (None, "none", "constant", 0)
 
 
 def test_the_specs_args_come_last_and_win_over_the_operators() -> None:
@@ -366,6 +390,12 @@ OUTDATING = {
     "data": ({"data": {"path": "/data/d"}}, ["data"]),
     "initialWeights": ({"initialWeights": {"path": "/w"}}, ["initialWeights"]),
     "precision": ({"precision": "bf16"}, ["precision"]),
+    "microBatchSize": ({"microBatchSize": 4}, ["microBatchSize"]),
+    "activationCheckpointing": ({"activationCheckpointing": {"mode": "full"}},
+                                ["activationCheckpointing"]),
+    "optimizer": ({"optimizer": {"schedule": {"type": "cosine", "warmupSteps": 10}}},
+                  ["optimizer"]),
+    "eval": ({"eval": {"everySteps": 100}}, ["eval"]),
     "the template's container": ({"template": TEMPLATE_EDIT}, ["template"]),
     "the template's labels": ({"template": {"metadata": {"labels": {"team": "nlp"}},
                                             "spec": TEMPLATE_EDIT["spec"]}}, ["template"]),

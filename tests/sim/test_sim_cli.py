@@ -187,7 +187,8 @@ def test_simulate_takes_the_model_shape_and_batch_from_flags(tmp_path: Path, cap
     assert config["dp"] == 96
     assert config["model"]["shape"] == {
         "hidden": 8192, "n_heads": 64, "n_kv_heads": 8, "ffn": 28672, "vocab": 128_256,
-        "n_layers": 80, "seq_len": 8192,
+        "n_layers": 80, "seq_len": 8192, "head_dim": 128, "qkv_bias": False, "qk_norm": False,
+        "tied_embeddings": False, "sliding_window": None, "rope_scaling": None,
     }  # fmt: skip
     assert config["model"]["tokens_per_batch"] == 8 * 96 * 8192
     assert config["policy"]["spare_swap_seconds"] == 30

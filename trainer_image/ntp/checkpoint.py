@@ -12,6 +12,10 @@ tensor" fields saying which runs of its rows or columns are which global ones: N
 of units, so one local tensor is several chunks, and nothing is gathered or copied dense.
 Replica 0 writes (each unit once: KV copies at their lowest holder, replicated tensors at its
 rank 0); every replica holds the same state.
+
+A job may also start from a Hugging Face directory (`--init HF_DIR`): `latest`, `read_args` and
+`load_state` take one wherever they take a checkpoint, and each rank reads its units of it
+(`ntp.hf_read`).
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import re
 import shutil
 import threading
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import asdict
@@ -33,10 +37,13 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.planner import WriteItem
 
+from ntp import hf, hf_read
 from ntp.model import ModelArgs
-from ntp.sharding import counted_units, dense_shape, local_positions, spec_of, unit_size
-from tessera_contracts.model_shape import ModelShape
+from ntp.sharding import counted_units, dense_shape, local_positions, runs, spec_of, unit_size
+from tessera_contracts.model_shape import FAMILY_FIELDS, SPEC_FIELDS, ModelShape
 from tessera_core.plan import RankShard
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -60,8 +67,8 @@ def is_complete(path: Path) -> bool:
 
 def latest(path: Path) -> Path | None:
     """The newest complete checkpoint under a job's checkpoint directory, or `path` itself
-    when it is one; None when there is none yet."""
-    if is_complete(path):
+    when it is one (or a Hugging Face directory); None when there is none yet."""
+    if is_complete(path) or hf.is_directory(path):
         return path
     if not path.is_dir():
         return None
@@ -74,7 +81,22 @@ def read_info(checkpoint: Path) -> dict[str, Any]:
 
 
 def read_args(checkpoint: Path) -> ModelArgs:
+    """The model a checkpoint (or a Hugging Face directory) holds."""
+    if hf.is_directory(checkpoint):
+        return hf.args_from_config(hf.read_config(checkpoint))
     return ModelArgs(**read_info(checkpoint)["model"])
+
+
+def check_model(source: str, held: ModelShape, shape: ModelShape) -> None:
+    """Refuse weights of another model than `shape` (the job's spec.model), naming the first
+    field of spec.model that differs (the sequence length may)."""
+    theirs, ours = held.to_spec(), shape.to_spec()
+    for key in (*SPEC_FIELDS, *FAMILY_FIELDS):
+        if key != "seqLen" and theirs.get(key) != ours.get(key):
+            raise CheckpointError(
+                f"{source} holds another model than spec.model: its {key} is "
+                f"{theirs.get(key)!r}, spec.model's {ours.get(key)!r}"
+            )
 
 
 @contextmanager
@@ -93,18 +115,6 @@ def _key(part: str, name: str) -> str:
 # -- a local tensor as chunks of the dense one -------------------------------------------------
 
 
-def _runs(ids: Sequence[int], positions: Sequence[int]) -> list[tuple[int, int, int]]:
-    """(first id, first local position, length) of each run consecutive in both."""
-    runs: list[tuple[int, int, int]] = []
-    for u, pos in zip(ids, positions, strict=True):
-        if runs and runs[-1][0] + runs[-1][2] == u and runs[-1][1] + runs[-1][2] == pos:
-            first, at, n = runs[-1]
-            runs[-1] = (first, at, n + 1)
-        else:
-            runs.append((u, pos, 1))
-    return runs
-
-
 def as_chunks(
     t: torch.Tensor, name: str, shape: ModelShape, held: Sequence[int], units: Sequence[int]
 ) -> torch.Tensor:
@@ -115,7 +125,7 @@ def as_chunks(
     size = unit_size(shape, spec.kind)
     alias = t.detach().view_as(t)
     offsets, local, sizes = [], [], []
-    for first, at, n in _runs(list(units), local_positions(held, units)):
+    for first, at, n in runs(list(units), local_positions(held, units)):
         o, lo, sz = [0] * t.dim(), [0] * t.dim(), list(t.shape)
         o[spec.dim], lo[spec.dim], sz[spec.dim] = first * size, at * size, n * size
         offsets.append(tuple(o))
@@ -250,11 +260,15 @@ def load_state(
     """Read this rank's units of a checkpoint into a model of any layout (and its AdamW moments
     when `optimizer` is given and the checkpoint has them); returns the checkpoint's info.
 
-    Every rank reads on its own (no collective): only the chunks overlapping its units."""
+    Every rank reads on its own (no collective): only the chunks overlapping its units. A
+    Hugging Face directory is read the same way, as a checkpoint at step 0 without moments."""
+    if hf.is_directory(checkpoint):
+        return _load_hf(checkpoint, model, shape, shard)
     reader = dcp.FileSystemReader(checkpoint)
     stored = reader.read_metadata().state_dict_metadata
     with_moments = _check_fits(checkpoint, stored, model, shape) and optimizer is not None
     info = read_info(checkpoint)
+    check_model(f"checkpoint {checkpoint}", ModelArgs(**info["model"]).shape(), shape)
     if with_moments:
         assert optimizer is not None
         for p in model.parameters():
@@ -279,34 +293,85 @@ def load_state(
     return info
 
 
+def _load_hf(directory: Path, model: nn.Module, shape: ModelShape, shard: RankShard
+             ) -> dict[str, Any]:
+    config = hf.read_config(directory)
+    try:
+        held = hf.args_from_config(config, seq_len=shape.seq_len)
+    except ValueError as exc:
+        raise CheckpointError(f"{directory}: {exc}") from None
+    check_model(f"{directory / hf.CONFIG}", held.shape(), shape)
+    hf_read.load_units(directory, hf_read.open_directory(directory, held), model, shape, shard)
+    return {"step": 0, "samples": 0, "model": asdict(held)}
+
+
 # -- one process: dense tensors in and out (Hugging Face import and export) -------------------
 
 
+class _LazyPlanner(DefaultSavePlanner):
+    """Plans from placeholders of the right shape; each tensor is made only when the writer
+    reaches it. With a file per tensor the writer asks for the next tensor once the last one is
+    written, but still holds a reference to that one: its memory is released then."""
+
+    def __init__(self, make: Callable[[str], torch.Tensor]) -> None:
+        super().__init__()
+        self._make = make
+        self._last: torch.Tensor | None = None
+
+    def resolve_data(self, write_item: WriteItem) -> torch.Tensor:
+        if self._last is not None:
+            self._last.untyped_storage().resize_(0)
+        self._last = self._make(write_item.index.fqn)
+        return self._last
+
+
 def write_dense(
-    root: Path, tensors: Iterable[tuple[str, torch.Tensor]], args: ModelArgs, step: int = 0
+    root: Path, shapes: Mapping[str, Sequence[int]], make: Callable[[str], torch.Tensor],
+    args: ModelArgs, step: int = 0,
 ) -> Path:
-    """A complete checkpoint of dense weights (no optimizer state) at root/step-NNNNNNNN, written
-    by this one process; returns its path."""
-    state = {_key("model", name): t.detach().cpu().contiguous() for name, t in tensors}
+    """A complete checkpoint of dense float32 weights (no optimizer state) at
+    root/step-NNNNNNNN, written by this one process, which holds one tensor at a time
+    (`make(name)` gives it when its turn comes: a tensor of its own, whose memory is released
+    once written); returns its path."""
+    placeholders = {_key("model", name): torch.empty(tuple(shape), device="meta")
+                    for name, shape in shapes.items()}
     final = root / checkpoint_name(step)
     partial = final.with_name(final.name + PARTIAL)
     shutil.rmtree(partial, ignore_errors=True)
+    prefix = _key("model", "")
     with _one_process():
-        dcp.save(state, checkpoint_id=partial, no_dist=True)
+        # a file per tensor: DCP keeps every tensor it wrote to a file until the file is done,
+        # and resolves one file's tensors before writing them
+        dcp.save(placeholders, no_dist=True,
+                 storage_writer=dcp.FileSystemWriter(partial, single_file_per_rank=False),
+                 planner=_LazyPlanner(lambda key: make(key[len(prefix):]).detach().cpu()))
     return _commit(partial, final, {"step": step, "samples": 0, "model": asdict(args)})
 
 
-def iter_dense(checkpoint: Path, part: str = "model") -> Iterator[tuple[str, torch.Tensor]]:
-    """The dense tensors of one part ("model", "exp_avg" or "exp_avg_sq"), one at a time."""
-    reader = dcp.FileSystemReader(checkpoint)
-    stored = reader.read_metadata().state_dict_metadata
+def dense_shapes(checkpoint: Path, part: str = "model") -> dict[str, tuple[int, ...]]:
+    """The dense shape of every tensor of one part ("model", "exp_avg" or "exp_avg_sq")."""
+    stored = dcp.FileSystemReader(checkpoint).read_metadata().state_dict_metadata
     prefix = f"{part}/"
-    for key in sorted(k for k in stored if k.startswith(prefix)):
-        meta = stored[key]
-        t = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
-        with _one_process():
-            dcp.load({key: t}, storage_reader=dcp.FileSystemReader(checkpoint), no_dist=True)
-        yield key[len(prefix):], t
+    return {key[len(prefix):]: tuple(stored[key].size)
+            for key in sorted(k for k in stored if k.startswith(prefix))}
+
+
+def read_dense(
+    checkpoint: Path, name: str, part: str = "model", dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """One dense tensor of a checkpoint (converted to `dtype` as it is read)."""
+    key = _key(part, name)
+    meta = dcp.FileSystemReader(checkpoint).read_metadata().state_dict_metadata[key]
+    t = torch.empty(tuple(meta.size), dtype=dtype or meta.properties.dtype)
+    with _one_process():
+        dcp.load({key: t}, storage_reader=dcp.FileSystemReader(checkpoint), no_dist=True)
+    return t
+
+
+def iter_dense(checkpoint: Path, part: str = "model") -> Iterator[tuple[str, torch.Tensor]]:
+    """The dense tensors of one part, one at a time."""
+    for name in dense_shapes(checkpoint, part):
+        yield name, read_dense(checkpoint, name, part)
 
 
 def dense_state(checkpoint: Path) -> dict[str, Any]:

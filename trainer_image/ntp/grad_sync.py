@@ -6,7 +6,10 @@ Per bucket (a few layers' parameters, in backward order) the sync runs four stag
   1. each owner sums what it received (KV copies add up) into its partition buffer and
      all-reduces it with the owners of the same partition in the other replicas;
   2. the owner sends every rank its units' synced gradients back (reverse all_to_all_single);
-  3. ranks write them into .grad. Replicated parameters (norms) are averaged over the world.
+  3. ranks write them into .grad. Replicated parameters (norms) are averaged over the world:
+     a norm before a TP region has the same gradient on every rank of a replica, which its
+     rank 0 contributes; a per-head QK norm's gradient is partial on each rank, and all of
+     them contribute.
 Each bucket's stage 0 starts when its last gradient is accumulated; every launch advances the
 older buckets by one stage, so the exchange overlaps the rest of backward. The order of
 collectives on each group is the same on all its ranks because it only depends on bucket order.
@@ -28,6 +31,7 @@ from ntp.groups import JobGroups
 from ntp.sharding import (
     ParamSpec,
     dense_shape,
+    is_partial,
     local_index,
     local_positions,
     pack_into,
@@ -58,6 +62,7 @@ class _Bucket:
     params: list[nn.Parameter]
     routes: list[_Route]
     replicated: list[nn.Parameter]
+    replicated_weights: list[float] = field(default_factory=list)  # each one's share
     send_splits: list[int] = field(default_factory=list)
     recv_splits: list[int] = field(default_factory=list)
     ready: int = 0
@@ -76,7 +81,8 @@ def bucket_parameters(named: Named, shape: ModelShape, cap: int) -> list[Named]:
     """A shard's parameters in gradient buckets, in the order backward produces them.
 
     Groups (the LM head with the final norm, each layer, the embedding) are merged by their
-    dense sizes, so the buckets are the same on every rank whatever its shard.
+    dense sizes, so the buckets are the same on every rank whatever its shard. A tied LM head
+    is the embedding, whose gradient is complete only once the embedding's use is.
     """
     by_layer: dict[str, Named] = {}
     for name, p in named:
@@ -112,7 +118,8 @@ class GradSync:
         # Every rank owning exactly its own units (uniform TP) leaves nothing to exchange.
         self.local_exchange = self.sync.is_local()
         self.weight = layout.sample_weight(groups.replica)
-        # Replicated gradients are identical across a TP group: rank 0 alone contributes them.
+        # Replicated gradients identical across a TP group are contributed by its rank 0 alone;
+        # partial ones (per-head QK norms) by every rank, so they add up to the replica's.
         self.replicated_weight = self.weight if groups.rank == 0 else 0.0
         named = list(model.named_parameters())
         self._buckets = [
@@ -161,14 +168,16 @@ class GradSync:
         )
 
     def _build_bucket(self, named: list[tuple[str, nn.Parameter]]) -> _Bucket:
-        routes, replicated = [], []
+        routes, replicated, weights = [], [], []
         for name, p in named:
             spec = spec_of(name)
             if spec is None:
                 replicated.append(p)
+                weights.append(self.weight if is_partial(name) else self.replicated_weight)
             else:
                 routes.append(self._route(p, spec))
-        bucket = _Bucket(params=[p for _, p in named], routes=routes, replicated=replicated)
+        bucket = _Bucket(params=[p for _, p in named], routes=routes, replicated=replicated,
+                         replicated_weights=weights)
         tp = self.sync.tp
         bucket.send_splits = [
             sum(r.send_units[d] * r.unit_elements for r in routes) for d in range(tp)
@@ -239,8 +248,10 @@ class GradSync:
                 offset += size
         bucket.inbox = self._all_to_all(bucket, outgoing, bucket.recv_splits, bucket.send_splits)
         if bucket.replicated:
-            flat = torch.cat([p.grad.reshape(-1) for p in bucket.replicated])
-            bucket.replicated_flat = flat * self.replicated_weight
+            bucket.replicated_flat = torch.cat([
+                p.grad.reshape(-1) * w
+                for p, w in zip(bucket.replicated, bucket.replicated_weights, strict=True)
+            ])
             bucket.replicated_work = dist.all_reduce(
                 bucket.replicated_flat, group=self.groups.world, async_op=True
             )

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import zlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -58,8 +58,9 @@ def unit_values(
 def init_parameters(
     model: nn.Module, args: ModelArgs, shard: RankShard | None, seed: int
 ) -> None:
-    """Fill every parameter with its initial values: norm gains 1, each sharded tensor with the
-    values of the units `shard` holds (all of them when `shard` is None: the dense model)."""
+    """Fill every parameter with its initial values: norm gains 1, biases 0, each sharded weight
+    with the values of the units `shard` holds (all of them when `shard` is None: the dense
+    model)."""
     shape = args.shape()
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -67,19 +68,33 @@ def init_parameters(
             if spec is None:
                 p.fill_(1.0)
                 continue
+            if name.endswith(".bias"):
+                p.zero_()
+                continue
             units = range(shape.unit_count(spec.kind)) if shard is None else shard.units(spec.kind)
             p.copy_(unit_values(name, args, spec, list(units), seed))
+
+
+def _replace_parameters(
+    model: nn.Module, make: Callable[[str, nn.Parameter], nn.Parameter]
+) -> None:
+    """Give every module `make(name, parameter)` in place of each of its parameters. A parameter
+    two modules share (a tied LM head) is made once and stays one."""
+    names = {id(p): name for name, p in model.named_parameters()}
+    made: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for key, p in module._parameters.items():
+            if p is not None:
+                if id(p) not in made:
+                    made[id(p)] = make(names[id(p)], p)
+                module._parameters[key] = made[id(p)]
 
 
 def materialize(model: nn.Module, device: torch.device | str) -> None:
     """Allocate (uninitialized) every parameter still on the meta device on `device`, and move
     the buffers there."""
-    for module in model.modules():
-        for key, p in module._parameters.items():
-            if p is not None and p.is_meta:
-                module._parameters[key] = nn.Parameter(
-                    torch.empty_like(p, device=device), requires_grad=p.requires_grad
-                )
+    _replace_parameters(model, lambda _name, p: p if not p.is_meta else nn.Parameter(
+        torch.empty_like(p, device=device), requires_grad=p.requires_grad))
     model.to(device)
 
 
@@ -87,10 +102,8 @@ def adopt(model: nn.Module, weights: Mapping[str, torch.Tensor], device: torch.d
           ) -> None:
     """Make the given tensors (a relayout's moved weights) the model's parameters, as they are:
     nothing is allocated or copied; move the buffers to `device`."""
-    for name, p in list(model.named_parameters()):
-        owner, _, leaf = name.rpartition(".")
-        module = model.get_submodule(owner)
-        module._parameters[leaf] = nn.Parameter(weights[name], requires_grad=p.requires_grad)
+    _replace_parameters(model, lambda name, p: nn.Parameter(
+        weights[name], requires_grad=p.requires_grad))
     model.to(device)
 
 

@@ -43,11 +43,14 @@ def apply_ntp(model: Transformer, shard: RankShard, group: ProcessGroup) -> Loss
     )
     for layer in model.layers:
         layer.attention.kv_index = kv_index.clone()
-    # 3. Vocabulary-parallel embedding (the LM head is already its row slice).
+    # 3. Vocabulary-parallel embedding (the LM head is already its row slice; a tied head is
+    #    the embedding's parameter again, so both uses add into one gradient).
     rows = torch.tensor(shard.vocab_rows, dtype=torch.long)
     model.tok_embeddings = VocabParallelEmbedding(
         model.tok_embeddings.weight.data, rows, shape.vocab, group
     )
+    if model.args.tied_embeddings:
+        model.output.weight = model.tok_embeddings.weight
     # 4. TP regions: replicated input in, partial outputs summed out.
     for layer in model.layers:
         for block in (layer.attention, layer.feed_forward):

@@ -32,6 +32,9 @@ SHARDED: dict[str, ParamSpec] = {
     "attention.wq.weight": ParamSpec("q_heads", 0),
     "attention.wk.weight": ParamSpec("kv_heads", 0),
     "attention.wv.weight": ParamSpec("kv_heads", 0),
+    "attention.wq.bias": ParamSpec("q_heads", 0),
+    "attention.wk.bias": ParamSpec("kv_heads", 0),
+    "attention.wv.bias": ParamSpec("kv_heads", 0),
     "attention.wo.weight": ParamSpec("q_heads", 1),  # row-parallel
     "feed_forward.w1.weight": ParamSpec("mlp_cols", 0),
     "feed_forward.w3.weight": ParamSpec("mlp_cols", 0),
@@ -40,11 +43,21 @@ SHARDED: dict[str, ParamSpec] = {
     "output.weight": ParamSpec("vocab_rows", 0),
 }
 
+# Replicated parameters that act on each head inside a TP region: a rank's gradient of them
+# comes from its own heads only, so the TP group's gradients add up to the whole one.
+PARTIAL = frozenset({"attention.q_norm.weight", "attention.k_norm.weight"})
+
 _LAYER_PREFIX = re.compile(r"^layers\.\d+\.")
 
 
 def spec_of(name: str) -> ParamSpec | None:
     return SHARDED.get(_LAYER_PREFIX.sub("", name))
+
+
+def is_partial(name: str) -> bool:
+    """Whether a replicated parameter's gradient is partial on each rank (summed over the TP
+    group it is the replica's); the others' gradients are identical across the group."""
+    return _LAYER_PREFIX.sub("", name) in PARTIAL
 
 
 def unit_size(shape: ModelShape, kind: str) -> int:
@@ -103,6 +116,19 @@ def local_shape(
     return torch.Size(local)
 
 
+def runs(ids: Sequence[int], positions: Sequence[int]) -> list[tuple[int, int, int]]:
+    """(first id, first local position, length) of each run of units consecutive in both: the
+    pieces a local tensor holding `ids` at `positions` is cut into against the dense one."""
+    found: list[tuple[int, int, int]] = []
+    for u, pos in zip(ids, positions, strict=True):
+        if found and found[-1][0] + found[-1][2] == u and found[-1][1] + found[-1][2] == pos:
+            first, at, n = found[-1]
+            found[-1] = (first, at, n + 1)
+        else:
+            found.append((u, pos, 1))
+    return found
+
+
 def counted_units(shards: Sequence[RankShard], rank: int, kind: str) -> list[int]:
     """The units `rank` answers for when a replica's units are each counted once.
 
@@ -119,7 +145,8 @@ def pack_into(
     out: torch.Tensor, t: torch.Tensor, spec: ParamSpec, index: torch.Tensor, scale: float = 1.0
 ) -> None:
     """Write the slices at `index` (along the split dim) into flat `out`, unit-major, scaled."""
-    moved = t.movedim(spec.dim, 0).flatten(1)  # a strided view for the 2-D weights
+    moved = t.movedim(spec.dim, 0)
+    moved = moved.reshape(moved.shape[0], -1)  # a strided view: 2-D weights, 1-D biases
     gather_rows(moved, index, out.view(len(index), moved.shape[1]), scale)
 
 

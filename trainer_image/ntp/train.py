@@ -31,6 +31,7 @@ from ntp.data import split_inputs, synthetic_batch
 from ntp.dataset import TokenDataset
 from ntp.distributed import is_communication_failure, rendezvous_from_env
 from ntp.evaluation import evaluate, held_out_rows
+from ntp.hf_write import keep_beside
 from ntp.membership import Membership, Stranded
 from ntp.model import ModelArgs, parameter_shapes
 from ntp.nodeagent.progress import NodeProgress
@@ -386,6 +387,8 @@ def _run_rank(argv: list[str], before_step: Callable[[Trainer], None] | None) ->
     policy = checkpointing_from(opts)
     start_from = policy.newest() if opts.resume else policy.newest_init()
     carried = None if start_from is None else read_args(start_from)
+    if opts.save is not None and start_from is not None and os.environ["RANK"] == "0":
+        keep_beside(start_from, opts.save)  # the tokenizer, for the job's exports
     config = config_from(opts)
     trainer = Trainer(
         config,

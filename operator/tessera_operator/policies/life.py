@@ -1,9 +1,11 @@
 """The life policy (pure): where a job is in its life, and what an attempt that ends leaves.
 
 The lifecycle (`lifecycle.lifecycle`: running, stopping an ended attempt, suspended, finished)
-reads the job's status, pods and its attempt's progress reports. Under failurePolicy.mode
-CKPT-RESTART a GPU lost under the running attempt's layout fails that attempt as a failed
-trainer pod does (`_lost_layout`), within the same restart budget. An ended attempt's layout and
+reads the job's status, pods and its attempt's progress reports. A rank that died again on
+its GPU without getting past the step its previous rank there died at (`died_again`: a fault of
+the job's, not the GPU's) fails the running attempt as a failed trainer pod does, and so, under
+failurePolicy.mode CKPT-RESTART, does a GPU lost under its layout (`_lost_layout`), within the
+same restart budget. An ended attempt's layout and
 progress ConfigMaps read as absent for the next one (`of_attempt`); its pods on a node that
 stopped reporting are deleted at once (`unconfirmable`); a spec field the running pods were not
 made with waits for the next attempt (`outdated`).
@@ -13,11 +15,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import replace
-from datetime import datetime
-from typing import Any
+from datetime import UTC, datetime
 
 from tessera_contracts import progress
 from tessera_contracts.generation import layout_configmap
+from tessera_contracts.jobspec import NTPTrainingJobSpec
+from tessera_contracts.powertarget import format_time
 from tessera_operator import health, lifecycle, planner, workload
 from tessera_operator.lifecycle import Lifecycle, Stage
 from tessera_operator.observed import Layout, Observed, Spec
@@ -28,23 +31,51 @@ def life(spec: Spec, observed: Observed, now: datetime
          ) -> tuple[Lifecycle, dict[planner.GpuId, str]]:
     """The job's lifecycle from its pods and its attempt's progress reports (every node that
     reported: an attempt that ends folds them all into the job's account), and the GPUs lost
-    under its layout that end its attempt, with why (CKPT-RESTART; none otherwise): its
-    trainer pod there reads as failed, so the attempt ends as for any failed trainer pod,
-    within the same restart budget."""
+    under its layout that end its attempt, with why (CKPT-RESTART; none otherwise). A rank
+    that died again (`died_again`), pods that did not start in time (`_gave_up`) or such a
+    loss end the running attempt as a failed trainer pod does, within the same restart
+    budget (pods that did not start fail the job at once under onPodStartTimeout Fail)."""
     status = observed.job.get("status") or {}
     name = progress.progress_configmap(observed.job["metadata"]["name"])
     current = observed.configmap_attempts.get(name) == int(status.get("attempt", 0))
     reports = observed.reports_of(observed.reports) if current else {}
     found = lifecycle.lifecycle(observed.job, spec.whole, observed.pods, reports, now)
+    if found.stage is not Stage.RUNNING:
+        return found, {}
+    lost: dict[planner.GpuId, str] = {}
+    ended = died_again(observed, reports, now) or _gave_up(spec, observed, found.attempt, now)
     run = spec.planning
-    if isinstance(run, planner.Problem) or not run.restarts_on_loss \
-            or found.stage is not Stage.RUNNING:
+    if ended is None and isinstance(run, planner.JobSpec) and run.restarts_on_loss:
+        lost = _lost_layout(spec, run, of_attempt(observed, found.attempt), now)
+        ended = _loss(observed, lost, now) if lost else None
+    if ended is None:
         return found, {}
-    lost = _lost_layout(spec, run, of_attempt(observed, found.attempt), now)
-    if not lost:
-        return found, {}
-    pods = _failed_by_loss(observed.pods, observed.job, lost)
-    return lifecycle.lifecycle(observed.job, spec.whole, pods, reports, now), lost
+    return lifecycle.lifecycle(observed.job, spec.whole, observed.pods, reports, now,
+                               ended_by=ended), lost
+
+
+def died_again(observed: Observed, reports: Mapping[str, progress.NodeReport | None],
+               now: datetime) -> lifecycle.Failure | None:
+    """A rank that died again on its GPU after coming back, without getting past the step its
+    previous rank there died at (`progress.RankDeath.again`, as its node's agent judged): a
+    fault of the job's (a data path, a tokenizer, an exception at a step), not of the GPU,
+    which holding the GPU out and letting it back would meet for ever. It ends the attempt
+    as a failed trainer pod does: a restart from the checkpoint, within the job's restart
+    budget, and with none left the job fails with the rank's last error."""
+    for node, report in sorted(reports.items()):
+        for index, death in sorted(({} if report is None else report.rank_deaths).items()):
+            if not death.again:
+                continue
+            pod = next((p["metadata"]["name"]
+                        for p in workload.trainer_pods(observed.pods, observed.job)
+                        if workload.pod_node(p) == node), f"on {node}")
+            step = "" if death.step is None else f" at step {death.step}"
+            when = datetime.fromtimestamp(min(death.at, now.timestamp()), UTC)
+            return lifecycle.Failure(
+                f"trainer pod {pod}: the rank on GPU {node}/{index} died again{step} after "
+                f"coming back, a fault of the job's rather than the GPU's: {death.error}",
+                format_time(when))
+    return None
 
 
 def _lost_layout(spec: Spec, run: planner.JobSpec, observed: Observed, now: datetime
@@ -70,16 +101,52 @@ def _lost_layout(spec: Spec, run: planner.JobSpec, observed: Observed, now: date
     return gone | {gpu: found.reasons.get(gpu, "") for gpu in sorted(used & found.failed)}
 
 
-def _failed_by_loss(pods: tuple[Mapping[str, Any], ...], job: Mapping[str, Any],
-                    lost: Mapping[planner.GpuId, str]) -> tuple[Mapping[str, Any], ...]:
-    """`pods` with the trainer pod on the first lost GPU's node (the first trainer pod, when
-    that one is gone) read as failed: without a live relayout its ranks cannot go on."""
+def starting(spec: NTPTrainingJobSpec, observed: Observed, attempt: int
+             ) -> lifecycle.Starting:
+    """The attempt's pods not started, and when `failurePolicy.podStartTimeoutSeconds` after
+    its creation the first of them makes the attempt give up."""
+    mine, _ = lifecycle.attempt_pods(observed.pods, attempt)
+    found, since = [], []
+    for pod in sorted(mine, key=lambda p: p["metadata"]["name"]):
+        why = lifecycle.waiting(pod)
+        if why is None:
+            continue
+        found.append((pod["metadata"]["name"], *why))
+        created = pod["metadata"].get("creationTimestamp")
+        if created:
+            since.append(datetime.fromisoformat(str(created)).timestamp())
+    timeout = spec.failure_policy.pod_start_timeout_seconds
+    return lifecycle.Starting(tuple(found), len(mine), min(since) + timeout if since else None)
+
+
+def _gave_up(spec: Spec, observed: Observed, attempt: int, now: datetime
+             ) -> lifecycle.Failure | None:
+    """Pods of the attempt that did not start within `failurePolicy.podStartTimeoutSeconds`
+    (unschedulable, an image that cannot be pulled, an init container that never ends): they
+    would hold their nodes for ever. The attempt gives up: its pods are deleted, and by
+    `onPodStartTimeout` the job restarts (a restart counted, its pods placed anew) or fails."""
+    found = starting(spec.whole, observed, attempt)
+    if found.gives_up_at is None or now.timestamp() < found.gives_up_at:
+        return None
+    policy = spec.whole.failure_policy
+    pod, reason, message = found.waiting[0]
+    restarts = policy.on_pod_start_timeout == "Restart"
+    return lifecycle.Failure(
+        f"pod {pod} did not start within failurePolicy.podStartTimeoutSeconds "
+        f"({policy.pod_start_timeout_seconds} s): {reason}: {message}", format_time(now),
+        retries=restarts, reason=None if restarts else "PodStartTimeout")
+
+
+def _loss(observed: Observed, lost: Mapping[planner.GpuId, str], now: datetime
+          ) -> lifecycle.Failure:
+    """The failure a GPU `lost` under the layout makes of the attempt (its trainer pod's on
+    the first lost GPU's node, the first trainer pod's when that one is gone): without a
+    live relayout its ranks cannot go on."""
     (node, index), why = min(lost.items())
-    reason = f"GPU {node}/{index} lost" + (f": {why}" if why else "")
-    trainers = workload.trainer_pods(pods, job)
+    trainers = workload.trainer_pods(observed.pods, observed.job)
     hit = next((p for p in trainers if workload.pod_node(p) == node), trainers[0])
-    failed = dict(hit) | {"status": {"phase": lifecycle.FAILED, "reason": reason}}
-    return tuple(failed if p is hit else p for p in pods)
+    return lifecycle.Failure(f"trainer pod {hit['metadata']['name']} failed: GPU {node}/{index} "
+                             f"lost" + (f": {why}" if why else ""), format_time(now))
 
 
 def of_attempt(observed: Observed, attempt: int) -> Observed:

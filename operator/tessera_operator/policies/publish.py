@@ -2,7 +2,8 @@
 
 A new generation follows the plan once the rendezvous pod has an address: a planned change
 (a cordon, a GPU back) switches at a step the ranks have not reached yet (`planned_step`), a
-failure under the processes at once (`workload.generation_for`); none once a rank reported the
+failure under the processes at once (`workload.generation_for`), without the GPUs a pending
+planned generation adds when the loss hits it (`held_back`); none once a rank reported the
 job's last step, nor for a switch after it. A layout the job may not publish (someone else's
 ConfigMap, a generation lost, one that outgrows a ConfigMap or cannot be trained) is
 `LayoutBlocked`, and the job has no plan. The trainers' progress reports count only where they
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from datetime import datetime
 from typing import Any
 
@@ -28,8 +29,9 @@ from tessera_contracts.generation import (
     layout_configmap,
 )
 from tessera_contracts.jobspec import NTPTrainingJobSpec
+from tessera_contracts.unreadable import Unreadable
 from tessera_core.plan import generation_layout
-from tessera_operator import planner, workload
+from tessera_operator import health, planner, workload
 from tessera_operator.observed import Observed
 
 CONFIGMAP_MAX_BYTES = 1024 * 1024  # the API server's limit on a ConfigMap's data
@@ -68,6 +70,39 @@ def agreed(reports: Mapping[str, progress.NodeReport | None], until: int | None
         kept[node] = None
         refused.append(f"node {node}'s progress report refused: {why}")
     return kept, tuple(refused)
+
+
+def unreadable(reports: Mapping[str, progress.NodeReport | Unreadable], nodes: Iterable[str]
+               ) -> tuple[str, ...]:
+    """A line for each of `nodes` whose report does not parse (read as no report): a bound it
+    breaks (more time spent than its wall time), an agent of another version, a hand edit."""
+    return tuple(f"node {node}'s progress report refused: {found.why}" for node in nodes
+                 if isinstance(found := reports.get(node), Unreadable))
+
+
+def held_back(published: Generation | None,
+              reports: Mapping[str, progress.NodeReport | None],
+              lost: frozenset[planner.GpuId]) -> health.Health:
+    """The GPUs a planned generation adds (a GPU back, a spare: a fresh process each, its
+    `origin` null) while it is pending (no node reports training in it yet) and a loss hits
+    it: left out of the generation that follows the loss, whose survivors would otherwise
+    wait at its rendezvous for processes still starting. They come back at a planned step
+    after it. Nothing when no planned generation is pending, or the loss is not in it."""
+    if published is None or published.at_step is None or published.origin is None:
+        return health.Health()
+    if not lost & {(g.node, g.index) for g in published.gpus}:
+        return health.Health()
+    if any(r is not None and r.generation >= published.generation for r in reports.values()):
+        return health.Health()
+    fresh = {(g.node, g.index) for g, o in zip(published.gpus, published.origin, strict=True)
+             if o is None}
+    if not fresh:
+        return health.Health()
+    why = (f"joining in generation {published.generation} when a loss came: back at a "
+           "planned step after the generation that follows it")
+    return health.Health(frozenset(fresh), (
+        f"GPUs {', '.join(planner.gpu_name(g) for g in sorted(fresh))}: {why}",),
+        reasons=dict.fromkeys(fresh, why))
 
 
 def planned_step(reports: Mapping[str, progress.NodeReport | None], now: float) -> int:

@@ -3,8 +3,9 @@
 `failurePolicy.healthSources` chooses among the administrative cordons (`cordon`), DCGM's
 GPUHealth (`dcgm`) and DRA's device taints and resource health (`dra`: `dra_health`); the nodes
 the job lost and the ranks its node agents saw die count whatever it chooses, as failures under
-the processes rather than drains. GPUs of unknown health are held where the generation in force
-has them (`health.hold_unknown`).
+the processes rather than drains. A node its agents report silent is lost only on evidence that
+does not rest on one pod's report (`health.heard_silent`). GPUs of unknown health are held where
+the generation in force has them (`health.hold_unknown`).
 """
 
 from __future__ import annotations
@@ -30,11 +31,11 @@ def health_of(spec: NTPTrainingJobSpec, observed: Observed, placement: Mapping[i
     sources = set(policy.health_sources)
     placed = sorted(set(placement.values()))
     reports = observed.reports_of(placed)
-    silent = {node for report in reports.values() if report is not None
-              for node in report.silent_nodes}
+    silence = health.heard_silent(reports, None if now is None else now.timestamp())
     lost = health.from_lost_nodes(nodes, spec.gpus_per_node, placed=placed,
                                   leaving=workload.leaving_nodes(observed.pods, observed.job),
-                                  silent=silent)
+                                  silent=silence.nodes)
+    lost = lost.merge(health.Health(problems=silence.problems, recheck_at=silence.recheck_at))
     signal = health.from_cordons(nodes, spec.gpus_per_node) if "cordon" in sources \
         else health.Health()
     if "dra" in sources:

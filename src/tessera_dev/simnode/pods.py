@@ -33,6 +33,8 @@ from tessera_dev.simnode.volumes import PodVolumes, check_volumes
 log = logging.getLogger(__name__)
 
 RETRY_S = 2.0  # a pod waiting for an object it references looks again this often
+# How long a failed pull shows as ErrImagePull before its back-off (the kubelet's next sync)
+PULL_ERROR_SHOWN_S = 1.0
 DEFAULT_GRACE_S = 30.0
 SERVICE_ACCOUNT_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
 
@@ -301,7 +303,6 @@ class PodWorker:
         spec = self.pod["spec"]
         check_volumes(self.pod)
         for container in self.containers:
-            podspec.container_argv(container.spec, {})  # an unknown image fails now
             if container.init and container.spec.get("restartPolicy"):
                 raise PodSpecError("UnsupportedContainer", f"init container {container.name!r} "
                                    "is a sidecar (restartPolicy set), which the simulated node "
@@ -434,10 +435,12 @@ class PodWorker:
     # -- containers
 
     def _start(self, container: ContainerState) -> bool:
-        """Start one container; False if the pod went away while it waited for a reference."""
+        """Start one container; False if the pod went away while it waited for its image or a
+        reference."""
         def build() -> None:
             container.env = self._env(container)
-        if not self._retryable(build, "CreateContainerConfigError"):
+        if not self._pulled(container) or \
+                not self._retryable(build, "CreateContainerConfigError"):
             return False
         argv = podspec.container_argv(container.spec, container.env)
         spec = container.spec
@@ -457,6 +460,33 @@ class PodWorker:
             if spec.get("livenessProbe") else None
         self._publish()
         return True
+
+    def _pulled(self, container: ContainerState) -> bool:
+        """Whether the container's image is one the node runs; if not, it waits as a kubelet
+        waits for an image it cannot pull, until the pod is deleted (False then): ErrImagePull
+        at each try, ImagePullBackOff between tries, the back-off doubling from 10 s to its
+        cap as a crashing container's does."""
+        why = podspec.unpullable(container.spec)
+        if why is None:
+            return True
+        image = container.spec.get("image", "")
+        tries = 0
+        while not self.deleting:
+            tries += 1
+            container.state = {"waiting": {"reason": "ErrImagePull", "message": why}}
+            self._event("Warning", "Failed", f'Failed to pull image "{image}": {why}',
+                        container.name)
+            self._publish()
+            self._wait(PULL_ERROR_SHOWN_S)
+            container.state = {"waiting": {"reason": "ImagePullBackOff", "message":
+                                           f'Back-off pulling image "{image}": {why}'}}
+            self._event("Normal", "BackOff", f'Back-off pulling image "{image}"',
+                        container.name)
+            self._publish()
+            deadline = time.monotonic() + podspec.restart_delay(tries + 1)
+            while not self.deleting and time.monotonic() < deadline:
+                self._wait(deadline - time.monotonic())
+        return False
 
     def _container_id(self, container: ContainerState) -> str:
         return f"tessera-sim://{self.uid}/{container.name}/{container.restart_count}"

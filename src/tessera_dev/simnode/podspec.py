@@ -141,19 +141,25 @@ def container_env(pod: Mapping[str, Any], container: Mapping[str, Any], *,
     return env
 
 
+def unpullable(container: Mapping[str, Any]) -> str | None:
+    """Why the node cannot run `container`'s image, as a kubelet cannot pull one: it has no
+    command and is not one of this project's images (or their stand-ins), so its entrypoint
+    is unknown; None when it can."""
+    image = container.get("image", "")
+    if container.get("command") or images.entrypoint(image) is not None:
+        return None
+    return (f"container {container['name']!r} has no command and its image {image!r} is not "
+            f"one of this project's images ({', '.join(sorted(images.ENTRYPOINTS))}): the "
+            "simulated node does not pull images, so it cannot know the entrypoint")
+
+
 def container_argv(container: Mapping[str, Any], env: Mapping[str, str]) -> list[str]:
     """command + args with `$(VAR)` expanded; no command runs the image's known entrypoint."""
-    command = list(container.get("command") or [])
-    if not command:
-        image = container.get("image", "")
-        entry = images.entrypoint(image)
-        if entry is None:
-            raise PodSpecError(
-                "UnknownImage",
-                f"container {container['name']!r} has no command and its image {image!r} is "
-                f"not one of this project's images ({', '.join(sorted(images.ENTRYPOINTS))}): "
-                "the simulated node does not pull images, so it cannot know the entrypoint")
-        command = list(entry)
+    why = unpullable(container)
+    if why is not None:
+        raise PodSpecError("UnknownImage", why)
+    command = list(container.get("command") or []) or list(
+        images.entrypoint(container.get("image", "")) or ())
     return [expand(arg, env) for arg in command + list(container.get("args") or [])]
 
 

@@ -14,7 +14,10 @@ the current generation lists:
   (the agent's `--until-step`, which it gives each rank), whatever step it starts at. The
   command lines are `tessera_contracts.invocation`'s;
 - a rank that dies (its GPU failed) ends the generation it was in on the job's store (the
-  failure notice every survivor watches); the other ranks keep running. A rank stranded after a
+  failure notice every survivor watches); the other ranks keep running. The node's report
+  names its GPU with the step it had reached and its last error line, and says when it died
+  again: the GPU's previous rank died too and this one got no step past that one's
+  (`died_again`), a fault of the job's rather than the GPU's. A rank stranded after a
   failure (no later generation within its reconfiguration timeout: nobody plans one) stops the
   agent with that reason, so the pod fails and the job restarts from its checkpoint;
 - each rank holds its GPU: `CUDA_VISIBLE_DEVICES` on a real node; on the local cluster's
@@ -53,6 +56,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -78,7 +82,8 @@ from tessera_contracts.invocation import (
     STRANDED_EXIT,
     RankInvocation,
 )
-from tessera_contracts.progress import Device, NodeReport
+from tessera_contracts.progress import ERROR_MAX, Device, NodeReport, RankDeath
+from tessera_contracts.rank_events import StepRecord
 from tessera_kube import lifetime
 from tessera_kube.files import write_atomic
 
@@ -197,13 +202,25 @@ def rank_device(requested: str, cuda_index: int, visible: int) -> str:
 
 @dataclass
 class RankProcess:
-    """One trainer process: the GPU it holds, its global rank in the generation it started in."""
+    """One trainer process: the GPU it holds, its global rank in the generation it started in,
+    and what its output said so far."""
 
     gpu: Gpu
     rank: int
     generation: int
     proc: subprocess.Popen
     joining: bool = False  # it waits for the survivors of the generation before its own
+    last_step: int | None = None  # the job's last step it completed; None: none yet
+    last_error: str = ""  # its last line on stderr
+
+
+def died_again(previous: int | None, last_step: int | None) -> bool:
+    """Whether a rank that died on a GPU whose previous rank died after completing step
+    `previous` (None: no step) died again for the same cause: it completed no step at all
+    (`last_step` None), or none past `previous`. A GPU that fails kills its ranks at any
+    step; a cause of the job's own (a data path, a tokenizer, an exception at a step) kills
+    them before they get past it."""
+    return last_step is None or (previous is not None and last_step <= previous)
 
 
 class NodeAgent:
@@ -245,6 +262,8 @@ class NodeAgent:
         self.finished = False
         self.failed_after_finish: list[str] = []
         self.abandoned: set[int] = set()  # joiners stopped because the job finished first
+        # GPU index -> the last step the rank that died there last had completed (None: none)
+        self.died_at: dict[int, int | None] = {}
         self._unusable: set[int] = set()  # generations whose document was logged as bad
         self.progress = NodeProgress(node, until_step)
         self.reporter = Reporter(self.progress, publish)
@@ -370,12 +389,14 @@ class NodeAgent:
 
     def end_running(self, number: int) -> None:
         """Generation `number` follows a loss (it is not planned): end the generations this
-        node's ranks are still in, as failed. Whoever saw the loss first (a node's agent, or the
-        operator for a node that died whole or a GPU that DCGM failed under a live process)
-        may not be anyone who can end them: the ranks would wait on the lost ones until their
-        collective timeout. Ending one that has ended already changes nothing."""
+        node's ranks are still in, as failed, and every one after them before `number` (a
+        planned switch still pending, whose rendezvous the survivors would otherwise wait at
+        for the lost ranks until its timeout). Whoever saw the loss first (a node's agent, or
+        the operator for a node that died whole or a GPU that DCGM failed under a live
+        process) may not be anyone who can end them: the ranks would wait on the lost ones
+        until their collective timeout. Ending one that has ended already changes nothing."""
         assert self.store is not None
-        for old in sorted(g for g in self.joined() if g < number):
+        for old in range(min(self.joined(), default=number), number):
             reason = end_generation(self.store, old, EndReason(
                 End.FAILED, f"generation {number} follows a loss"))
             log.info("%s: generation %d ended (%s) for generation %d", self.node, old, reason,
@@ -495,6 +516,7 @@ class NodeAgent:
                 env=os.environ | env,
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
                 pass_fds=() if device is None else (device,),
                 preexec_fn=lifetime.die_with_parent(),  # forked from the main thread only
             )
@@ -507,26 +529,41 @@ class NodeAgent:
         log.info("%s: rank %d of generation %d on %s: pid %d%s", self.node, rank,
                  generation.generation, gpu, proc.pid, " (joining)" if join else "")
 
-        relay = threading.Thread(target=self.relay, args=(proc,), name=f"relay-{proc.pid}",
-                                 daemon=True)
-        relay.start()
+        relays = [threading.Thread(target=relay, args=(process,), name=f"{name}-{proc.pid}",
+                                   daemon=True)
+                  for relay, name in ((self.relay, "relay"), (self.relay_errors, "errors"))]
+        for relay in relays:
+            relay.start()
 
         def reap() -> None:
             proc.wait()
-            relay.join(RELAY_GRACE_S)  # its last lines count before its exit does
+            for relay in relays:
+                relay.join(RELAY_GRACE_S)  # its last lines count before its exit does
             self.events.put(("exit", process))
 
         threading.Thread(target=reap, name=f"reap-{proc.pid}", daemon=True).start()
 
-    def relay(self, proc: subprocess.Popen) -> None:
+    def relay(self, process: RankProcess) -> None:
         """Pass the rank's stdout through unchanged (`kubectl logs` shows it) and feed its
         JSON lines to the node's progress."""
-        assert proc.stdout is not None
-        for line in proc.stdout:
+        assert process.proc.stdout is not None
+        for line in process.proc.stdout:
             with self._output:
                 sys.stdout.buffer.write(line)
                 sys.stdout.buffer.flush()
-            self.progress.read(line)
+            record = self.progress.read(line)
+            if isinstance(record, StepRecord):
+                process.last_step = max(record.step, process.last_step or 0)
+
+    def relay_errors(self, process: RankProcess) -> None:
+        """Pass the rank's stderr through unchanged, keeping its last line: what its death is
+        reported with (a Python exception's last line is its type and message)."""
+        assert process.proc.stderr is not None
+        for line in process.proc.stderr:
+            sys.stderr.buffer.write(line)
+            sys.stderr.buffer.flush()
+            if text := line.decode(errors="replace").strip():
+                process.last_error = text[:ERROR_MAX]
 
     def exited(self, process: RankProcess) -> None:
         """A rank exited: a dropped rank leaves with 0; any other exit is a death, which ends
@@ -552,7 +589,12 @@ class NodeAgent:
                 f"pid {pid} on {process.gpu}: its generation failed and no later one was "
                 "published within its reconfiguration timeout; the job cannot go on live")
         assert self.store is not None
-        self.progress.rank_died(process.gpu.index, f"pid {pid} on {process.gpu} {why}")
+        index = process.gpu.index
+        again = index in self.died_at and died_again(self.died_at[index], process.last_step)
+        self.died_at[index] = process.last_step
+        error = f"{why}: {process.last_error}" if process.last_error else why
+        self.progress.rank_died(index, f"pid {pid} on {process.gpu} {why}", RankDeath(
+            time.time(), process.last_step, error[:ERROR_MAX], again))
         # Ranks record the generation they are in under this host's name (register_process).
         number = report_death(self.store, socket.gethostname(), pid, process.generation, why)
         log.warning("%s: pid %d on %s %s: generation %d failed; %d rank(s) here carry on",

@@ -12,7 +12,7 @@ from dataclasses import replace
 
 from ntp.nodeagent.metrics import StepTimes
 from tessera_contracts.generation import Generation
-from tessera_contracts.progress import Device, NodeReport, State, report_period
+from tessera_contracts.progress import Device, NodeReport, RankDeath, State, report_period
 from tessera_contracts.rank_events import (
     EvalRecord,
     EventKind,
@@ -60,23 +60,25 @@ class NodeProgress:
         self.eval_loss: float | None = None  # of the newest evaluation (the metrics' gauge)
         self.step_times = StepTimes()  # of every step this node completed (the metrics')
         self.silent: tuple[str, ...] = ()  # the job's nodes whose agents went silent
-        self.deaths: dict[int, float] = {}  # GPU index -> when its rank died (Unix seconds)
+        self.deaths: dict[int, RankDeath] = {}  # GPU index -> how its rank died
         self._recent: deque[float] = deque(maxlen=RECENT_STEPS)
         # (generation, step, seconds) from every rank's step line: one generation's only, since
         # a new one changes each rank's work (and the operator boosts by what it measures)
         self._compute: deque[tuple[int, int, float]] = deque()
         self._lock = threading.Lock()  # records come from one reader thread per rank
 
-    def read(self, line: bytes) -> None:
-        """One line a rank printed: its step records and events count, other output not."""
+    def read(self, line: bytes) -> StepRecord | RankEvent | None:
+        """One line a rank printed: its step records and events count, other output not.
+        Returns the record it held, if any."""
         try:
             record = parse_line(line)
         except RecordError as exc:
             log.warning("%s: a rank's line not counted (%s): %s", self.node, exc,
                         line[:MAX_LOGGED_LINE])
-            return
+            return None
         if record is not None:
             self.record(record)
+        return record
 
     def record(self, record: StepRecord | RankEvent | EvalRecord) -> None:
         """A step a rank completed (`ntp.report.RankRecord.log_step`), an event
@@ -168,11 +170,11 @@ class NodeProgress:
             self.ledger.enter(Phase.RECONFIGURATION)
         self._set(State.RECONFIGURING, why)
 
-    def rank_died(self, gpu: int, why: str) -> None:
-        """The rank on this node's GPU `gpu` died (`why`): its generation failed, and the
-        report names the GPU for the operator to take out of the layout at once."""
+    def rank_died(self, gpu: int, why: str, death: RankDeath) -> None:
+        """The rank on this node's GPU `gpu` died (`why`, `death`): its generation failed, and
+        the report names the GPU for the operator to take out of the layout at once."""
         with self._lock:
-            self.deaths[gpu] = time.time()
+            self.deaths[gpu] = death
             self._interrupt(why)
 
     def rank_started(self, gpu: int) -> None:
@@ -239,7 +241,7 @@ class NodeProgress:
                 badput_seconds={c: round(float(s), 3) for c, s in a.badput.items()},
                 device=self.device,
                 silent_nodes=self.silent,
-                rank_deaths={i: round(at, 3) for i, at in self.deaths.items()},
+                rank_deaths={i: replace(d, at=round(d.at, 3)) for i, d in self.deaths.items()},
             )
 
 
