@@ -91,12 +91,12 @@ def main(argv: list[str]) -> int:
         prepare.main(["--stdlib", "--max-bytes", str(opts.max_bytes), "--train-tokenizer",
                       str(shape.vocab), "--out", str(data)])
         rounds = []
-        for _ in range(opts.rounds):
+        for round_ in range(opts.rounds):
             mixed = run(shape, data, [4, 3], 14, opts.steps + opts.warmup, [])
             recipes = {name: step_s(run(shape, data, [4, 3], 14, opts.steps + opts.warmup,
                                         extra), opts.warmup) / step_s(mixed, opts.warmup)
                        for name, extra in RECIPES.items()}
-            ckpt = Path(tmp) / "ckpt"
+            ckpt = Path(tmp) / f"ckpt-{round_}"  # each round saves its steps afresh
             timed = {}
             for mode, extra in (("blocking", ["--blocking-save"]), ("async", [])):
                 got = run(shape, data, [4, 3], 14, opts.steps,
