@@ -84,7 +84,7 @@ def _job(seed: int) -> dict[str, Any]:
     job["metadata"] = {"name": JOB}
     spec = job["spec"]
     spec |= {"tensorParallelSize": GPUS, "gpusPerNode": GPUS, "totalGPUs": NODES * GPUS,
-             "steps": STEPS, "args": [*spec["args"], f"--seed={seed}"]}
+             "steps": STEPS, "args": [*spec.get("args", []), f"--seed={seed}"]}
     spec["failurePolicy"]["minTensorParallelSize"] = 1
     spec["powerPolicy"]["rackBudgetWatts"] = GPUS * spec["powerPolicy"]["baseCapWatts"] + 200
     return job

@@ -41,6 +41,7 @@ from tessera_contracts.jobspec import NTPTrainingJobSpec
 from tessera_contracts.powertarget import parse_object
 from tessera_dev import demo_data, install, paths, probes
 from tessera_dev.controlplane import cluster, launcher
+from tessera_dev.reference import trainer_options
 
 pytestmark = pytest.mark.e2e
 
@@ -173,14 +174,14 @@ def _failure_free(tmp: Path, steps: int) -> tuple[dict[int, float], float]:
     """Global rank 0's losses by step on TP4 + TP4 throughout its first `steps` steps (the
     local launcher), and how long a checkpoint restart of the same job onto TP3 + TP4 takes to
     its first step there."""
-    spec = yaml.safe_load(EXAMPLE.read_text())["spec"]
+    spec = demo_data.without_dataset(yaml.safe_load(EXAMPLE.read_text()))["spec"]
     shape = NTPTrainingJobSpec.from_spec(spec).model.shape()
 
     def run(replicas: tuple[tuple[Gpu, ...], ...], args: list[str]) -> None:
         store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
         first = Generation(1, shape, spec["globalBatch"], spec["failurePolicy"]["mode"],
                            replicas, Rendezvous("127.0.0.1", store.port))
-        launch_local(first, [*args, *spec["args"]], timeout_s=600, store=store)
+        launch_local(first, [*args, *trainer_options(spec)], timeout_s=600, store=store)
 
     full = tuple(tuple(Gpu(f"gpu-node-{r}", i) for i in range(GPUS)) for r in range(NODES))
     save = tmp / "checkpoints"

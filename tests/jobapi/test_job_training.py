@@ -45,6 +45,7 @@ from tessera_contracts.api import ROLE_LABEL
 from tessera_contracts.generation import Generation, Gpu, Rendezvous
 from tessera_contracts.model_shape import ModelShape
 from tessera_dev import demo_data
+from tessera_dev.reference import trainer_options
 from tessera_dev.simnode import faults
 
 pytestmark = [pytest.mark.jobapi, pytest.mark.e2e]
@@ -143,9 +144,11 @@ def _uninterrupted(spec: dict[str, Any], phases: list[tuple[int, int, Degrees]],
         layout = Generation(1, shape, spec["globalBatch"], spec["failurePolicy"]["mode"],
                             replicas, Rendezvous("127.0.0.1", store.port))
         out = tmp / f"phase{k}"
-        launch_local(layout, ["--until-step", str(last), "--save", str(tmp / "checkpoints"),
-                              "--resume", "--data", str(data), "--precision", "fp32",
-                              "--out", str(out), *spec["args"]], timeout_s=HANG_S, store=store)
+        # the dataset where this machine holds it, not where the pods mount it
+        launch_local(layout, [*trainer_options(spec), "--until-step", str(last),
+                              "--save", str(tmp / "checkpoints"), "--resume",
+                              "--data", str(data), "--out", str(out)],
+                     timeout_s=HANG_S, store=store)
         ran = json.loads((out / "rank0.json").read_text())
         steps = sorted(map(int, ran["step_ends"]))
         assert steps == list(range(first, last + 1)), (k, first, last, steps)
