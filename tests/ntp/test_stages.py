@@ -167,7 +167,8 @@ def test_tessera_plan_shows_each_stage(tmp_path, capsys) -> None:
                                                   "ffn": 96, "vocab": 512, "layers": 6,
                                                   "seqLen": 16},
                     "tensorParallelSize": 2, "dataParallelReplicas": 2,
-                    "pipelineParallelSize": 3, "globalBatch": 8, "microBatchSize": 1}}
+                    "pipelineParallelSize": 3, "totalGPUs": 12, "globalBatch": 8,
+                    "microBatchSize": 1}}
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(job))
     assert plan_cli.main([str(path)]) == 0

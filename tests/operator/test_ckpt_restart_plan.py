@@ -44,7 +44,10 @@ def _job(mode: str = "CKPT-RESTART", dp: int = 1, tp: int = 8, **status: Any) ->
     job["metadata"] = {"name": "llama", "namespace": "ml", "uid": "uid-1", "generation": 1}
     job["spec"]["dataParallelReplicas"] = dp
     job["spec"]["tensorParallelSize"] = tp
-    job["spec"]["failurePolicy"]["mode"] = mode
+    policy = job["spec"]["failurePolicy"]
+    policy["mode"] = mode
+    # the CRD refuses a minimum above the healthy degree
+    policy["minTensorParallelSize"] = min(policy["minTensorParallelSize"], tp)
     job["spec"] = defaulted(job["spec"])
     return job | ({"status": status} if status else {})
 
