@@ -19,7 +19,7 @@ from ntp.build import build_optimizer, model_args
 from ntp.cli import config_from, open_data
 from ntp.clip import clip_grad_norm_, grad_norm
 from ntp.config import TrainConfig
-from ntp.data import synthetic_batch
+from ntp.data import replica_rows
 from ntp.dataset import TokenDataset
 from ntp.distributed import collective_timeout, connect, init_distributed, rendezvous_from_env
 from ntp.pipeline_schedule import forward_backward
@@ -103,15 +103,10 @@ def train_step(stage: StageRank, optimizer: torch.optim.Optimizer, config: Train
 def local_rows(stage: StageRank, config: TrainConfig, data: TokenDataset | None, step: int
                ) -> torch.Tensor:
     """This replica's rows of step `step`'s global batch (the same on every stage)."""
-    layout = stage.pipe.stages[stage.stage]
-    replica = layout.replicas[stage.groups.replica]
-    if data is not None:
-        return data.samples(step * layout.global_batch + replica.batch_offset,
-                            replica.local_batch)
-    args = stage.model.args
-    tokens = synthetic_batch(args.vocab_size, args.max_seq_len, layout.global_batch, step,
-                             config.seed)
-    return tokens[replica.batch_offset : replica.batch_offset + replica.local_batch]
+    layout, args = stage.pipe.stages[stage.stage], stage.model.args
+    return replica_rows(data, layout.replicas[stage.groups.replica], step * layout.global_batch,
+                        layout.global_batch, step, args.vocab_size, args.max_seq_len,
+                        config.seed)
 
 
 def run_pipeline(invocation: RankInvocation, opts: argparse.Namespace,

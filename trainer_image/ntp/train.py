@@ -27,7 +27,7 @@ from ntp.cli import checkpointing_from, config_from, open_data, parse_args
 from ntp.clip import clip_grad_norm_, grad_norm
 from ntp.config import TrainConfig
 from ntp.curves import Curves
-from ntp.data import split_inputs, synthetic_batch
+from ntp.data import replica_rows, split_inputs
 from ntp.dataset import TokenDataset
 from ntp.distributed import is_communication_failure, rendezvous_from_env
 from ntp.evaluation import evaluate, held_out_rows
@@ -92,17 +92,9 @@ class Trainer(RankState):
 
     def local_batch(self, cur: GenerationRank) -> torch.Tensor:
         """This replica's rows of the step's global batch."""
-        replica = cur.replica
-        if self.data is not None:
-            return self.data.samples(self.samples + replica.batch_offset, replica.local_batch)
-        tokens = synthetic_batch(
-            cur.args.vocab_size,
-            cur.args.max_seq_len,
-            cur.layout.global_batch,
-            self.step,
-            self.config.seed,
-        )
-        return tokens[replica.batch_offset : replica.batch_offset + replica.local_batch]
+        return replica_rows(self.data, cur.replica, self.samples, cur.layout.global_batch,
+                            self.step, cur.args.vocab_size, cur.args.max_seq_len,
+                            self.config.seed)
 
     def forward_backward(self, cur: GenerationRank, rows: torch.Tensor) -> torch.Tensor:
         """Local loss on `rows`, in micro-batches of `config.micro_batch` sequences whose
