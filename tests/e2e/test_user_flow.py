@@ -175,13 +175,13 @@ def _failure_free(tmp: Path, steps: int) -> tuple[dict[int, float], float]:
     local launcher), and how long a checkpoint restart of the same job onto TP3 + TP4 takes to
     its first step there."""
     spec = demo_data.without_dataset(yaml.safe_load(EXAMPLE.read_text()))["spec"]
-    shape = NTPTrainingJobSpec.from_spec(spec).model.shape()
+    typed = NTPTrainingJobSpec.from_spec(spec)
 
     def run(replicas: tuple[tuple[Gpu, ...], ...], args: list[str]) -> None:
         store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-        first = Generation(1, shape, spec["globalBatch"], spec["failurePolicy"]["mode"],
+        first = Generation(1, typed.model.shape(), typed.global_batch, typed.failure_policy.mode,
                            replicas, Rendezvous("127.0.0.1", store.port))
-        launch_local(first, [*args, *trainer_options(spec)], timeout_s=600, store=store)
+        launch_local(first, [*args, *trainer_options(typed)], timeout_s=600, store=store)
 
     full = tuple(tuple(Gpu(f"gpu-node-{r}", i) for i in range(GPUS)) for r in range(NODES))
     save = tmp / "checkpoints"

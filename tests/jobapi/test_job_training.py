@@ -43,7 +43,7 @@ from ntp.data import split_inputs, synthetic_batch
 from ntp.launch import launch_local
 from tessera_contracts.api import ROLE_LABEL
 from tessera_contracts.generation import Generation, Gpu, Rendezvous
-from tessera_contracts.model_shape import ModelShape
+from tessera_contracts.jobspec import NTPTrainingJobSpec
 from tessera_dev import demo_data
 from tessera_dev.reference import trainer_options
 from tessera_dev.simnode import faults
@@ -135,17 +135,19 @@ def _uninterrupted(spec: dict[str, Any], phases: list[tuple[int, int, Degrees]],
     """Global rank 0's losses by step of the same job on the local launcher, through `phases` in
     order, each from the checkpoint the one before it saved at its end; the options the
     operator gives the job's ranks, the dataset read where the trainer pods mount it from."""
-    shape = ModelShape.from_spec(spec["model"])
+    typed = NTPTrainingJobSpec.from_spec(spec)
+    options = trainer_options(typed)
     losses: dict[int, float] = {}
     for k, (first, last, degrees) in enumerate(phases):
         store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
         replicas = tuple(tuple(Gpu(f"gpu-node-{r}", i) for i in range(tp))
                          for r, tp in enumerate(degrees))
-        layout = Generation(1, shape, spec["globalBatch"], spec["failurePolicy"]["mode"],
-                            replicas, Rendezvous("127.0.0.1", store.port))
+        layout = Generation(1, typed.model.shape(), typed.global_batch,
+                            typed.failure_policy.mode, replicas,
+                            Rendezvous("127.0.0.1", store.port))
         out = tmp / f"phase{k}"
         # the dataset where this machine holds it, not where the pods mount it
-        launch_local(layout, [*trainer_options(spec), "--until-step", str(last),
+        launch_local(layout, [*options, "--until-step", str(last),
                               "--save", str(tmp / "checkpoints"), "--resume",
                               "--data", str(data), "--out", str(out)],
                      timeout_s=HANG_S, store=store)
