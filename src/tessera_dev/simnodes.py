@@ -9,7 +9,7 @@ cluster.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from kubernetes import client
@@ -22,11 +22,12 @@ POOL_LABEL = "pool.tessera.dev/name"
 
 
 def register(api: client.ApiClient, names: Iterable[str], pool: str, gpus: int = 8,
-             domain_label: str | None = None, domain: str | None = None) -> list[str]:
-    """Create (or relabel) one node per name in `pool`, each with `gpus` GPUs; returns the
-    names."""
+             domain_label: str | None = None, domain: str | None = None,
+             labels: Mapping[str, str] | None = None) -> list[str]:
+    """Create (or relabel) one node per name in `pool`, each with `gpus` GPUs and `labels`
+    beside the pool's; returns the names."""
     core = client.CoreV1Api(api)
-    labels = {POOL_LABEL: pool, GPU_PRESENT_LABEL: "true"}
+    labels = {**(labels or {}), POOL_LABEL: pool, GPU_PRESENT_LABEL: "true"}
     if domain_label and domain:
         labels[domain_label] = domain
     names = list(names)

@@ -6,7 +6,7 @@ import signal
 import subprocess
 import sys
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -79,11 +79,13 @@ class RunningOperator:
         client.CustomObjectsApi(self.admin).create_namespaced_custom_object(
             "tessera.dev", "v1alpha1", self.namespace, "ntptrainingjobs", body)
 
-    def create_nodes(self, pool: str, count: int) -> list[str]:
+    def create_nodes(self, pool: str, count: int, labels: Mapping[str, str] | None = None
+                     ) -> list[str]:
         """GPU nodes in `pool`, where a job of that name is placed (names sort in creation
-        order)."""
+        order), labelled with `labels` from their creation on."""
         tag = uuid.uuid4().hex[:6]
-        return simnodes.register(self.admin, [f"gpu-{tag}-{i}" for i in range(count)], pool)
+        return simnodes.register(self.admin, [f"gpu-{tag}-{i}" for i in range(count)], pool,
+                                 labels=labels)
 
     def start_rendezvous(self, job: str) -> None:
         """Play the kubelet for the job's rendezvous pod, the one pod whose running these

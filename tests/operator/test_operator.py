@@ -407,9 +407,9 @@ def test_a_job_that_does_not_fit_its_gpus_memory_gets_no_pod(running_operator: R
     way GPU feature discovery labels them: FitsMemory=False with the layout and the numbers, and
     nothing made. One sequence a pass fits: the same job is then placed."""
     op, job = running_operator, "too-big"
-    core = client.CoreV1Api(op.admin)
-    for node in op.create_nodes(job, 2):
-        core.patch_node(node, {"metadata": {"labels": {"nvidia.com/gpu.memory": "81559"}}})
+    # Labelled at creation, as GPU feature discovery has labelled a node before any job needs
+    # it: a label patched on afterwards may reach the operator after the job does.
+    op.create_nodes(job, 2, labels={"nvidia.com/gpu.memory": "81559"})
     body = _example(job)
     del body["spec"]["gpuMemory"], body["spec"]["microBatchSize"]
     op.create_job(body)
